@@ -1,0 +1,41 @@
+"""The one flat description of a model that every other layer reads."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    name: str
+    n_layer: int
+    n_embd: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    vocab_size: int
+    n_ctx_train: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+
+    def __post_init__(self) -> None:
+        for field in ("n_layer", "n_embd", "n_ff", "n_head", "n_head_kv", "head_dim", "vocab_size", "n_ctx_train"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelConfig.{field} must be a positive integer, got {value!r}")
+        if self.n_head % self.n_head_kv:
+            raise ValueError(
+                f"ModelConfig.n_head ({self.n_head}) must be a multiple of n_head_kv ({self.n_head_kv})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def n_group(self) -> int:
+        """Query heads that share one KV head (1 = MHA, n_head = MQA)."""
+        return self.n_head // self.n_head_kv
+
+    def describe(self) -> dict[str, object]:
+        return dict(self.__dict__)

@@ -1,0 +1,111 @@
+"""Loading a GGUF file: its ModelConfig and its tensors, dequantized and in Hugging Face layout."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from kvlm.errors import ModelFileError
+from kvlm.loader.config import ModelConfig
+from kvlm.loader.gguf_metadata import metadata_of, open_gguf
+from kvlm.loader.weights import ModelWeights, expected_shapes
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+
+def load_gguf(path: str | Path) -> tuple[ModelConfig, ModelWeights, dict[str, Any]]:
+    """Config, float32 weights and raw metadata of a GGUF model file."""
+    reader = open_gguf(path)
+    metadata = metadata_of(reader)
+    tensors = {t.name: t for t in reader.tensors}
+    config = config_from_metadata(metadata, path, tied="output.weight" not in tensors)
+    weights = {}
+    for name, shape in expected_shapes(config).items():
+        if name == "output.weight" and config.tie_word_embeddings:
+            continue
+        weights[name] = _read_tensor(path, tensors, name, shape, config)
+    return config, ModelWeights(config, weights), metadata
+
+
+def read_gguf_config(path: str | Path) -> ModelConfig:
+    reader = open_gguf(path)
+    names = {t.name for t in reader.tensors}
+    return config_from_metadata(metadata_of(reader), path, tied="output.weight" not in names)
+
+
+def config_from_metadata(metadata: dict[str, Any], path: str | Path, *, tied: bool) -> ModelConfig:
+    arch = metadata.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelFileError(
+            f"{path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+
+    def key(suffix: str, default: Any = None) -> Any:
+        value = metadata.get(f"{arch}.{suffix}", default)
+        if value is None:
+            raise ModelFileError(f"{path}: metadata key {arch}.{suffix} is missing")
+        return value
+
+    n_embd = int(key("embedding_length"))
+    n_head = int(key("attention.head_count"))
+    vocab = metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens", []))
+    return ModelConfig(
+        architecture=arch,
+        name=str(metadata.get("general.name", Path(path).stem)),
+        n_layer=int(key("block_count")),
+        n_embd=n_embd,
+        n_ff=int(key("feed_forward_length")),
+        n_head=n_head,
+        n_head_kv=int(key("attention.head_count_kv", n_head)),
+        head_dim=int(key("attention.key_length", n_embd // n_head)),
+        vocab_size=int(vocab),
+        n_ctx_train=int(key("context_length")),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        tie_word_embeddings=tied,
+    )
+
+
+def _read_tensor(path, tensors: dict, name: str, shape: tuple[int, ...], config: ModelConfig) -> torch.Tensor:
+    tensor = tensors.get(name)
+    if tensor is None:
+        raise ModelFileError(f"{path}: tensor {name} is missing (expected shape {list(shape)})")
+    found = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+    if found != shape:
+        raise ModelFileError(f"{path}: tensor {name} has shape {list(found)}, expected {list(shape)}")
+    _check_complete(path, tensor, shape)
+    values = torch.from_numpy(np.require(_dequantize(path, tensor), np.float32, ["C", "W"]).reshape(shape))
+    if name.endswith("attn_q.weight"):
+        values = unpermute_rope_rows(values, config.n_head)
+    elif name.endswith("attn_k.weight"):
+        values = unpermute_rope_rows(values, config.n_head_kv)
+    return values
+
+
+def _check_complete(path, tensor, shape: tuple[int, ...]) -> None:
+    block, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
+    expected_bytes = int(np.prod(shape)) // block * type_size
+    if tensor.data.nbytes != expected_bytes:
+        raise ModelFileError(
+            f"{path}: tensor {tensor.name} holds {tensor.data.nbytes} bytes, expected {expected_bytes} "
+            "(the file is truncated or damaged)"
+        )
+
+
+def _dequantize(path, tensor) -> np.ndarray:
+    try:
+        return dequantize(tensor.data, GGMLQuantizationType(tensor.tensor_type))
+    except NotImplementedError as exc:
+        raise ModelFileError(
+            f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which gguf cannot dequantize"
+        ) from exc
+
+
+def unpermute_rope_rows(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation so RoPE pairs dims (i, i + d/2) as Hugging Face does."""
+    rows, cols = weight.shape
+    return weight.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)

@@ -1,0 +1,64 @@
+"""The decoder's building blocks as plain functions over torch tensors."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Computed in float32 whatever the model dtype, as transformers does, so bf16 stays stable.
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape [n_tokens, 1, head_dim] for positions read at run time."""
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    angles = torch.cat((angles, angles), dim=-1)[:, None, :]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (i, i + d/2) of x [n_tokens, n_heads, head_dim] (the Hugging Face layout)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def grouped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """Attention of q [T, n_head, d] over k, v [S, n_head_kv, d]; returns [T, n_head * d].
+
+    Query heads are grouped contiguously: heads g*j .. g*j + g-1 read KV head j. The group becomes a
+    batch dimension of the matmul, so K and V are never copied per query head. `mask` is additive
+    [T, S] (0 or -inf) or None when every row is visible to every query.
+    """
+    n_tokens, n_head, dim = q.shape
+    n_kv = k.shape[1]
+    group = n_head // n_kv
+    # [n_kv, group * T, d]: the heads of one group stacked along the rows.
+    q_grouped = q.permute(1, 0, 2).reshape(n_kv, group * n_tokens, dim)
+    scores = torch.matmul(q_grouped, k.permute(1, 2, 0)) * (dim ** -0.5)
+    if mask is not None:
+        scores = (scores.view(n_kv, group, n_tokens, -1) + mask).view(n_kv, group * n_tokens, -1)
+    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    out = torch.matmul(probs, v.permute(1, 0, 2))
+    return out.view(n_head, n_tokens, dim).permute(1, 0, 2).reshape(n_tokens, n_head * dim)
+
+
+def causal_mask(n_tokens: int, n_past: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask letting token i (at row n_past + i) see rows 0 .. n_past + i."""
+    rows = torch.arange(n_tokens)[:, None] + n_past
+    cols = torch.arange(n_past + n_tokens)[None, :]
+    return torch.zeros(rows.shape[0], cols.shape[1], dtype=dtype).masked_fill_(cols > rows, float("-inf"))
+
+
+def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down)
