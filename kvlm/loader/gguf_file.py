@@ -50,24 +50,27 @@ def config_from_metadata(metadata: dict[str, Any], path: str | Path, *, tied: bo
             raise ModelFileError(f"{path}: metadata key {arch}.{suffix} is missing")
         return value
 
-    n_embd = int(key("embedding_length"))
-    n_head = int(key("attention.head_count"))
-    vocab = metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens", []))
-    return ModelConfig(
-        architecture=arch,
-        name=str(metadata.get("general.name", Path(path).stem)),
-        n_layer=int(key("block_count")),
-        n_embd=n_embd,
-        n_ff=int(key("feed_forward_length")),
-        n_head=n_head,
-        n_head_kv=int(key("attention.head_count_kv", n_head)),
-        head_dim=int(key("attention.key_length", n_embd // n_head)),
-        vocab_size=int(vocab),
-        n_ctx_train=int(key("context_length")),
-        rope_theta=float(key("rope.freq_base", 10000.0)),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
-        tie_word_embeddings=tied,
-    )
+    try:
+        n_embd = int(key("embedding_length"))
+        n_head = int(key("attention.head_count"))
+        vocab = metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens", []))
+        return ModelConfig(
+            architecture=arch,
+            name=str(metadata.get("general.name", Path(path).stem)),
+            n_layer=int(key("block_count")),
+            n_embd=n_embd,
+            n_ff=int(key("feed_forward_length")),
+            n_head=n_head,
+            n_head_kv=int(key("attention.head_count_kv", n_head)),
+            head_dim=int(key("attention.key_length", n_embd // max(n_head, 1))),
+            vocab_size=int(vocab),
+            n_ctx_train=int(key("context_length")),
+            rope_theta=float(key("rope.freq_base", 10000.0)),
+            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+            tie_word_embeddings=tied,
+        )
+    except (TypeError, ValueError) as exc:  # values of the wrong type, or ones ModelConfig rejects
+        raise ModelFileError(f"{path}: the metadata describes an invalid model: {exc}") from exc
 
 
 def _read_tensor(path, tensors: dict, name: str, shape: tuple[int, ...], config: ModelConfig) -> torch.Tensor:

@@ -42,28 +42,35 @@ def config_from_hf(folder: Path) -> ModelConfig:
         raw = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ModelFileError(f"{path}: cannot read the model config ({exc})") from exc
+    if not isinstance(raw, dict):
+        raise ModelFileError(f"{path}: expected a JSON object, found {type(raw).__name__}")
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelFileError(
             f"{path}: model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
-    n_head = raw["num_attention_heads"]
-    rope = raw.get("rope_parameters") or {}
-    return ModelConfig(
-        architecture=model_type,
-        name=raw.get("_name_or_path") or folder.name,
-        n_layer=raw["num_hidden_layers"],
-        n_embd=raw["hidden_size"],
-        n_ff=raw["intermediate_size"],
-        n_head=n_head,
-        n_head_kv=raw.get("num_key_value_heads") or n_head,
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // n_head,
-        vocab_size=raw["vocab_size"],
-        n_ctx_train=raw.get("max_position_embeddings", 2048),
-        rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-    )
+    try:
+        n_head = raw["num_attention_heads"]
+        rope = raw.get("rope_parameters") or {}
+        return ModelConfig(
+            architecture=model_type,
+            name=raw.get("_name_or_path") or folder.name,
+            n_layer=raw["num_hidden_layers"],
+            n_embd=raw["hidden_size"],
+            n_ff=raw["intermediate_size"],
+            n_head=n_head,
+            n_head_kv=raw.get("num_key_value_heads") or n_head,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // max(n_head, 1),
+            vocab_size=raw["vocab_size"],
+            n_ctx_train=raw.get("max_position_embeddings", 2048),
+            rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        )
+    except KeyError as exc:
+        raise ModelFileError(f"{path}: the config has no {exc.args[0]!r}") from None
+    except (TypeError, ValueError) as exc:  # values of the wrong type, or ones ModelConfig rejects
+        raise ModelFileError(f"{path}: the config describes an invalid model: {exc}") from exc
 
 
 def gguf_name(hf_name: str) -> str:

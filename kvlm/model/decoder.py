@@ -68,10 +68,12 @@ class Decoder:
     def _attention(self, index: int, layer: LayerWeights, h, cos, sin, kv: KVView) -> torch.Tensor:
         c = self.config
         q_size, kv_size = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
-        q, k, v = F.linear(h, layer.qkv).split((q_size, kv_size, kv_size), dim=-1)
         n_tokens = h.shape[0]
-        q = apply_rope(q.view(n_tokens, c.n_head, c.head_dim), cos, sin)
-        k = apply_rope(k.view(n_tokens, c.n_head_kv, c.head_dim), cos, sin)
+        qk, v = F.linear(h, layer.qkv).split((q_size + kv_size, kv_size), dim=-1)
+        # Q and K heads side by side take their rotation in one go.
+        q, k = apply_rope(qk.view(n_tokens, c.n_head + c.n_head_kv, c.head_dim), cos, sin).split(
+            (c.n_head, c.n_head_kv), dim=1
+        )
         kv.write(index, k, v.view(n_tokens, c.n_head_kv, c.head_dim))
         keys, values = kv.read(index)
         out = grouped_attention(q, keys.to(self.dtype), values.to(self.dtype), kv.mask)

@@ -6,10 +6,8 @@ import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Computed in float32 whatever the model dtype, as transformers does, so bf16 stays stable.
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    # torch's fused kernel accumulates in float32 for bf16 too, as transformers' upcast does.
+    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:

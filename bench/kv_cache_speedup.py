@@ -1,0 +1,67 @@
+"""Per-step decode time with the KV cache vs recomputing the whole sequence, at growing context.
+
+    python -m bench.kv_cache_speedup [--contexts 64 256 512 1024 2048] [--dtype float32]
+"""
+from __future__ import annotations
+
+import argparse
+
+from bench.common import BENCH_DIR, default_gguf, machine_line, markdown_table, median_seconds
+from kvlm.generate import decode, prefill, recompute
+from kvlm.load import load_model
+from kvlm.memory.sequence_cache import SequenceCache
+
+
+def step_times(model, context: int, repeats: int) -> tuple[float, float]:
+    """Seconds for one new token after `context` tokens: cached decode, and full recomputation."""
+    tokens = [(7 * i) % 1000 + 100 for i in range(context)]
+    cache = SequenceCache(model.config, context + repeats + 1)
+    prefill(model.decoder, cache, tokens)
+    cached = median_seconds(lambda: decode(model.decoder, cache, 42), repeats)
+    scratch = SequenceCache(model.config, context + 1)
+    uncached = median_seconds(lambda: recompute(model.decoder, scratch, tokens + [42]), max(2, repeats // 8))
+    return cached, uncached
+
+
+def plot(rows: list[list[object]], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    contexts = [r[0] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(contexts, [r[1] for r in rows], "o-", label="with KV cache")
+    ax.plot(contexts, [r[2] for r in rows], "s-", label="recompute (no cache)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context (tokens already in the sequence)")
+    ax.set_ylabel("ms per generated token")
+    ax.set_title("kvlm decode step, SmolLM2-135M")
+    ax.legend()
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[64, 256, 512, 1024, 2048])
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--repeats", type=int, default=16)
+    args = parser.parse_args()
+    model = load_model(str(default_gguf()), args.dtype)
+    rows = []
+    for context in args.contexts:
+        cached, uncached = step_times(model, context, args.repeats)
+        rows.append([context, cached * 1e3, uncached * 1e3, uncached / cached])
+        print(f"context {context}: cached {cached * 1e3:.2f} ms, recompute {uncached * 1e3:.1f} ms, "
+              f"{uncached / cached:.1f}x", flush=True)
+    print(f"\n{machine_line()}, dtype {args.dtype}\n")
+    print(markdown_table(["context", "cached ms/token", "recompute ms/token", "speed-up"], rows))
+    plot(rows, BENCH_DIR / "kv_cache_speedup.png")
+    print(f"\nplot: {BENCH_DIR / 'kv_cache_speedup.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""kvlm vs transformers `generate` on the same GGUF: batch 1, greedy, in one run.
+
+Both are timed the same way from outside: decode tokens/s = (N - 1) / (t(N tokens) - t(1 token)),
+so prompt processing is excluded for both.
+
+    python -m bench.vs_transformers [--tokens 128] [--dtypes float32 bfloat16]
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from bench.common import default_gguf, machine_line, markdown_table, median_seconds
+from kvlm.generate import GenerationSettings, generate
+from kvlm.load import load_model
+
+PROMPT = "Explain in a few paragraphs why the sky is blue and why sunsets are red."
+
+
+def kvlm_runner(model, ids: list[int]):
+    return lambda n: generate(model, ids, GenerationSettings(max_tokens=n, ignore_eos=True))
+
+
+def transformers_runner(path, dtype: str, ids: list[int]):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=getattr(torch, dtype)).eval()
+    prompt = torch.tensor([ids])
+
+    def run(n: int):
+        with torch.inference_mode():
+            return model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+
+    return run
+
+
+def decode_rate(run, n_tokens: int, repeats: int) -> float:
+    run(4)  # warm-up
+    one = median_seconds(lambda: run(1), repeats)
+    many = median_seconds(lambda: run(n_tokens), repeats)
+    return (n_tokens - 1) / (many - one)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    path = default_gguf()
+    rows = []
+    for dtype in args.dtypes:
+        model = load_model(str(path), dtype)
+        ids = model.tokenizer.encode(PROMPT)
+        ours = decode_rate(kvlm_runner(model, ids), args.tokens, args.repeats)
+        theirs = decode_rate(transformers_runner(path, dtype, ids), args.tokens, args.repeats)
+        rows.append([dtype, ours, theirs, ours / theirs])
+        print(f"{dtype}: kvlm {ours:.1f} tok/s, transformers {theirs:.1f} tok/s, {ours / theirs:.2f}x", flush=True)
+    print(f"\n{machine_line()}, prompt {len(ids)} tokens, {args.tokens} new tokens, batch 1, greedy\n")
+    print(markdown_table(["dtype", "kvlm decode tok/s", "transformers decode tok/s", "kvlm / transformers"], rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""From a model name or path to a ready model: weights on torch plus the file's tokenizer."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvlm.fetch import DEFAULT_MODEL, resolve_model
+from kvlm.loader.config import ModelConfig
+from kvlm.loader.gguf_file import load_gguf, read_gguf_config
+from kvlm.loader.hf_folder import config_from_hf, load_hf_folder
+from kvlm.model.decoder import Decoder
+from kvlm.tokenizer import Tokenizer
+
+
+@dataclass
+class Model:
+    config: ModelConfig
+    decoder: Decoder
+    tokenizer: Tokenizer
+    source: Path
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.decoder.dtype).removeprefix("torch.")
+
+
+def load_model(spec: str = DEFAULT_MODEL, dtype: str = "float32", *, fetch: bool = True, progress: bool = True) -> Model:
+    """`spec` is a known model name (fetched on first use), a .gguf file or a Hugging Face folder."""
+    source = resolve_model(spec, fetch=fetch, progress=progress)
+    if source.is_dir():
+        config, weights = load_hf_folder(source)
+        tokenizer = Tokenizer.from_hf_folder(source)
+    else:
+        config, weights, metadata = load_gguf(source)
+        tokenizer = Tokenizer.from_gguf_metadata(metadata)
+    return Model(config, Decoder(config, weights, dtype), tokenizer, source)
+
+
+def load_config(spec: str = DEFAULT_MODEL, *, fetch: bool = True, progress: bool = True) -> ModelConfig:
+    """The config alone, without reading any weights."""
+    source = resolve_model(spec, fetch=fetch, progress=progress)
+    return config_from_hf(source) if source.is_dir() else read_gguf_config(source)

@@ -1,0 +1,420 @@
+"""Text to token ids and back, built from a GGUF file's metadata or a Hugging Face tokenizer folder.
+
+The heavy lifting is done by the `tokenizers` library; this module only assembles the pipeline a model
+file describes, the same way transformers does, and renders the model's chat template.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from datetime import datetime
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as Backend
+
+from kvlm.errors import ModelFileError
+
+_CONTROL = 3  # llama.cpp token types
+_USER_DEFINED = 4
+
+# The (?i:...) contraction group is the original tokenizer.json spelling, which transformers keeps;
+# llama.cpp spells it '[sS]|'[tT]... for its own regex engine, which matches the same ordinary text.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _gpt2() -> pre_tokenizers.PreTokenizer:
+    """GPT-2's regex, built into the ByteLevel pre-tokenizer."""
+    return pre_tokenizers.ByteLevel(add_prefix_space=False)
+
+
+def _digits_then_gpt2() -> pre_tokenizers.PreTokenizer:
+    """SmolLM's own tokenizer.json, and llama.cpp's "smollm": every numeral alone, then GPT-2's regex.
+
+    transformers' GGUF loader has no "smollm" entry and uses GPT-2's regex alone. That differs only on
+    whitespace right before a numeral ("x  1", "5 ½", CRLF then a digit), where we follow what the model was
+    trained on.
+    """
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _gpt2()])
+
+
+def _split_then_bytes(pattern: str) -> Callable[[], pre_tokenizers.PreTokenizer]:
+    def build() -> pre_tokenizers.PreTokenizer:
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+
+    return build
+
+
+# Keyed by `tokenizer.ggml.pre`; a file without one is "default", as in llama.cpp. For "default" llama.cpp
+# has its own regexes, but transformers uses GPT-2's, and so do we.
+_PRE_TOKENIZERS: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
+    "default": _gpt2,
+    "gpt2": _gpt2,
+    "smollm": _digits_then_gpt2,
+    "llama-bpe": _split_then_bytes(_LLAMA3_SPLIT),
+    "llama3": _split_then_bytes(_LLAMA3_SPLIT),
+    "llama-v3": _split_then_bytes(_LLAMA3_SPLIT),
+    "qwen2": _split_then_bytes(_QWEN2_SPLIT),
+}
+
+_NAMED_TOKEN_KEYS = {
+    "bos_token": "tokenizer.ggml.bos_token_id",
+    "eos_token": "tokenizer.ggml.eos_token_id",
+    "unk_token": "tokenizer.ggml.unknown_token_id",
+    "pad_token": "tokenizer.ggml.padding_token_id",
+}
+_END_OF_TURN_KEYS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+# Names a message's reasoning may come under; transformers copies it to the ones templates read.
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+class Tokenizer:
+    """A model's tokenizer: encode, decode, and its chat template."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        bos_id: int | None,
+        eos_id: int | None,
+        stop_ids: frozenset[int],
+        chat_template: str | None,
+        named_tokens: dict[str, str],
+    ) -> None:
+        self._backend = backend
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.stop_ids = stop_ids
+        self.chat_template = chat_template
+        self._named_tokens = named_tokens  # bos_token, eos_token, ... as chat templates see them
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: dict[str, Any]) -> Tokenizer:
+        model_type = metadata.get("tokenizer.ggml.model")
+        if model_type != "gpt2":
+            raise ModelFileError(
+                f"tokenizer.ggml.model={model_type!r} is not supported; "
+                "only 'gpt2' (byte-level BPE) tokenizers can be built so far"
+            )
+        tokens: list[str] = _required(metadata, "tokenizer.ggml.tokens")
+        backend = Backend(_byte_level_bpe(tokens, _required(metadata, "tokenizer.ggml.merges")))
+        backend.pre_tokenizer = _pre_tokenizer(metadata.get("tokenizer.ggml.pre", "default"))
+        backend.decoder = decoders.ByteLevel()
+
+        ids = _named_token_ids(metadata, len(tokens))
+        named_tokens = {name: tokens[i] for name, i in ids.items() if i is not None}
+        _add_gguf_special_tokens(backend, tokens, metadata.get("tokenizer.ggml.token_type", []), named_tokens)
+        backend.post_processor = _boundary_tokens(
+            _wanted(metadata.get("tokenizer.ggml.add_bos_token"), named_tokens.get("bos_token"), ids["bos_token"]),
+            _wanted(metadata.get("tokenizer.ggml.add_eos_token"), named_tokens.get("eos_token"), ids["eos_token"]),
+        )
+        stop_ids = {metadata.get(key) for key in ("tokenizer.ggml.eos_token_id", *_END_OF_TURN_KEYS)}
+        return cls(
+            backend,
+            bos_id=ids["bos_token"],
+            eos_id=ids["eos_token"],
+            stop_ids=frozenset(i for i in stop_ids if i is not None),
+            chat_template=metadata.get("tokenizer.chat_template"),
+            named_tokens=named_tokens,
+        )
+
+    @classmethod
+    def from_hf_folder(cls, folder: str | Path) -> Tokenizer:
+        """tokenizer.json, tokenizer_config.json (special tokens, chat template) and generation_config.json."""
+        folder = Path(folder)
+        tokenizer_file = folder / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise ModelFileError(f"{folder}: no tokenizer.json")
+        backend = Backend.from_file(str(tokenizer_file))
+        config = _read_json(folder / "tokenizer_config.json")
+        named_tokens = {
+            name: _token_content(config[name]) for name in _NAMED_TOKEN_KEYS if config.get(name) is not None
+        }
+        # BOS/EOS come from tokenizer.json's post-processor; like transformers 5, add_bos_token in the
+        # config does not override it.
+        bos_id = _token_id(backend, named_tokens.get("bos_token"))
+        eos_id = _token_id(backend, named_tokens.get("eos_token"))
+        # generation_config.json lists every id generation stops at, e.g. Llama 3's <|eot_id|> besides eos.
+        generation_eos = _read_json(folder / "generation_config.json").get("eos_token_id", [])
+        stop_ids = {eos_id, *(generation_eos if isinstance(generation_eos, list) else [generation_eos])}
+        return cls(
+            backend,
+            bos_id=bos_id,
+            eos_id=eos_id,
+            stop_ids=frozenset(i for i in stop_ids if i is not None),
+            chat_template=_hf_chat_template(folder, config),
+            named_tokens=named_tokens,
+        )
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; special tokens written in it become their single ids."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The prompt the model's own chat template makes of `messages`, rendered as transformers renders it."""
+        if self.chat_template is None:
+            raise ModelFileError("this model has no chat template; give it a plain prompt instead")
+        return _compile_template(self.chat_template).render(
+            messages=_template_messages(messages),
+            tools=None,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **self._named_tokens,
+        )
+
+
+class StreamDecoder:
+    """Turns generated ids into text as they arrive, never emitting part of a character.
+
+    Each step decodes a short window of recent ids twice, with and without the new ones, and emits the
+    difference. Decoding the window rather than single ids keeps decoders that look at neighbouring
+    tokens (like SentencePiece's leading-space rule) right; a window ending in U+FFFD means the last
+    character's bytes are still incomplete, so it is held back until they arrive.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the window, already emitted, decoded again only as context
+        self._read = 0  # ids before this one have been emitted
+
+    def feed(self, token_id: int) -> str:
+        """The text that `token_id` completes, possibly empty."""
+        self._ids.append(token_id)
+        text = self._pending_text()
+        if not text or text.endswith("\N{REPLACEMENT CHARACTER}"):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return text
+
+    def flush(self) -> str:
+        """Whatever is left, even an incomplete character; the decoder starts afresh afterwards."""
+        text = self._pending_text()
+        self._ids.clear()
+        self._prefix = self._read = 0
+        return text
+
+    def _pending_text(self) -> str:
+        emitted = self._decode(self._ids[self._prefix : self._read])
+        return self._decode(self._ids[self._prefix :])[len(emitted) :]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+
+
+def _required(metadata: dict[str, Any], key: str) -> Any:
+    if key not in metadata:
+        raise ModelFileError(f"the GGUF metadata has no {key}, which its tokenizer needs")
+    return metadata[key]
+
+
+def _named_token_ids(metadata: dict[str, Any], vocab_size: int) -> dict[str, int | None]:
+    ids = {name: metadata.get(key) for name, key in _NAMED_TOKEN_KEYS.items()}
+    for name, token_id in ids.items():
+        if token_id is not None and not 0 <= token_id < vocab_size:
+            raise ModelFileError(f"the GGUF metadata's {name} id {token_id} is outside its {vocab_size} tokens")
+    return ids
+
+
+def _pre_tokenizer(name: str) -> pre_tokenizers.PreTokenizer:
+    if name not in _PRE_TOKENIZERS:
+        raise ModelFileError(
+            f"unknown pre-tokenizer tokenizer.ggml.pre={name!r}; supported: {', '.join(sorted(_PRE_TOKENIZERS))}"
+        )
+    return _PRE_TOKENIZERS[name]()
+
+
+@cache
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, which byte-level vocabularies are written in."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    unprintable = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(unprintable)}}
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[str]) -> models.BPE:
+    alphabet = _byte_alphabet()
+    spelled = set(alphabet.values())
+
+    def spell(token: str) -> str:
+        # Some converters store a token as raw text instead of in the byte alphabet; transformers respells it.
+        return token if set(token) <= spelled else "".join(alphabet[b] for b in token.encode("utf-8"))
+
+    vocab = {spell(token): index for index, token in enumerate(tokens)}
+    pairs = [tuple(merge.split(" ", 1)) for merge in merges]
+    return models.BPE(
+        vocab=vocab, merges=pairs, dropout=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False
+    )
+
+
+def _add_gguf_special_tokens(
+    backend: Backend, tokens: list[str], token_types: list[int], named_tokens: dict[str, str]
+) -> None:
+    """Make control and user-defined tokens match whole in text, as transformers' GGUF loader does.
+
+    A token marked control but spelled outside the byte alphabet is a llama.cpp mislabel, so it is left
+    alone rather than given a new id past the vocabulary.
+    """
+    spelled = set(_byte_alphabet().values())
+    vocab = backend.get_vocab()
+    control = [t for t, kind in zip(tokens, token_types) if kind == _CONTROL and set(t) <= spelled]
+    user_defined = [t for t, kind in zip(tokens, token_types) if kind == _USER_DEFINED and t in vocab]
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
+    backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in user_defined])
+    added = {*control, *user_defined}
+    named = [t for t in named_tokens.values() if t not in added and t in vocab]
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in named])
+
+
+def _wanted(flag: bool | None, token: str | None, token_id: int | None) -> tuple[str, int] | None:
+    """A boundary token the model asks for and has; transformers drops the flag when the token is missing."""
+    return (token, token_id) if flag and token is not None and token_id is not None else None
+
+
+def _boundary_tokens(bos: tuple[str, int] | None, eos: tuple[str, int] | None) -> processors.TemplateProcessing:
+    """The post-processor that puts BOS before and EOS after a text, for those the model asks for."""
+    single = " ".join([*([f"{bos[0]}:0"] if bos else []), "$A:0", *([f"{eos[0]}:0"] if eos else [])])
+    pair = " ".join([single, *([f"{bos[0]}:1"] if bos else []), "$B:1", *([f"{eos[0]}:1"] if eos else [])])
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=[t for t in (bos, eos) if t])
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelFileError(f"{path}: unreadable ({exc})") from exc
+
+
+def _token_content(token: str | dict[str, Any]) -> str:
+    """tokenizer_config.json writes a special token as a string or as a serialized AddedToken."""
+    return token["content"] if isinstance(token, dict) else token
+
+
+def _token_id(backend: Backend, token: str | None) -> int | None:
+    return None if token is None else backend.token_to_id(token)
+
+
+def _hf_chat_template(folder: Path, config: dict[str, Any]) -> str | None:
+    """chat_template.jinja wins over tokenizer_config.json, as in transformers; of a list, the "default"."""
+    template_file = folder / "chat_template.jinja"
+    if template_file.is_file():
+        return template_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        return next((t["template"] for t in template if t.get("name") == "default"), None)
+    return template
+
+
+def _template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as transformers hands them to a template: no None values, reasoning under every name."""
+    prepared = []
+    for message in messages:
+        message = {key: value for key, value in message.items() if value is not None}
+        reasoning = next((message[key] for key in _REASONING_FIELDS if key in message), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        prepared.append(message)
+    return prepared
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}` marks assistant text for training masks; rendering keeps the text as is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.CallBlock:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Callable[[], str]) -> str:
+        return caller()
+
+
+class _TemplateDict:
+    """`dict` for templates, without the class attributes that could reach Python internals."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """`namespace()` for templates, refusing underscore names that could reach Python internals."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # no named self, so `namespace(self=...)` works
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore attributes ({name!r})")
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # Jinja's own tojson escapes HTML characters, which would change what the model sees.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+@cache
+def _compile_template(source: str) -> jinja2.Template:
+    """A chat template in the same sandboxed environment transformers renders it in."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _TemplateNamespace
+    return env.from_string(source)

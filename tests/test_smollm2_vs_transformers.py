@@ -1,0 +1,104 @@
+"""kvlm on the real SmolLM2 GGUF against transformers reading the same file (float32)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlm.generate import GenerationSettings, decode, generate, prefill, recompute
+from kvlm.memory.sequence_cache import SequenceCache
+
+TOLERANCE = 1e-4
+
+RAW_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a land far away, there lived a",
+    "1, 2, 3, 5, 8, 13,",
+]
+CHAT_MESSAGES = ["What is the boiling point of water?", "Write a haiku about the sea."]
+
+
+def hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(torch.tensor([ids])).logits[0].float()
+
+
+def full_sequence_logits(model, ids: list[int]) -> torch.Tensor:
+    cache = SequenceCache(model.config, len(ids))
+    view = cache.prefill_view(len(ids))
+    return model.decoder.forward(torch.tensor(ids), torch.arange(len(ids)), view)
+
+
+def chat_ids(hf_tokenizer, message: str) -> list[int]:
+    text = hf_tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
+                                            add_generation_prompt=True)
+    return hf_tokenizer(text).input_ids
+
+
+@pytest.mark.parametrize("prompt", RAW_PROMPTS)
+def test_full_sequence_logits_match_transformers(smollm2, hf_smollm2, hf_smollm2_tokenizer, prompt):
+    ids = hf_smollm2_tokenizer(prompt).input_ids
+    ours = full_sequence_logits(smollm2, ids)
+    assert (ours - hf_logits(hf_smollm2, ids)).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.parametrize("message", CHAT_MESSAGES)
+def test_last_position_logits_match_transformers(smollm2, hf_smollm2, hf_smollm2_tokenizer, message):
+    ids = chat_ids(hf_smollm2_tokenizer, message)
+    cache = SequenceCache(smollm2.config, len(ids))
+    last = prefill(smollm2.decoder, cache, ids)
+    assert (last - hf_logits(hf_smollm2, ids)[-1]).abs().max().item() <= TOLERANCE
+
+
+def _prompts(hf_tokenizer) -> list[list[int]]:
+    raw = [hf_tokenizer(p).input_ids for p in RAW_PROMPTS[:3]]
+    return raw + [chat_ids(hf_tokenizer, m) for m in CHAT_MESSAGES]
+
+
+def test_greedy_continuations_equal_transformers_generate(smollm2, hf_smollm2, hf_smollm2_tokenizer):
+    settings = GenerationSettings(max_tokens=32)
+    for ids in _prompts(hf_smollm2_tokenizer):
+        with torch.no_grad():
+            expected = hf_smollm2.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)
+        expected = expected[0, len(ids):].tolist()
+        assert generate(smollm2, ids, settings).token_ids == expected
+
+
+def test_cached_decode_equals_recomputation_at_every_step(smollm2, hf_smollm2_tokenizer):
+    ids = hf_smollm2_tokenizer("The quick brown fox").input_ids
+    cached = SequenceCache(smollm2.config, 64)
+    scratch = SequenceCache(smollm2.config, 64)
+    logits = prefill(smollm2.decoder, cached, ids)
+    sequence = list(ids)
+    for _ in range(12):
+        token = int(logits.argmax())
+        sequence.append(token)
+        logits = decode(smollm2.decoder, cached, token)
+        baseline = recompute(smollm2.decoder, scratch, sequence)
+        assert (logits - baseline).abs().max().item() <= TOLERANCE
+
+
+def test_decode_logits_match_transformers(smollm2, hf_smollm2, hf_smollm2_tokenizer):
+    ids = hf_smollm2_tokenizer("Water boils at").input_ids
+    cache = SequenceCache(smollm2.config, 32)
+    logits = prefill(smollm2.decoder, cache, ids[:-1] or ids)
+    logits = decode(smollm2.decoder, cache, ids[-1])
+    assert (logits - hf_logits(hf_smollm2, ids)[-1]).abs().max().item() <= TOLERANCE
+
+
+def test_changing_the_last_prompt_token_leaves_earlier_rows_bit_identical(smollm2, hf_smollm2_tokenizer):
+    ids = hf_smollm2_tokenizer("Causality means the future cannot change the past").input_ids
+    changed = ids[:-1] + [(ids[-1] + 1) % smollm2.config.vocab_size]
+    before = full_sequence_logits(smollm2, ids)
+    after = full_sequence_logits(smollm2, changed)
+    assert torch.equal(before[:-1], after[:-1])
+    assert not torch.equal(before[-1], after[-1])
+
+
+def test_bfloat16_greedy_tracks_float32(smollm2_gguf_path, smollm2, hf_smollm2_tokenizer):
+    from kvlm.load import load_model
+
+    bf16 = load_model(str(smollm2_gguf_path), "bfloat16")
+    ids = hf_smollm2_tokenizer("The capital of France is").input_ids
+    settings = GenerationSettings(max_tokens=8, ignore_eos=True)
+    assert generate(bf16, ids, settings).token_ids[:3] == generate(smollm2, ids, settings).token_ids[:3]
