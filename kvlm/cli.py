@@ -74,7 +74,7 @@ def _generate(args: argparse.Namespace) -> int:
             "timings": result.timings,
         }))
         return 0
-    stream = StreamDecoder(tokenizer)
+    stream = StreamDecoder(tokenizer, skip_special_tokens=True)
     result = generate(model, prompt_ids, settings, on_token=lambda t: _write(stream.feed(t)))
     _write(stream.flush() + "\n")
     timings = result.timings

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from kvlm.errors import ModelFileError
@@ -19,6 +20,8 @@ _LAYER_NAMES = {
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
 }
 _GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_HF_LAYER_NAMES = {gguf: hf for hf, gguf in _LAYER_NAMES.items()}
+_HF_GLOBAL_NAMES = {gguf: hf for hf, gguf in _GLOBAL_NAMES.items()}
 
 
 def load_hf_folder(folder: str | Path) -> tuple[ModelConfig, ModelWeights]:
@@ -26,7 +29,7 @@ def load_hf_folder(folder: str | Path) -> tuple[ModelConfig, ModelWeights]:
     config = config_from_hf(folder)
     tensors = {}
     for file in sorted(folder.glob("*.safetensors")):
-        for name, value in load_file(file).items():
+        for name, value in _read_safetensors(file).items():
             tensors[gguf_name(name)] = value.float()
     weights = {}
     for name, shape in expected_shapes(config).items():
@@ -83,10 +86,30 @@ def gguf_name(hf_name: str) -> str:
     return hf_name
 
 
+def hf_name(name: str) -> str:
+    """The Hugging Face name of a GGUF tensor name: what errors about a folder should say."""
+    stem, _, kind = name.rpartition(".")
+    if stem in _HF_GLOBAL_NAMES:
+        return f"{_HF_GLOBAL_NAMES[stem]}.{kind}"
+    parts = stem.split(".")  # blk, N, part
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _HF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_HF_LAYER_NAMES[parts[2]]}.{kind}"
+    return name
+
+
+def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(file)
+    except (SafetensorError, OSError) as exc:
+        raise ModelFileError(f"{file}: not a readable safetensors file ({exc})") from exc
+
+
 def _checked(folder: Path, tensors: dict[str, torch.Tensor], name: str, shape: tuple[int, ...]) -> torch.Tensor:
     tensor = tensors.get(name)
     if tensor is None:
-        raise ModelFileError(f"{folder}: tensor {name} is missing (expected shape {list(shape)})")
+        raise ModelFileError(f"{folder}: tensor {hf_name(name)} is missing (expected shape {list(shape)})")
     if tuple(tensor.shape) != shape:
-        raise ModelFileError(f"{folder}: tensor {name} has shape {list(tensor.shape)}, expected {list(shape)}")
+        raise ModelFileError(
+            f"{folder}: tensor {hf_name(name)} has shape {list(tensor.shape)}, expected {list(shape)}"
+        )
     return tensor
