@@ -10,6 +10,7 @@ from kvlm.fetch import DEFAULT_MODEL, KNOWN_MODELS, pull
 from kvlm.generate import GenerationSettings, generate
 from kvlm.load import load_config, load_model
 from kvlm.memory.kv_store import KV_DTYPES, kv_bytes_for
+from kvlm.model.linear import QUANTS
 from kvlm.tokenizer import StreamDecoder
 
 
@@ -37,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    gen.add_argument("--quant", choices=QUANTS, default=None,
+                     help="keep layer weights int8/int4 (needs --dtype bfloat16): faster decode")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     gen.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
@@ -58,7 +61,7 @@ def _generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
         ignore_eos=args.ignore_eos, use_cache=not args.no_cache,
     )
-    model = load_model(args.model, args.dtype)
+    model = load_model(args.model, args.dtype, quant=args.quant)
     tokenizer = model.tokenizer
     text = args.prompt if args.prompt is not None else tokenizer.apply_chat_template(
         [{"role": "user", "content": args.chat}]

@@ -24,8 +24,14 @@ class Model:
         return str(self.decoder.dtype).removeprefix("torch.")
 
 
-def load_model(spec: str = DEFAULT_MODEL, dtype: str = "float32", *, fetch: bool = True, progress: bool = True) -> Model:
-    """`spec` is a known model name (fetched on first use), a .gguf file or a Hugging Face folder."""
+def load_model(
+    spec: str = DEFAULT_MODEL, dtype: str = "float32", *, quant: str | None = None, fetch: bool = True,
+    progress: bool = True,
+) -> Model:
+    """`spec` is a known model name (fetched on first use), a .gguf file or a Hugging Face folder.
+
+    `quant` ("int8" or "int4", with dtype "bfloat16") keeps the layer weights quantized for speed.
+    """
     source = resolve_model(spec, fetch=fetch, progress=progress)
     if source.is_dir():
         config, weights = load_hf_folder(source)
@@ -33,7 +39,7 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str = "float32", *, fetch: bool
     else:
         config, weights, metadata = load_gguf(source)
         tokenizer = Tokenizer.from_gguf_metadata(metadata)
-    return Model(config, Decoder(config, weights, dtype), tokenizer, source)
+    return Model(config, Decoder(config, weights, dtype, quant), tokenizer, source)
 
 
 def load_config(spec: str = DEFAULT_MODEL, *, fetch: bool = True, progress: bool = True) -> ModelConfig:

@@ -29,7 +29,7 @@ class SequenceCache:
         """Rows for n_tokens appended after the cached ones, with a causal mask."""
         self._check_room(self.length, n_tokens)
         rows = torch.arange(self.length, self.length + n_tokens)
-        mask = causal_mask(n_tokens, self.length, self.store.k.dtype) if n_tokens > 1 else None
+        mask = causal_mask(n_tokens, self.length, torch.float32) if n_tokens > 1 else None
         return KVView(self.store, rows, self.length + n_tokens, mask)
 
     def decode_view(self, kv_pos: torch.Tensor) -> KVView:

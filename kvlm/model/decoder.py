@@ -4,11 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kvlm.loader.config import ModelConfig
 from kvlm.loader.weights import ModelWeights
 from kvlm.memory.view import KVView
+from kvlm.model.linear import QUANTS, Linear, make_linear
 from kvlm.model.ops import apply_rope, grouped_attention, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -17,35 +17,43 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor
-    qkv: torch.Tensor       # Q, K and V projections stacked: one matmul instead of three
-    attn_output: torch.Tensor
+    qkv: Linear             # Q, K and V projections stacked: one matmul instead of three
+    attn_output: Linear
     ffn_norm: torch.Tensor
-    gate_up: torch.Tensor   # gate and up projections stacked
-    down: torch.Tensor
+    gate_up: Linear         # gate and up projections stacked
+    down: Linear
 
 
 class Decoder:
-    def __init__(self, config: ModelConfig, weights: ModelWeights, dtype: str = "float32") -> None:
+    """`quant` ("int8" or "int4") stores the layer matrices weight-only quantized; it needs bfloat16."""
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights, dtype: str = "float32",
+                 quant: str | None = None) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        if quant is not None and (quant not in QUANTS or dtype != "bfloat16"):
+            raise ValueError(f"quant must be one of {', '.join(QUANTS)} with dtype bfloat16, got {quant!r} with {dtype}")
         self.config = config
         self.dtype = DTYPES[dtype]
-        cast = lambda t: t.to(self.dtype).contiguous()  # noqa: E731
-        self.layers = [
-            LayerWeights(
-                attn_norm=cast(weights.layer(i, "attn_norm")),
-                qkv=cast(torch.cat([weights.layer(i, p) for p in ("attn_q", "attn_k", "attn_v")])),
-                attn_output=cast(weights.layer(i, "attn_output")),
-                ffn_norm=cast(weights.layer(i, "ffn_norm")),
-                gate_up=cast(torch.cat([weights.layer(i, "ffn_gate"), weights.layer(i, "ffn_up")])),
-                down=cast(weights.layer(i, "ffn_down")),
-            )
-            for i in range(config.n_layer)
-        ]
-        self.token_embd = cast(weights.tensors["token_embd.weight"])
-        self.output_norm = cast(weights.tensors["output_norm.weight"])
-        self.output = self.token_embd if config.tie_word_embeddings else cast(weights.output)
+        self.quant = quant
+        self.layers = [self._layer(weights, i) for i in range(config.n_layer)]
+        self.token_embd = weights.tensors["token_embd.weight"].to(self.dtype)
+        self.output_norm = weights.tensors["output_norm.weight"].to(self.dtype)
+        # The output head is the largest matrix; int8 keeps it close to the file's Q8_0/F16 precision.
+        head = self.token_embd if config.tie_word_embeddings else weights.output
+        self.output = make_linear(head, self.dtype, quant and "int8")
         self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta)
+
+    def _layer(self, weights: ModelWeights, i: int) -> LayerWeights:
+        linear = lambda w: make_linear(w, self.dtype, self.quant)  # noqa: E731
+        return LayerWeights(
+            attn_norm=weights.layer(i, "attn_norm").to(self.dtype),
+            qkv=linear(torch.cat([weights.layer(i, p) for p in ("attn_q", "attn_k", "attn_v")])),
+            attn_output=linear(weights.layer(i, "attn_output")),
+            ffn_norm=weights.layer(i, "ffn_norm").to(self.dtype),
+            gate_up=linear(torch.cat([weights.layer(i, "ffn_gate"), weights.layer(i, "ffn_up")])),
+            down=linear(weights.layer(i, "ffn_down")),
+        )
 
     @torch.inference_mode()
     def forward(
@@ -63,18 +71,19 @@ class Decoder:
             x = x + swiglu(rms_norm(x, layer.ffn_norm, self.config.rms_norm_eps), layer.gate_up, layer.down)
         if output_rows is not None:
             x = x[output_rows]
-        return F.linear(rms_norm(x, self.output_norm, self.config.rms_norm_eps), self.output).float()
+        return self.output(rms_norm(x, self.output_norm, self.config.rms_norm_eps)).float()
 
     def _attention(self, index: int, layer: LayerWeights, h, cos, sin, kv: KVView) -> torch.Tensor:
         c = self.config
         q_size, kv_size = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
         n_tokens = h.shape[0]
-        qk, v = F.linear(h, layer.qkv).split((q_size + kv_size, kv_size), dim=-1)
+        qk, v = layer.qkv(h).split((q_size + kv_size, kv_size), dim=-1)
         # Q and K heads side by side take their rotation in one go.
         q, k = apply_rope(qk.view(n_tokens, c.n_head + c.n_head_kv, c.head_dim), cos, sin).split(
             (c.n_head, c.n_head_kv), dim=1
         )
         kv.write(index, k, v.view(n_tokens, c.n_head_kv, c.head_dim))
         keys, values = kv.read(index)
-        out = grouped_attention(q, keys.to(self.dtype), values.to(self.dtype), kv.mask)
-        return F.linear(out, layer.attn_output)
+        # float32 attention: exact for an f32 cache (no per-step copy of it), and faster than bf16 bmm on CPU.
+        out = grouped_attention(q.float(), keys.float(), values.float(), kv.mask)
+        return layer.attn_output(out.to(self.dtype))

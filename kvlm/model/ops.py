@@ -57,6 +57,7 @@ def causal_mask(n_tokens: int, n_past: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(rows.shape[0], cols.shape[1], dtype=dtype).masked_fill_(cols > rows, float("-inf"))
 
 
-def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down)
+def swiglu(x: torch.Tensor, gate_up, down) -> torch.Tensor:
+    """`gate_up` and `down` are linear maps (callables); gate and up are stacked in one."""
+    gate, up = gate_up(x).chunk(2, dim=-1)
+    return down(F.silu(gate) * up)
