@@ -21,9 +21,27 @@ def test_kv_bytes_follow_the_formula_and_the_allocation(dtype, element):
     store = KVStore(SMALL, 40, dtype)
     expected = 2 * SMALL.n_layer * 40 * SMALL.n_head_kv * SMALL.head_dim * element
     assert store.kv_bytes == expected == kv_bytes_for(SMALL, 40, dtype)
-    assert store.kv_bytes == store.k.numel() * store.k.element_size() + store.v.numel() * store.v.element_size()
-    assert store.k.shape == (SMALL.n_layer, 40, SMALL.n_head_kv, SMALL.head_dim)  # layer-major
-    assert store.k.data_ptr() != store.v.data_ptr()
+    k, v = store.k.data, store.v.data
+    assert store.kv_bytes == k.numel() * k.element_size() + v.numel() * v.element_size()
+    assert k.shape == (SMALL.n_layer, 40, SMALL.n_head_kv, SMALL.head_dim)  # layer-major
+    assert k.data_ptr() != v.data_ptr()
+
+
+def test_q8_0_bytes_are_34_per_block_of_32():
+    config = ModelConfig(**{**SMALL.__dict__, "head_dim": 32})
+    store = KVStore(config, 40, "q8_0")
+    assert store.kv_bytes == 2 * config.n_layer * 40 * config.n_head_kv * 34 == kv_bytes_for(config, 40, "q8_0")
+
+
+def test_q8_0_rows_read_back_within_one_quantization_step():
+    config = ModelConfig(**{**SMALL.__dict__, "head_dim": 64})
+    store = KVStore(config, 8, "q8_0")
+    torch.manual_seed(0)
+    k, v = torch.randn(3, config.n_head_kv, 64), torch.randn(3, config.n_head_kv, 64)
+    store.write(1, torch.tensor([5, 0, 2]), k, v)
+    keys, values = store.read(1, 6)
+    step = k.unflatten(-1, (2, 32)).abs().amax(-1).repeat_interleave(32, -1) / 127
+    assert ((keys[[5, 0, 2]] - k).abs() <= step * 0.5 + 1e-3 * k.abs()).all()
 
 
 def test_smollm2_kv_bytes(smollm2):
@@ -39,11 +57,11 @@ def test_unknown_kv_dtype_is_named():
 def test_write_past_max_context_raises_before_writing(smollm2):
     cache = SequenceCache(smollm2.config, 6)
     prefill(smollm2.decoder, cache, [1, 2, 3, 4, 5])
-    snapshot = cache.store.k.clone(), cache.store.v.clone()
+    snapshot = cache.store.k.data.clone(), cache.store.v.data.clone()
     with pytest.raises(CacheError, match="max_context is 6"):
         prefill(smollm2.decoder, cache, [6, 7])
     assert cache.length == 5
-    assert torch.equal(cache.store.k, snapshot[0]) and torch.equal(cache.store.v, snapshot[1])
+    assert torch.equal(cache.store.k.data, snapshot[0]) and torch.equal(cache.store.v.data, snapshot[1])
     decode(smollm2.decoder, cache, 6)
     with pytest.raises(CacheError, match="position 6"):
         decode(smollm2.decoder, cache, 7)
@@ -92,8 +110,8 @@ def _fresh(model, prompt):
 def test_reset_keeps_the_allocation_and_starts_over(smollm2):
     cache = SequenceCache(smollm2.config, 16)
     first = prefill(smollm2.decoder, cache, [1, 2, 3])
-    k_ptr, v_ptr = cache.store.k.data_ptr(), cache.store.v.data_ptr()
+    k_ptr, v_ptr = cache.store.k.data.data_ptr(), cache.store.v.data.data_ptr()
     cache.reset()
     assert cache.length == 0
-    assert (cache.store.k.data_ptr(), cache.store.v.data_ptr()) == (k_ptr, v_ptr)
+    assert (cache.store.k.data.data_ptr(), cache.store.v.data.data_ptr()) == (k_ptr, v_ptr)
     assert torch.equal(prefill(smollm2.decoder, cache, [1, 2, 3]), first)

@@ -6,49 +6,113 @@ import torch
 from kvlm.errors import CacheError
 from kvlm.loader.config import ModelConfig
 
-KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+DENSE_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+Q8_BLOCK = 32
+# q8_0 as in ggml: blocks of 32 int8 values sharing one float16 scale, 34 bytes per 32 values.
+BYTES_PER_ELEMENT = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": (Q8_BLOCK + 2) / Q8_BLOCK}
+KV_DTYPES = tuple(BYTES_PER_ELEMENT)
 
 
 def kv_bytes_for(config: ModelConfig, n_cells: int, dtype: str) -> int:
     """2 x layers x cells x kv_heads x head_dim x bytes_per_element, without allocating anything."""
-    element = torch.tensor([], dtype=KV_DTYPES[dtype]).element_size()
-    return 2 * config.n_layer * n_cells * config.n_head_kv * config.head_dim * element
+    return int(2 * config.n_layer * n_cells * config.n_head_kv * config.head_dim * BYTES_PER_ELEMENT[dtype])
+
+
+class DensePlane:
+    """One of K or V stored as a float tensor."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: str) -> None:
+        self.data = torch.zeros(shape, dtype=DENSE_DTYPES[dtype])
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def write(self, layer: int, rows: torch.Tensor, values: torch.Tensor) -> None:
+        self.data[layer].index_copy_(0, rows, values.to(self.data.dtype))
+
+    def read(self, layer: int, n_rows: int) -> torch.Tensor:
+        return self.data[layer, :n_rows]
+
+    def gather(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        """The stored form of some rows, every layer: what a saved state holds."""
+        return [self.data[:, rows].clone()]
+
+    def scatter(self, rows: torch.Tensor, parts: list[torch.Tensor]) -> None:
+        self.data[:, rows] = parts[0]
+
+
+class Q8Plane:
+    """One of K or V as int8 blocks of 32 along head_dim with a float16 scale; dequantized to read."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        if shape[-1] % Q8_BLOCK:
+            raise CacheError(f"q8_0 needs head_dim divisible by {Q8_BLOCK}, got {shape[-1]}")
+        self.quants = torch.zeros(shape, dtype=torch.int8)
+        self.scales = torch.zeros(*shape[:-1], shape[-1] // Q8_BLOCK, dtype=torch.float16)
+
+    @property
+    def nbytes(self) -> int:
+        return self.quants.numel() + self.scales.numel() * 2
+
+    def write(self, layer: int, rows: torch.Tensor, values: torch.Tensor) -> None:
+        blocks = values.float().unflatten(-1, (-1, Q8_BLOCK))
+        scale = blocks.abs().amax(-1) / 127
+        quants = torch.round(blocks / scale.clamp_min(1e-30)[..., None]).clamp_(-127, 127)
+        self.quants[layer].index_copy_(0, rows, quants.flatten(-2).to(torch.int8))
+        self.scales[layer].index_copy_(0, rows, scale.to(torch.float16))
+
+    def read(self, layer: int, n_rows: int) -> torch.Tensor:
+        blocks = self.quants[layer, :n_rows].unflatten(-1, (-1, Q8_BLOCK)).float()
+        return (blocks * self.scales[layer, :n_rows, ..., None].float()).flatten(-2)
+
+    def gather(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        return [self.quants[:, rows].clone(), self.scales[:, rows].clone()]
+
+    def scatter(self, rows: torch.Tensor, parts: list[torch.Tensor]) -> None:
+        self.quants[:, rows] = parts[0]
+        self.scales[:, rows] = parts[1]
+
+
+def _plane(shape: tuple[int, ...], dtype: str) -> DensePlane | Q8Plane:
+    return Q8Plane(shape) if dtype == "q8_0" else DensePlane(shape, dtype)
 
 
 class KVStore:
     """K and V kept apart, one row per cell; a row is written before anything may read it."""
 
     def __init__(self, config: ModelConfig, n_cells: int, dtype: str = "f32") -> None:
-        if dtype not in KV_DTYPES:
+        if dtype not in BYTES_PER_ELEMENT:
             raise CacheError(f"KV dtype {dtype!r} is not supported (supported: {', '.join(KV_DTYPES)})")
         if n_cells <= 0:
             raise CacheError(f"KV cache size must be positive, got {n_cells} cells")
-        shape = (config.n_layer, n_cells, config.n_head_kv, config.head_dim)
+        self.shape = (config.n_layer, n_cells, config.n_head_kv, config.head_dim)
         self.dtype_name = dtype
-        self.k = torch.zeros(shape, dtype=KV_DTYPES[dtype])
-        self.v = torch.zeros(shape, dtype=KV_DTYPES[dtype])
+        self.k = _plane(self.shape, dtype)
+        self.v = _plane(self.shape, dtype)
 
     @property
     def n_layer(self) -> int:
-        return self.k.shape[0]
+        return self.shape[0]
 
     @property
     def n_cells(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def bytes_per_element(self) -> int:
-        return self.k.element_size()
+        return self.shape[1]
 
     @property
     def kv_bytes(self) -> int:
         """2 x layers x cells x kv_heads x head_dim x bytes_per_element."""
-        return 2 * self.k.numel() * self.bytes_per_element
+        return self.k.nbytes + self.v.nbytes
 
     def write(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer].index_copy_(0, rows, k.to(self.k.dtype))
-        self.v[layer].index_copy_(0, rows, v.to(self.v.dtype))
+        self.k.write(layer, rows, k)
+        self.v.write(layer, rows, v)
 
     def read(self, layer: int, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows 0 .. n_rows-1 of one layer, [n_rows, kv_head, head_dim], without copying."""
-        return self.k[layer, :n_rows], self.v[layer, :n_rows]
+        """Rows 0 .. n_rows-1 of one layer, [n_rows, kv_head, head_dim] (a view for float dtypes)."""
+        return self.k.read(layer, n_rows), self.v.read(layer, n_rows)
+
+    def copy_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy rows of every layer, K and V, from cells src to cells dst."""
+        for plane in (self.k, self.v):
+            plane.scatter(dst, plane.gather(src))

@@ -1,0 +1,149 @@
+"""llama.cpp's decode loop: a batch in, logits out, the KV memory either advanced or exactly as before."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from enum import IntEnum
+
+import numpy as np
+import torch
+
+from kvlm.batch import Batch, InvalidBatch, sanitize
+from kvlm.errors import CacheError
+from kvlm.load import Model
+from kvlm.memory.kv_store import KV_DTYPES
+from kvlm.memory.memory import KVMemory
+from kvlm.memory.seq_state import StateError, decode_state, encode_state, model_identity
+
+log = logging.getLogger("kvlm")
+
+
+class DecodeStatus(IntEnum):
+    OK = 0
+    NO_SLOT = 1          # not enough free cells for the batch; nothing changed
+    ABORTED = 2          # abort_callback returned True; the batch was rolled back
+    INVALID_BATCH = -1   # the batch failed validation; see Context.last_error
+    ALLOC_FAILED = -2    # memory for the computation could not be allocated; rolled back
+    COMPUTE_FAILED = -3  # the forward pass raised; rolled back
+
+
+class Context:
+    def __init__(
+        self, model: Model, n_ctx: int = 4096, n_batch: int = 2048, n_ubatch: int = 512, n_seq_max: int = 16,
+        kv_dtype: str = "f32", abort_callback: Callable[[], bool] | None = None,
+    ) -> None:
+        _check_sizes(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_seq_max)
+        if n_ubatch > n_batch:
+            raise ValueError(f"n_ubatch ({n_ubatch}) must not exceed n_batch ({n_batch})")
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype {kv_dtype!r} is not supported (supported: {', '.join(KV_DTYPES)})")
+        self.model = model
+        self.n_ctx, self.n_batch, self.n_ubatch, self.n_seq_max = n_ctx, n_batch, n_ubatch, n_seq_max
+        self.kv_dtype = kv_dtype
+        self.abort_callback = abort_callback
+        self.memory = KVMemory(model.config, n_ctx, n_seq_max, kv_dtype, model.decoder.inv_freq)
+        self.last_error = ""
+        self._logits: torch.Tensor | None = None
+        half = self.memory.kv_bytes / 2 / 2**20
+        log.info("KV cache: %d cells, %d layers, K (%s): %.2f MiB, V (%s): %.2f MiB",
+                 n_ctx, model.config.n_layer, kv_dtype, half, kv_dtype, half)
+
+    def decode(self, batch: Batch) -> DecodeStatus:
+        self._logits = None
+        try:
+            sanitized = sanitize(batch, vocab_size=self.model.config.vocab_size, n_seq_max=self.n_seq_max,
+                                 n_batch=self.n_batch, seq_pos_max=self.memory.seq_pos_max)
+        except InvalidBatch as exc:
+            return self._fail(DecodeStatus.INVALID_BATCH, str(exc))
+        self.memory.apply_shifts()
+        ubatches = sanitized.split(self.n_ubatch)
+        slots = self.memory.plan(ubatches)
+        if slots is None:
+            return self._fail(DecodeStatus.NO_SLOT, f"no room: the batch needs {len(sanitized.tokens)} cells, "
+                              f"{self.memory.n_cells - self.memory.n_used} of {self.memory.n_cells} are free")
+        snapshot = self.memory.cells.copy()
+        outputs = []
+        for index, (ubatch, slot) in enumerate(zip(ubatches, slots)):
+            where = f"micro-batch {index + 1} of {len(ubatches)}"
+            if self.abort_callback is not None and self.abort_callback():
+                return self._roll_back(snapshot, DecodeStatus.ABORTED, f"aborted by abort_callback before {where}")
+            try:
+                outputs.append(self._compute(ubatch, slot))
+            except MemoryError as exc:
+                return self._roll_back(snapshot, DecodeStatus.ALLOC_FAILED, f"out of memory in {where}: {exc}")
+            except Exception as exc:  # noqa: BLE001 - any failure of the forward pass is reported, not raised
+                return self._roll_back(snapshot, DecodeStatus.COMPUTE_FAILED,
+                                       f"compute failed in {where}: {type(exc).__name__}: {exc}")
+        self._logits = torch.cat(outputs)
+        self.last_error = ""
+        return DecodeStatus.OK
+
+    def _compute(self, ubatch, slot) -> torch.Tensor:
+        view = self.memory.place(ubatch, slot)
+        output_rows = torch.tensor(ubatch.output.nonzero()[0], dtype=torch.long)
+        return self.model.decoder.forward(torch.tensor(ubatch.tokens), torch.tensor(ubatch.pos), view, output_rows)
+
+    def _roll_back(self, snapshot, status: DecodeStatus, message: str) -> DecodeStatus:
+        self.memory.cells = snapshot
+        return self._fail(status, message)
+
+    def _fail(self, status: DecodeStatus, message: str) -> DecodeStatus:
+        self.last_error = message
+        return status
+
+    def get_logits_ith(self, i: int) -> torch.Tensor:
+        """Logits of the i-th output token of the last batch (negative counts from the end)."""
+        if self._logits is None:
+            raise IndexError("no logits: the last decode did not succeed or has not run")
+        n = self._logits.shape[0]
+        if not -n <= i < n:
+            raise IndexError(f"output index {i} is out of range: the last batch had {n} outputs")
+        return self._logits[i]
+
+    # --- sequence state ---
+    def _state_header(self) -> dict:
+        return {"model": model_identity(self.model.config), "kv_dtype": self.kv_dtype,
+                "n_layer": self.model.config.n_layer}
+
+    def state_seq_save(self, seq_id: int) -> bytes:
+        self.memory.apply_shifts()
+        cells = self.memory.cells.seq_cells(seq_id)
+        rows = torch.from_numpy(cells)
+        parts = [p for plane in (self.memory.store.k, self.memory.store.v) for p in plane.gather(rows)]
+        header = {**self._state_header(), "n_cells": len(cells)}
+        return encode_state(header, self.memory.cells.pos[cells], parts)
+
+    def state_seq_load(self, data: bytes, dest_seq_id: int) -> None:
+        """Restore a saved sequence into `dest_seq_id`, which must be empty; on any error nothing changes."""
+        positions, parts = decode_state(data, self._state_header())
+        if self.memory.seq_pos_max(dest_seq_id) != -1:
+            raise StateError(f"destination sequence {dest_seq_id} is not empty "
+                             f"(positions {self.memory.seq_pos_min(dest_seq_id)}..{self.memory.seq_pos_max(dest_seq_id)})")
+        if len(positions) == 0:
+            return
+        slot = self.memory.cells.find_slot(len(positions))
+        if slot is None:
+            raise CacheError(f"no room to load the state: it needs {len(positions)} cells, "
+                             f"{self.memory.n_cells - self.memory.n_used} are free")
+        k_parts, v_parts = self._checked_parts(parts, len(positions))
+        rows = torch.from_numpy(slot)
+        self.memory.store.k.scatter(rows, k_parts)
+        self.memory.store.v.scatter(rows, v_parts)
+        seq_mask = np.zeros((len(positions), self.n_seq_max), dtype=bool)
+        seq_mask[:, dest_seq_id] = True
+        self.memory.cells.apply(slot, positions, seq_mask)
+
+    def _checked_parts(self, parts: list[torch.Tensor], n_cells: int):
+        """Split saved parts into K and V after checking they fit this store's layout exactly."""
+        store = self.memory.store
+        expected = [p for plane in (store.k, store.v) for p in plane.gather(torch.zeros(n_cells, dtype=torch.long))]
+        layout = lambda ps: [(p.dtype, tuple(p.shape)) for p in ps]  # noqa: E731
+        if layout(parts) != layout(expected):
+            raise StateError(f"state tensors {layout(parts)} do not fit this context's layout {layout(expected)}")
+        return parts[: len(parts) // 2], parts[len(parts) // 2 :]
+
+
+def _check_sizes(**sizes: int) -> None:
+    for name, value in sizes.items():
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,101 @@
+"""Many sequences in one pool of cells: the bookkeeping (Cells) and the tensors (KVStore) together."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvlm.loader.config import ModelConfig
+from kvlm.memory.cells import Cells
+from kvlm.memory.kv_store import KVStore
+from kvlm.memory.view import KVView
+from kvlm.model.ops import apply_rope, rope_cos_sin
+
+
+class KVMemory:
+    """llama.cpp's unified KV cache: sequence operations on cells, K/V rows indexed by cell.
+
+    Sequence operations change only the bookkeeping; a position change (seq_add, seq_div) leaves a
+    pending shift that `apply_shifts` turns into a rotation of the cached K before the next compute.
+    """
+
+    def __init__(self, config: ModelConfig, n_cells: int, n_seq_max: int, kv_dtype: str, inv_freq: torch.Tensor):
+        self.cells = Cells(n_cells, n_seq_max)
+        self.store = KVStore(config, n_cells, kv_dtype)
+        self.inv_freq = inv_freq
+        self.config = config
+
+    # --- the llama.cpp memory API ---
+    @property
+    def n_cells(self) -> int:
+        return self.cells.n_cells
+
+    @property
+    def n_used(self) -> int:
+        return self.cells.n_used
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.store.kv_bytes
+
+    def seq_rm(self, seq_id: int, p0: int, p1: int) -> bool:
+        return self.cells.seq_rm(seq_id, p0, p1)
+
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        self.cells.seq_cp(src, dst, p0, p1)
+
+    def seq_keep(self, seq_id: int) -> None:
+        self.cells.seq_keep(seq_id)
+
+    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
+        self.cells.seq_add(seq_id, p0, p1, delta)
+
+    def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
+        self.cells.seq_div(seq_id, p0, p1, d)
+
+    def seq_pos_min(self, seq_id: int) -> int:
+        return self.cells.seq_pos_min(seq_id)
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        return self.cells.seq_pos_max(seq_id)
+
+    def clear(self) -> None:
+        self.cells.clear()
+
+    def compact(self) -> None:
+        """Move used cells (metadata and K/V rows) down to close every hole; results do not change."""
+        self.apply_shifts()
+        for src, dst in self.cells.compaction_moves():
+            self.store.copy_rows(torch.tensor([src]), torch.tensor([dst]))
+            self.cells.move(src, dst)
+
+    # --- what Context.decode needs ---
+    def apply_shifts(self) -> None:
+        """Rotate cached K by the pending position deltas: RoPE(p + d) = R(d) RoPE(p)."""
+        if not self.cells.has_shift:
+            return
+        cells, deltas = self.cells.take_shifts()
+        rows = torch.from_numpy(cells)
+        cos, sin = rope_cos_sin(torch.from_numpy(deltas), self.inv_freq, torch.float32)
+        for layer in range(self.store.n_layer):
+            keys = self.store.k.read(layer, self.n_cells)[rows].float()
+            self.store.k.write(layer, rows, apply_rope(keys, cos, sin))
+
+    def plan(self, ubatches) -> list[np.ndarray] | None:
+        """Cells for every micro-batch, found as a dry run on a copy; None if any does not fit."""
+        trial = self.cells.copy()
+        slots = []
+        for ubatch in ubatches:
+            slot = trial.find_slot(len(ubatch.tokens))
+            if slot is None:
+                return None
+            trial.apply(slot, ubatch.pos, ubatch.seq_mask)
+            slots.append(slot)
+        return slots
+
+    def place(self, ubatch, slot: np.ndarray) -> KVView:
+        """Claim the planned cells for a micro-batch and describe what its forward pass may touch."""
+        self.cells.apply(slot, ubatch.pos, ubatch.seq_mask)
+        n_kv = self.cells.used_max
+        visible = self.cells.visibility(ubatch.pos, ubatch.seq_mask, n_kv)
+        mask = torch.zeros(visible.shape, dtype=torch.float32).masked_fill_(torch.from_numpy(~visible), float("-inf"))
+        return KVView(self.store, torch.from_numpy(slot), n_kv, mask)
