@@ -1,6 +1,7 @@
 """Shared fixtures: the real SmolLM2 file (fetched from PyPI into the kvlm cache) and its references."""
 from __future__ import annotations
 
+import kvlm  # noqa: F401  (first: it sets up OpenMP before torch loads)
 import pytest
 import torch
 

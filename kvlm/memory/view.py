@@ -13,7 +13,8 @@ class KVView:
     store: KVStore
     rows: torch.Tensor          # the cells this step's tokens are written to, one per token
     n_visible: int              # cells 0 .. n_visible-1 are read by attention
-    mask: torch.Tensor | None   # additive [n_tokens, n_visible]; None when every token sees every row
+    mask: torch.Tensor | None   # additive [n_tokens, n_visible], or [n_tokens, L] with gather_index; None: all visible
+    gather_index: torch.Tensor | None = None  # [n_tokens, L]: each token reads only these rows
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.store.write(layer, self.rows, k, v)

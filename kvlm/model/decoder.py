@@ -9,7 +9,7 @@ from kvlm.loader.config import ModelConfig
 from kvlm.loader.weights import ModelWeights
 from kvlm.memory.view import KVView
 from kvlm.model.linear import QUANTS, Linear, make_linear
-from kvlm.model.ops import apply_rope, grouped_attention, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
+from kvlm.model.ops import apply_rope, gathered_attention, grouped_attention, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -85,5 +85,8 @@ class Decoder:
         kv.write(index, k, v.view(n_tokens, c.n_head_kv, c.head_dim))
         keys, values = kv.read(index)
         # float32 attention: exact for an f32 cache (no per-step copy of it), and faster than bf16 bmm on CPU.
-        out = grouped_attention(q.float(), keys.float(), values.float(), kv.mask)
+        if kv.gather_index is not None:
+            out = gathered_attention(q.float(), keys.float(), values.float(), kv.gather_index, kv.mask)
+        else:
+            out = grouped_attention(q.float(), keys.float(), values.float(), kv.mask)
         return layer.attn_output(out.to(self.dtype))

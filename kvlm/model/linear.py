@@ -21,6 +21,22 @@ class DenseLinear:
         return F.linear(x, self.weight)
 
 
+class PackedBf16Linear:
+    """bfloat16 weights reordered once into oneDNN's blocked layout.
+
+    Plain F.linear repacks the weight on every call, which costs more than the product itself when
+    weights stream from memory; results are bit-identical.
+    """
+
+    PACK_FOR_BATCH = 32  # a layout hint only: any batch size works
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.bfloat16), self.PACK_FOR_BATCH)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
+
+
 class Int8Linear:
     """Symmetric int8 per output row."""
 
@@ -54,10 +70,14 @@ class Int4Linear:
         return torch._weight_int4pack_mm_for_cpu(x, self.weight, INT4_GROUP, self.scales_and_zeros)
 
 
-Linear = DenseLinear | Int8Linear | Int4Linear
+Linear = DenseLinear | PackedBf16Linear | Int8Linear | Int4Linear
 
 
 def make_linear(weight: torch.Tensor, dtype: torch.dtype, quant: str | None) -> Linear:
-    if quant is None:
-        return DenseLinear(weight, dtype)
-    return Int8Linear(weight) if quant == "int8" else Int4Linear(weight)
+    if quant == "int8":
+        return Int8Linear(weight)
+    if quant == "int4":
+        return Int4Linear(weight)
+    if dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+        return PackedBf16Linear(weight)
+    return DenseLinear(weight, dtype)

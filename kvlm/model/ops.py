@@ -50,6 +50,25 @@ def grouped_attention(
     return out.view(n_head, n_tokens, dim).permute(1, 0, 2).reshape(n_tokens, n_head * dim)
 
 
+def gathered_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Attention of each token over only its own rows: index [T, L] picks them from k, v [S, n_kv, d].
+
+    For many short sequences in one batch this is far less work than masking every cell for every
+    token. Rows are gathered once per token, never per query head: the group of heads sharing a KV
+    head stays a dimension of the matmul. `mask` [T, L] is additive (-inf on padding).
+    """
+    n_tokens, n_head, dim = q.shape
+    n_kv = k.shape[1]
+    rows = index.shape + k.shape[1:]  # index_select is several times faster than k[index] here
+    keys = k.index_select(0, index.flatten()).view(rows).permute(0, 2, 3, 1)  # [T, n_kv, d, L]
+    values = v.index_select(0, index.flatten()).view(rows).permute(0, 2, 1, 3)  # [T, n_kv, L, d]
+    scores = torch.matmul(q.view(n_tokens, n_kv, n_head // n_kv, dim), keys) * (dim ** -0.5)
+    probs = torch.softmax(scores + mask[:, None, None, :], dim=-1)
+    return torch.matmul(probs, values).reshape(n_tokens, n_head * dim)
+
+
 def causal_mask(n_tokens: int, n_past: int, dtype: torch.dtype) -> torch.Tensor:
     """Additive mask letting token i (at row n_past + i) see rows 0 .. n_past + i."""
     rows = torch.arange(n_tokens)[:, None] + n_past
