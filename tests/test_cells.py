@@ -373,3 +373,16 @@ def test_compaction_moves_close_every_hole_in_order(layout):
     for src, dst in cells.compaction_moves():
         cells.move(src, dst)
     assert cells.pos.tolist() == used.tolist() + [-1] * (len(layout) - used.size)
+
+
+def test_share_and_unshare_lend_cells_without_copying():
+    cells = Cells(8, 3)
+    cells.apply(np.array([0, 1, 2]), np.array([0, 1, 2]), np.eye(3, dtype=bool)[[0, 0, 0]])
+    cells.share(np.array([0, 1]), 2)
+    assert (cells.seq_pos_min(2), cells.seq_pos_max(2)) == (0, 1)
+    assert cells.unshare(np.array([0, 1]), 0) == 0  # sequence 2 still uses them
+    assert cells.n_used == 3 and cells.seq_pos_max(0) == 2
+    assert cells.unshare(np.array([0, 1]), 2) == 2
+    assert cells.n_used == 1
+    with pytest.raises(ValueError, match="cannot share cell 5: it is empty"):
+        cells.share(np.array([5]), 1)

@@ -105,6 +105,22 @@ class Cells:
         src, dst = self._seq(src), self._seq(dst)
         self.seqs[self._in_range(p0, p1) & self.seqs[:, src], dst] = True
 
+    def share(self, cells: np.ndarray, seq_id: int) -> None:
+        """Add seq_id to some used cells: how a prefix cache lends its cells to a request."""
+        cells, seq_id = np.asarray(cells, dtype=np.int64), self._seq(seq_id)
+        empty = cells[self.pos[cells] < 0]
+        if empty.size:
+            raise ValueError(f"cannot share cell {empty[0]}: it is empty")
+        self.seqs[cells, seq_id] = True
+
+    def unshare(self, cells: np.ndarray, seq_id: int) -> int:
+        """Remove seq_id from some cells; returns how many cells that left empty (and freed)."""
+        cells, seq_id = np.unique(np.asarray(cells, dtype=np.int64)), self._seq(seq_id)
+        self.seqs[cells, seq_id] = False
+        freed = cells[(self.pos[cells] >= 0) & ~self.seqs[cells].any(axis=1)]
+        self._free(freed)
+        return int(freed.size)
+
     def seq_keep(self, seq_id: int) -> None:
         """Drop every other sequence; cells not used by seq_id become empty."""
         keep = self.seqs[:, self._seq(seq_id)].copy()

@@ -1,0 +1,495 @@
+"""Aggregate decode throughput with many parallel sequences, and 512-token prefill: kvlm vs llama.cpp, in one run.
+
+    python -m bench.multi_sequence [--sequences 1 8 32 64] [--steps 32] [--threads N]
+
+Decode: every sequence gets its own prompt (28-32 tokens cut from one English paragraph; both engines get the
+same token ids). All prompts are prefilled (whole prompts packed into batches of at most 512 tokens), then a few
+untimed warm-up steps run, then `--steps` timed steps; one step is one batch holding the next token of every
+sequence (greedy: the argmax of that sequence's logits), every token an output. Aggregate tokens/s =
+sequences x steps / elapsed, the batch building and the argmax included, for both engines.
+
+Prefill: one 512-token prompt, one batch, only the last token an output; a fresh context each repeat (made
+outside the timing), median of `--repeats`, after one untimed warm-up.
+
+kvlm runs bfloat16 (the throughput setting) and float32, and bfloat16 + int4 weights (the batch-1 setting) for
+one sequence and for prefill. llama.cpp runs through llama-cpp-python's low-level C API (llama_batch_init,
+llama_decode, llama_get_logits_ith) on the same GGUF, with the weights as stored (quantized), its default F16 KV
+cache and flash-attention setting (auto), n_batch = n_ubatch = 512, and as many threads as torch uses. Its
+default KV layout for several sequences is one stream per sequence (kv_unified = false); the unified layout
+(kv_unified = true: one pool, attention over all of it) is measured too unless --llama-kv says otherwise.
+"""
+from __future__ import annotations
+
+import os
+
+# The CPUs this process may use, read before kvlm and torch start OpenMP, which pins the main thread to one core.
+_START_AFFINITY = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+
+import kvlm  # noqa: E402,F401  - first: it sets OMP_PROC_BIND before torch's OpenMP starts
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from bench.common import BENCH_DIR, default_gguf, machine_line, markdown_table  # noqa: E402
+from kvlm import Batch, Context, DecodeStatus, load_model  # noqa: E402
+
+N_BATCH = N_UBATCH = 512
+PROMPT_LENGTHS = (28, 29, 30, 31, 32)
+PROMPT_STRIDE = 7  # sequence i's prompt starts at token 7 * i of the paragraph
+WARMUP_STEPS = 2
+SLACK = 8  # spare cells per sequence
+CHECK_TOKENS = 8  # generated tokens compared between engines
+
+PARAGRAPH = (
+    "The river begins as a thin stream of melted snow high in the mountains, where the air is cold and the "
+    "ground stays frozen for most of the year. In early summer the snow on the northern slopes softens, and "
+    "water gathers in small pools between the rocks before it finds a path downhill. Shepherds who bring "
+    "their flocks to the high meadows know every bend of this young river, because it decides where the "
+    "animals can drink and where the grass will grow thick. Further down the valley the stream is joined by "
+    "dozens of others, and by the time it reaches the first village it is wide enough to turn a mill wheel. "
+    "For centuries the villagers ground their grain here, paid the miller in flour, and argued about who had "
+    "the right to divert water into the fields during dry months. The old stone bridge that still stands at "
+    "the center of the village was built after a flood carried away the wooden one, and the date of its "
+    "completion is carved into the keystone above the middle arch. Below the village the valley opens into "
+    "a broad plain. Farmers grow wheat, barley and sunflowers in long narrow strips, and in autumn the roads "
+    "are crowded with tractors pulling trailers full of grain to the cooperative silos near the railway "
+    "station. The river slows down on the plain, its water turns brown with silt, and it begins to wander in "
+    "wide loops that change a little every spring. Engineers have tried several times to straighten it, "
+    "building embankments and cutting new channels, but each major flood has undone part of their work. "
+    "Birds depend on the wetlands that remain along the old loops. Herons stand motionless in the shallow "
+    "water, storks build enormous nests on chimneys and electricity poles, and in the evening huge flocks "
+    "of starlings wheel above the reeds before settling for the night. Scientists from the university in "
+    "the city count the birds every year, and their records show which species are becoming rare and which "
+    "are adapting to the new fields and canals. Near the coast the river splits into several arms that "
+    "spread across a delta of islands, lagoons and salt marshes. Fishermen in flat wooden boats set their "
+    "nets at dawn, while tourists in the summer rent bicycles and follow the dikes to watch the sunset over "
+    "the sea. The river that started as a trickle of snowmelt ends as a slow, wide, patient body of water, "
+    "carrying soil from the mountains to build new land where it meets the waves."
+)
+
+
+# --- prompts -------------------------------------------------------------------------------------------------
+
+def make_prompts(paragraph_ids: list[int], n_seq: int) -> list[list[int]]:
+    """Sequence i's prompt: PROMPT_LENGTHS[i % 5] tokens of the paragraph from token PROMPT_STRIDE * i (wrapping)."""
+    room = len(paragraph_ids) - max(PROMPT_LENGTHS)
+    prompts = []
+    for i in range(n_seq):
+        start = (PROMPT_STRIDE * i) % room
+        prompts.append(paragraph_ids[start : start + PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)]])
+    return prompts
+
+
+def long_prompt(paragraph_ids: list[int], n_tokens: int) -> list[int]:
+    return [paragraph_ids[i % len(paragraph_ids)] for i in range(n_tokens)]
+
+
+def decode_n_ctx(n_seq: int, steps: int) -> int:
+    return n_seq * (max(PROMPT_LENGTHS) + 1 + WARMUP_STEPS + steps + SLACK)
+
+
+# --- engines: a context that decodes a batch and gives the greedy token of its k-th output ---------------------
+
+class KvlmContext:
+    def __init__(self, model, n_ctx: int, n_seq: int, kv_dtype: str) -> None:
+        self.ctx = Context(model, n_ctx=n_ctx, n_batch=N_BATCH, n_ubatch=N_UBATCH, n_seq_max=n_seq, kv_dtype=kv_dtype)
+
+    def decode(self, tokens: list[int], pos: list[int], seq_ids: list[int], outputs: list[bool]) -> None:
+        status = self.ctx.decode(Batch(tokens=tokens, pos=pos, seq_ids=seq_ids, logits=outputs))
+        if status != DecodeStatus.OK:
+            raise RuntimeError(f"kvlm decode failed: {status.name}: {self.ctx.last_error}")
+
+    def greedy(self, k: int) -> int:
+        return int(torch.argmax(self.ctx.get_logits_ith(k)))
+
+    def close(self) -> None:
+        del self.ctx
+
+
+class LlamaCpp:
+    """One llama.cpp model, driven through llama-cpp-python's ctypes binding of the C API."""
+
+    def __init__(self, lib, path: Path, threads: int, extra_bufts: bool) -> None:
+        self.lib, self.threads = lib, threads
+        lib.llama_backend_init()
+        params = lib.llama_model_default_params()
+        if hasattr(params, "use_extra_bufts"):
+            params.use_extra_bufts = extra_bufts
+        self.model = lib.llama_model_load_from_file(str(path).encode(), params)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {path}")
+        self.n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
+
+    def context(self, n_ctx: int, n_seq: int, unified: bool = False) -> LlamaContext:
+        return LlamaContext(self, n_ctx, n_seq, unified)
+
+    def close(self) -> None:
+        self.lib.llama_model_free(self.model)
+
+
+class LlamaContext:
+    def __init__(self, engine: LlamaCpp, n_ctx: int, n_seq: int, unified: bool) -> None:
+        lib = self.lib = engine.lib
+        self.n_vocab = engine.n_vocab
+        params = lib.llama_context_default_params()  # flash_attn_type stays at llama.cpp's default (auto)
+        params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = n_ctx, N_BATCH, N_UBATCH, n_seq
+        params.n_threads = params.n_threads_batch = engine.threads
+        params.no_perf = True
+        if hasattr(params, "kv_unified"):
+            params.kv_unified = unified
+        elif unified:
+            raise RuntimeError("this llama-cpp-python has no kv_unified context parameter")
+        self.ctx = lib.llama_init_from_model(engine.model, params)
+        if not self.ctx:
+            raise RuntimeError(f"llama.cpp could not create a context (n_ctx {n_ctx}, n_seq_max {n_seq})")
+        # Split KV (the default): n_ctx is shared out among the n_seq_max sequences (each share rounded up to a
+        # multiple of 256). Check every sequence can hold what it needs.
+        per_seq = lib.llama_n_ctx_seq(self.ctx) if hasattr(lib, "llama_n_ctx_seq") else lib.llama_n_ctx(self.ctx)
+        needed = n_ctx if unified else n_ctx // n_seq
+        if per_seq < needed:
+            lib.llama_free(self.ctx)
+            raise RuntimeError(f"llama.cpp gives each sequence {per_seq} cells, {needed} are needed")
+        self.batch = lib.llama_batch_init(N_BATCH, 0, 1)
+        self.output_rows: list[int] = []
+
+    def decode(self, tokens: list[int], pos: list[int], seq_ids: list[int], outputs: list[bool]) -> None:
+        batch = self.batch
+        batch.n_tokens = len(tokens)
+        for j, (token, p, seq, out) in enumerate(zip(tokens, pos, seq_ids, outputs)):
+            batch.token[j] = token
+            batch.pos[j] = p
+            batch.n_seq_id[j] = 1
+            batch.seq_id[j][0] = seq
+            batch.logits[j] = out
+        rc = self.lib.llama_decode(self.ctx, batch)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+        self.output_rows = [j for j, out in enumerate(outputs) if out]
+
+    def greedy(self, k: int) -> int:
+        logits = self.lib.llama_get_logits_ith(self.ctx, self.output_rows[k])  # indexed by batch row
+        return int(np.argmax(np.ctypeslib.as_array(logits, shape=(self.n_vocab,))))
+
+    def close(self) -> None:
+        self.lib.llama_batch_free(self.batch)
+        self.lib.llama_free(self.ctx)
+
+
+# --- the two measurements ----------------------------------------------------------------------------------------
+
+def decode_throughput(make_context: Callable[[int, int], object], prompts: list[list[int]],
+                      steps: int) -> tuple[float, list[list[int]]]:
+    """Aggregate decode tokens/s over `steps` steps of one token per sequence; and every sequence's greedy tokens."""
+    n_seq = len(prompts)
+    ctx = make_context(decode_n_ctx(n_seq, steps), n_seq)
+    try:
+        generated: list[list[int]] = [[] for _ in range(n_seq)]
+        chunk: list[int] = []
+        for seq in range(n_seq + 1):  # prefill: whole prompts packed into batches of at most N_BATCH tokens
+            if seq == n_seq or (chunk and sum(len(prompts[s]) for s in chunk) + len(prompts[seq]) > N_BATCH):
+                tokens = [t for s in chunk for t in prompts[s]]
+                pos = [p for s in chunk for p in range(len(prompts[s]))]
+                seq_ids = [s for s in chunk for _ in prompts[s]]
+                outputs = [p == len(prompts[s]) - 1 for s in chunk for p in range(len(prompts[s]))]
+                ctx.decode(tokens, pos, seq_ids, outputs)
+                for k, s in enumerate(chunk):
+                    generated[s].append(ctx.greedy(k))
+                chunk = []
+            if seq < n_seq:
+                chunk.append(seq)
+        seq_ids = list(range(n_seq))
+        outputs = [True] * n_seq
+
+        def step() -> None:
+            tokens = [generated[s][-1] for s in seq_ids]
+            pos = [len(prompts[s]) + len(generated[s]) - 1 for s in seq_ids]
+            ctx.decode(tokens, pos, seq_ids, outputs)
+            for s in seq_ids:
+                generated[s].append(ctx.greedy(s))
+
+        for _ in range(WARMUP_STEPS):
+            step()
+        started = time.perf_counter()
+        for _ in range(steps):
+            step()
+        elapsed = time.perf_counter() - started
+    finally:
+        ctx.close()
+    return n_seq * steps / elapsed, generated
+
+
+def prefill_throughput(make_context: Callable[[int, int], object], prompt: list[int], repeats: int) -> float:
+    """Tokens/s of one batch holding the whole prompt, fresh context each time; median of `repeats`, after a warm-up."""
+    n = len(prompt)
+    args = (prompt, list(range(n)), [0] * n, [i == n - 1 for i in range(n)])
+    times = []
+    for repeat in range(repeats + 1):
+        ctx = make_context(max(1024, n + SLACK), 1)
+        try:
+            started = time.perf_counter()
+            ctx.decode(*args)
+            elapsed = time.perf_counter() - started
+        finally:
+            ctx.close()
+        if repeat:  # the first is the warm-up
+            times.append(elapsed)
+    return n / statistics.median(times)
+
+
+# --- llama.cpp plumbing ------------------------------------------------------------------------------------------
+
+# llama.cpp's AMX weight buffers (an "extra buffer type") crash in ggml_backend_amx_mul_mat on some AMX CPUs
+# (ggml-org/llama.cpp#20824). A crash would kill this process, so a tiny decode is tried in a child process
+# first; if it dies, the weights stay in llama.cpp's ordinary CPU buffers (use_extra_bufts = false).
+_PROBE = r"""
+import sys
+import llama_cpp as lib
+lib.llama_backend_init()
+model = lib.llama_model_load_from_file(sys.argv[1].encode(), lib.llama_model_default_params())
+params = lib.llama_context_default_params()
+params.n_ctx, params.n_batch, params.n_ubatch, params.n_threads, params.n_threads_batch = 1024, 512, 512, 2, 2
+ctx = lib.llama_init_from_model(model, params)
+batch = lib.llama_batch_init(512, 0, 1)
+pos = 0
+for n in (1, 8, 64, 300):
+    batch.n_tokens = n
+    for j in range(n):
+        batch.token[j], batch.pos[j], batch.n_seq_id[j], batch.logits[j] = 100 + j, pos + j, 1, j == n - 1
+        batch.seq_id[j][0] = 0
+    assert lib.llama_decode(ctx, batch) == 0
+    pos += n
+print("ok")
+"""
+
+
+def llama_default_buffers_work(path: Path) -> tuple[bool, str]:
+    """Whether a small llama.cpp decode with the default weight buffers succeeds in a child process; and why not."""
+    try:
+        probe = subprocess.run([sys.executable, "-c", _PROBE, str(path)], capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return False, "the probe timed out"
+    if probe.returncode == 0 and probe.stdout.strip().endswith("ok"):
+        return True, ""
+    if probe.returncode < 0:
+        return False, f"the probe died of signal {-probe.returncode}"
+    return False, f"the probe exited with {probe.returncode}: {probe.stderr.strip().splitlines()[-1:]}"
+
+
+GGML_LOG_LEVEL_ERROR, GGML_LOG_LEVEL_CONT = 4, 5  # ggml.h's enum ggml_log_level (since ggml 0.9)
+_log_state = {"level": 0}
+_log_callback = None
+
+
+def _keep_errors(level: int, text: bytes, user_data) -> None:
+    """llama.cpp log callback: errors only. (llama-cpp-python's own callback maps the levels of an older ggml
+    enum, so with verbose off it still prints llama.cpp's warnings.)"""
+    if level != GGML_LOG_LEVEL_CONT:
+        _log_state["level"] = level
+    if _log_state["level"] == GGML_LOG_LEVEL_ERROR:
+        print(text.decode("utf-8", "replace"), end="", file=sys.stderr, flush=True)
+
+
+def import_llama_cpp():
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        print(f"NOTE: llama_cpp is not importable ({exc}); running kvlm only.\n", flush=True)
+        return None
+    global _log_callback
+    _log_callback = llama_cpp.llama_log_callback(_keep_errors)  # kept alive: llama.cpp holds the pointer
+    llama_cpp.llama_log_set(_log_callback, None)
+    return llama_cpp
+
+
+@contextmanager
+def llama_threads_free(lib):
+    """Without OpenMP, llama.cpp's worker threads inherit the main thread's CPU mask, which kvlm's OMP_PROC_BIND
+    pinned to one core: widen it for llama.cpp's run. With OpenMP (the usual build) ggml shares torch's libgomp
+    team, pinned the same way as kvlm's, and nothing changes."""
+    widen = _START_AFFINITY is not None and b"OPENMP = 1" not in lib.llama_print_system_info()
+    pinned = os.sched_getaffinity(0) if widen else None
+    if widen:
+        os.sched_setaffinity(0, _START_AFFINITY)
+    try:
+        yield
+    finally:
+        if widen:
+            os.sched_setaffinity(0, pinned)
+
+
+# --- output --------------------------------------------------------------------------------------------------------
+
+def fmt(value: float | None) -> object:
+    return "–" if value is None else float(value)
+
+
+def ratio(a: float | None, b: float | None) -> object:
+    return "–" if a is None or b is None else f"{a / b:.2f}x"
+
+
+def plot(sequences: list[int], decode: dict[str, dict[int, float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    styles = {"kvlm bf16": "o-", "kvlm f32": "s-", "kvlm bf16+int4": "D", "llama.cpp": "^-",
+              "llama.cpp unified KV": "v--"}
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for label, rates in decode.items():
+        xs = [n for n in sequences if n in rates]
+        if xs:
+            ax.plot(xs, [rates[n] for n in xs], styles.get(label, "o-"), label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    plain = matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}")
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
+    ax.set_xticks(sequences)
+    ax.set_xticklabels([str(n) for n in sequences])
+    ax.set_xlabel("parallel sequences (one token each per decode step)")
+    ax.set_ylabel("aggregate decode tokens/s")
+    ax.set_title(f"Batched decode, SmolLM2-135M, {torch.get_num_threads()} threads")
+    ax.legend()
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def print_agreement(sequences: list[int], tokens: dict[str, dict[int, list[list[int]]]]) -> None:
+    """How many of the first CHECK_TOKENS greedy tokens of sequences 0 and 1 agree between engines."""
+    pairs = [("llama.cpp", "kvlm bf16"), ("llama.cpp", "kvlm f32"), ("kvlm f32", "kvlm bf16")]
+    print(f"\nSanity check: of the first {CHECK_TOKENS} greedy tokens, how many match (sequence 0; sequence 1)")
+    for n_seq in sequences:
+        parts = []
+        for a, b in pairs:
+            if n_seq not in tokens.get(a, {}) or n_seq not in tokens.get(b, {}):
+                continue
+            counts = []
+            for seq in range(min(2, n_seq)):
+                x, y = tokens[a][n_seq][seq][:CHECK_TOKENS], tokens[b][n_seq][seq][:CHECK_TOKENS]
+                counts.append(f"{sum(p == q for p, q in zip(x, y))}/{min(len(x), len(y))}")
+            parts.append(f"{a} vs {b}: {'; '.join(counts)}")
+        if parts:
+            print(f"  {n_seq:>3} sequences: " + ", ".join(parts))
+
+
+# --- main --------------------------------------------------------------------------------------------------------
+
+KVLM_SETUPS = [("kvlm bf16", "bfloat16", None), ("kvlm f32", "float32", None), ("kvlm bf16+int4", "bfloat16", "int4")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sequences", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--steps", type=int, default=32, help="timed decode steps")
+    parser.add_argument("--prefill-tokens", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=3, help="prefill repeats (median)")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                        help="torch threads and llama.cpp n_threads / n_threads_batch (default: torch's count)")
+    parser.add_argument("--kv-dtype", default="f32", help="kvlm's KV cache dtype (llama.cpp keeps its default, f16)")
+    parser.add_argument("--llama-kv", default="both", choices=("split", "unified", "both"),
+                        help="llama.cpp KV layout: one stream per sequence (its default), one unified pool, or both")
+    parser.add_argument("--llama-extra-bufts", default="auto", choices=("auto", "on", "off"),
+                        help="llama.cpp extra weight buffers (AMX / repack); auto: on unless a probe crashes")
+    parser.add_argument("--no-llama", action="store_true", help="run kvlm only")
+    args = parser.parse_args()
+    if args.prefill_tokens > N_BATCH:
+        parser.error(f"--prefill-tokens must be at most n_batch ({N_BATCH})")
+    torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    sequences = sorted(set(args.sequences))
+    path = default_gguf()
+
+    decode: dict[str, dict[int, float]] = {}
+    tokens: dict[str, dict[int, list[list[int]]]] = {}
+    prefill: dict[str, float] = {}
+    paragraph_ids: list[int] = []
+    for label, dtype, quant in KVLM_SETUPS:
+        model = load_model(str(path), dtype, quant=quant)
+        if not paragraph_ids:
+            paragraph_ids = model.tokenizer.encode(PARAGRAPH)
+        make = lambda n_ctx, n_seq, model=model: KvlmContext(model, n_ctx, n_seq, args.kv_dtype)  # noqa: E731
+        decode[label], tokens[label] = {}, {}
+        for n_seq in sequences if quant is None else [n for n in sequences if n == 1]:
+            rate, generated = decode_throughput(make, make_prompts(paragraph_ids, n_seq), args.steps)
+            decode[label][n_seq], tokens[label][n_seq] = rate, generated
+            print(f"{label}: {n_seq} sequences, decode {rate:.1f} tok/s", flush=True)
+        prefill[label] = prefill_throughput(make, long_prompt(paragraph_ids, args.prefill_tokens), args.repeats)
+        print(f"{label}: prefill {args.prefill_tokens} tokens, {prefill[label]:.1f} tok/s", flush=True)
+        del make, model
+        gc.collect()
+
+    lib = None if args.no_llama else import_llama_cpp()
+    llama_note = "llama.cpp not run"
+    if lib is not None:
+        extra_bufts = {"on": True, "off": False}.get(args.llama_extra_bufts)
+        if extra_bufts is None:
+            extra_bufts, why = llama_default_buffers_work(path)
+            if not extra_bufts:
+                print(f"NOTE: a llama.cpp decode with its default weight buffers failed ({why}; on AMX CPUs see "
+                      "ggml-org/llama.cpp#20824): running llama.cpp with use_extra_bufts = false.", flush=True)
+        layouts = {"split": [False], "unified": [True], "both": [False, True]}[args.llama_kv]
+        with llama_threads_free(lib):
+            engine = LlamaCpp(lib, path, threads, extra_bufts)
+            for unified in layouts:
+                label = "llama.cpp unified KV" if unified else "llama.cpp"
+                make = lambda n_ctx, n_seq, unified=unified: engine.context(n_ctx, n_seq, unified)  # noqa: E731
+                decode[label], tokens[label] = {}, {}
+                for n_seq in sequences:
+                    rate, generated = decode_throughput(make, make_prompts(paragraph_ids, n_seq), args.steps)
+                    decode[label][n_seq], tokens[label][n_seq] = rate, generated
+                    print(f"{label}: {n_seq} sequences, decode {rate:.1f} tok/s", flush=True)
+            prefill["llama.cpp"] = prefill_throughput(lambda n_ctx, n_seq: engine.context(n_ctx, n_seq),
+                                                      long_prompt(paragraph_ids, args.prefill_tokens), args.repeats)
+            print(f"llama.cpp: prefill {args.prefill_tokens} tokens, {prefill['llama.cpp']:.1f} tok/s", flush=True)
+            engine.close()
+            del engine
+            gc.collect()
+        openmp = b"OPENMP = 1" in lib.llama_print_system_info()
+        llama_note = (f"llama-cpp-python {lib.__version__}, weights as stored in the GGUF, KV f16, flash attention "
+                      f"auto, use_extra_bufts = {str(extra_bufts).lower()}, "
+                      + ("OpenMP (the libgomp torch loaded, so pinned like kvlm's)" if openmp else "no OpenMP"))
+
+    print_agreement(sequences, tokens)
+    print(f"\n{machine_line()}; {threads} threads for both engines (torch.set_num_threads, llama.cpp n_threads and "
+          f"n_threads_batch); OMP_PROC_BIND={os.environ.get('OMP_PROC_BIND')}")
+    print(f"GGUF: {path.name}; kvlm KV cache {args.kv_dtype}; {llama_note}")
+    print(f"decode: {args.steps} timed steps after {WARMUP_STEPS} warm-up steps, prompts of "
+          f"{min(PROMPT_LENGTHS)}-{max(PROMPT_LENGTHS)} tokens, greedy\n")
+    extra = "llama.cpp unified KV" in decode
+    header = ["decode, aggregate tok/s", "kvlm bf16", "kvlm f32", "kvlm bf16+int4", "llama.cpp"]
+    header += ["llama.cpp unified KV"] if extra else []
+    header += ["kvlm bf16 / llama.cpp"]
+    rows = []
+    for n_seq in sequences:
+        get = lambda label: decode.get(label, {}).get(n_seq)  # noqa: E731
+        row = [f"{n_seq} sequence{'s' if n_seq > 1 else ''}", fmt(get("kvlm bf16")), fmt(get("kvlm f32")),
+               fmt(get("kvlm bf16+int4")), fmt(get("llama.cpp"))]
+        row += [fmt(get("llama.cpp unified KV"))] if extra else []
+        rows.append(row + [ratio(get("kvlm bf16"), get("llama.cpp"))])
+    print(markdown_table(header, rows))
+    print()
+    header = ["prefill, tok/s", "kvlm bf16", "kvlm f32", "kvlm bf16+int4", "llama.cpp", "kvlm bf16 / llama.cpp"]
+    print(markdown_table(header, [[f"{args.prefill_tokens}-token prompt, 1 sequence", fmt(prefill.get("kvlm bf16")),
+                                   fmt(prefill.get("kvlm f32")), fmt(prefill.get("kvlm bf16+int4")),
+                                   fmt(prefill.get("llama.cpp")),
+                                   ratio(prefill.get("kvlm bf16"), prefill.get("llama.cpp"))]]))
+    plot(sequences, decode, BENCH_DIR / "multi_sequence.png")
+    print(f"\nplot: {BENCH_DIR / 'multi_sequence.png'}")
+
+
+if __name__ == "__main__":
+    main()
