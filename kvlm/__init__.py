@@ -8,6 +8,8 @@ os.environ.setdefault("OMP_PROC_BIND", "true")
 
 from kvlm.batch import Batch  # noqa: E402
 from kvlm.context import Context, DecodeStatus  # noqa: E402
+from kvlm.engine.llm import LLM  # noqa: E402
+from kvlm.engine.sampling_params import SamplingParams  # noqa: E402
 from kvlm.load import load_model  # noqa: E402
 
-__all__ = ["Batch", "Context", "DecodeStatus", "load_model"]
+__all__ = ["LLM", "Batch", "Context", "DecodeStatus", "SamplingParams", "load_model"]

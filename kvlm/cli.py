@@ -1,10 +1,14 @@
-"""The `kvlm` command: generate, pull, inspect."""
+"""The `kvlm` command: generate, chat, pull, inspect."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 
+from kvlm.engine.chat_session import ChatSession
+from kvlm.engine.llm import LLM
+from kvlm.engine.request import RequestOutput
+from kvlm.engine.sampling_params import SamplingParams
 from kvlm.errors import KvlmError
 from kvlm.fetch import DEFAULT_MODEL, KNOWN_MODELS, pull
 from kvlm.generate import GenerationSettings, generate
@@ -30,20 +34,20 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     gen = commands.add_parser("generate", help="generate text from a prompt or one chat message")
-    gen.add_argument("--model", default=DEFAULT_MODEL, help="known name, .gguf path or Hugging Face folder")
+    _model_arguments(gen)
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="raw text, tokenized as is")
     source.add_argument("--chat", help="one user message, rendered with the model's chat template")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    gen.add_argument("--quant", choices=QUANTS, default=None,
-                     help="keep layer weights int8/int4 (needs --dtype bfloat16): faster decode")
-    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
-    gen.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step")
+    _sampling_arguments(gen)
+    gen.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step (baseline)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     gen.set_defaults(handler=_generate)
+
+    chat = commands.add_parser("chat", help="talk with a model, turn by turn (an empty line or Ctrl-D ends)")
+    _model_arguments(chat)
+    chat.add_argument("--system", default=None, help="a system message for the conversation")
+    _sampling_arguments(chat)
+    chat.set_defaults(handler=_chat)
 
     pull_cmd = commands.add_parser("pull", help="download a known model into the cache")
     pull_cmd.add_argument("name", choices=sorted(KNOWN_MODELS))
@@ -56,38 +60,93 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="known name, .gguf path or Hugging Face folder")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--quant", choices=QUANTS, default=None,
+                        help="keep layer weights int8/int4 (needs --dtype bfloat16): faster decode")
+    parser.add_argument("--n-ctx", type=int, default=4096, help="KV cache cells (tokens of context)")
+
+
+def _sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+
+
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+
+
 def _generate(args: argparse.Namespace) -> int:
-    settings = GenerationSettings(
-        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
-        ignore_eos=args.ignore_eos, use_cache=not args.no_cache,
-    )
+    params = _sampling_params(args)
     model = load_model(args.model, args.dtype, quant=args.quant)
-    tokenizer = model.tokenizer
-    text = args.prompt if args.prompt is not None else tokenizer.apply_chat_template(
+    text = args.prompt if args.prompt is not None else model.tokenizer.apply_chat_template(
         [{"role": "user", "content": args.chat}]
     )
-    prompt_ids = tokenizer.encode(text)
+    prompt_ids = model.tokenizer.encode(text)
+    output = _recompute_every_step(model, prompt_ids, args) if args.no_cache else _stream(
+        LLM(model, n_ctx=args.n_ctx, max_num_seqs=1).stream(prompt_ids, params), quiet=args.json)
     if args.json:
-        result = generate(model, prompt_ids, settings)
-        print(json.dumps({
-            "text": tokenizer.decode(result.token_ids, skip_special_tokens=True),
-            "token_ids": result.token_ids,
-            "prompt_token_ids": result.prompt_token_ids,
-            "finish_reason": result.finish_reason,
-            "timings": result.timings,
-        }))
-        return 0
-    stream = StreamDecoder(tokenizer, skip_special_tokens=True)
-    result = generate(model, prompt_ids, settings, on_token=lambda t: _write(stream.feed(t)))
-    _write(stream.flush() + "\n")
-    timings = result.timings
-    print(
-        f"[{len(prompt_ids)} prompt tokens at {timings['prefill_tokens_per_s']:.1f} tok/s, "
-        f"{len(result.token_ids)} generated at {timings['decode_tokens_per_s']:.1f} tok/s, "
-        f"finish: {result.finish_reason}]",
-        file=sys.stderr,
-    )
+        print(json.dumps({"text": output.text, "token_ids": output.token_ids,
+                          "prompt_token_ids": output.prompt_token_ids, "finish_reason": output.finish_reason,
+                          "timings": output.timings}))
+    else:
+        _print_timings(output)
     return 0
+
+
+def _stream(chunks, quiet: bool) -> RequestOutput:
+    for chunk in chunks:
+        if not quiet:
+            _write(chunk.text)
+        if chunk.finished:
+            if not quiet:
+                _write("\n")
+            return chunk.output
+    raise AssertionError("a stream always ends with a finished chunk")
+
+
+def _recompute_every_step(model, prompt_ids: list[int], args: argparse.Namespace) -> RequestOutput:
+    """The baseline without a KV cache: the single-sequence loop, recomputing the whole sequence per token."""
+    settings = GenerationSettings(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+                                  ignore_eos=args.ignore_eos, use_cache=False)
+    stream = StreamDecoder(model.tokenizer, skip_special_tokens=True)
+    on_token = None if args.json else (lambda t: _write(stream.feed(t)))
+    result = generate(model, prompt_ids, settings, on_token=on_token)
+    if not args.json:
+        _write(stream.flush() + "\n")
+    return RequestOutput(
+        request_id="0", prompt_token_ids=prompt_ids, token_ids=result.token_ids, finish_reason=result.finish_reason,
+        text=model.tokenizer.decode(result.token_ids, skip_special_tokens=True),
+        time_to_first_token=result.prefill_seconds or None, decode_seconds=result.decode_seconds or None,
+    )
+
+
+def _print_timings(output: RequestOutput) -> None:
+    timings = output.timings
+    print(f"[{len(output.prompt_token_ids)} prompt tokens at {timings['prefill_tokens_per_s']:.1f} tok/s, "
+          f"{len(output.token_ids)} generated at {timings['decode_tokens_per_s']:.1f} tok/s, "
+          f"finish: {output.finish_reason}]", file=sys.stderr)
+
+
+def _chat(args: argparse.Namespace) -> int:
+    llm = LLM(args.model, args.dtype, quant=args.quant, n_ctx=args.n_ctx, max_num_seqs=1)
+    session = ChatSession(llm, _sampling_params(args), system=args.system)
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            _write("> ")
+        line = sys.stdin.readline()
+        if not line.strip():
+            return 0
+        output = _stream(session.send(line.rstrip("\n")), quiet=False)
+        print(f"[prefilled {len(output.prompt_token_ids) - output.n_cached_tokens} new tokens, "
+              f"reused {output.n_cached_tokens} cached]", file=sys.stderr)
 
 
 def _write(text: str) -> None:

@@ -1,0 +1,142 @@
+"""The engine loop: schedule a step, run it as one batch through Context.decode, sample, stream out."""
+from __future__ import annotations
+
+import itertools
+import time
+
+from kvlm.batch import Batch
+from kvlm.context import Context, DecodeStatus
+from kvlm.engine.prefix_cache import PrefixCache
+from kvlm.engine.request import Request, RequestOutput, RequestState, StepEvent
+from kvlm.engine.sampler import RequestSampler
+from kvlm.engine.sampling_params import SamplingParams
+from kvlm.engine.scheduler import Scheduled, Scheduler
+from kvlm.engine.stop import StopChecker
+from kvlm.errors import KvlmError
+from kvlm.load import Model
+
+PREFIX_CACHE_SEQ = 0  # the sequence id that keeps cached prefixes alive; requests use 1..max_num_seqs
+
+
+class EngineError(KvlmError):
+    """The engine could not run a step (a decode failed for a reason other than lack of room)."""
+
+
+class Engine:
+    def __init__(self, model: Model, n_ctx: int = 4096, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
+                 kv_dtype: str = "f32", enable_prefix_caching: bool = True, block_size: int = 16) -> None:
+        self.model = model
+        self.context = Context(model, n_ctx=n_ctx, n_batch=max_num_batched_tokens,
+                               n_ubatch=max_num_batched_tokens, n_seq_max=max_num_seqs + 1, kv_dtype=kv_dtype)
+        memory = self.context.memory
+        self.prefix_cache = PrefixCache(memory.cells, PREFIX_CACHE_SEQ, block_size) if enable_prefix_caching else None
+        self.scheduler = Scheduler(memory, self.prefix_cache, max_num_seqs, max_num_batched_tokens,
+                                   first_seq_id=PREFIX_CACHE_SEQ + 1)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self.n_prefill_tokens = 0  # prompt tokens actually run through the model (cache hits excluded)
+
+    @property
+    def n_ctx(self) -> int:
+        return self.context.n_ctx
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        tokenizer = self.model.tokenizer
+        request = Request(request_id, list(prompt_token_ids), params,
+                          RequestSampler(params, list(prompt_token_ids)),
+                          StopChecker(tokenizer, params, tokenizer.stop_ids))
+        self.requests[request_id] = request
+        problem = self._unfit(request)
+        if problem:
+            request.error = problem
+            request.state, request.finish_reason = RequestState.FINISHED, "error"
+        else:
+            self.scheduler.add(request)
+        return request_id
+
+    def _unfit(self, request: Request) -> str | None:
+        n_prompt, vocab = len(request.prompt_token_ids), self.model.config.vocab_size
+        if n_prompt == 0:
+            return "the prompt is empty: at least one token is needed"
+        if n_prompt + 1 > self.n_ctx:
+            return f"the prompt has {n_prompt} tokens; with one generated token that exceeds n_ctx = {self.n_ctx}"
+        bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            return f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})"
+        return None
+
+    def abort(self, request_id: str) -> None:
+        request = self.requests.get(request_id)
+        if request is not None and not request.finished:
+            self.scheduler.finish(request, "abort")
+            request.stop.finish()
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def output(self, request_id: str) -> RequestOutput:
+        return RequestOutput.of(self.requests[request_id])
+
+    def release(self, request_id: str) -> RequestOutput:
+        """The final output of a finished request, forgotten by the engine afterwards."""
+        return RequestOutput.of(self.requests.pop(request_id))
+
+    def step(self) -> list[StepEvent]:
+        events = self._finish_full_sequences()
+        plan = self.scheduler.schedule()
+        if not plan:
+            return events
+        status = self.context.decode(self._batch(plan))
+        if status != DecodeStatus.OK:
+            raise EngineError(f"decode failed with {status.name}: {self.context.last_error}")
+        return events + self._advance(plan)
+
+    def _finish_full_sequences(self) -> list[StepEvent]:
+        """A request whose sequence fills the whole context cannot take another token."""
+        full = [r for r in self.scheduler.running if len(r.token_ids) >= self.n_ctx and r.n_pending == 1]
+        for request in full:
+            self.scheduler.finish(request, "length")
+        return [StepEvent(r.request_id, r.stop.finish(), [], True) for r in full]
+
+    def _batch(self, plan: list[Scheduled]) -> Batch:
+        tokens, positions, seq_ids, outputs = [], [], [], []
+        for item in plan:
+            request = item.request
+            start = request.n_computed
+            tokens += request.token_ids[start : start + item.n_tokens]
+            positions += range(start, start + item.n_tokens)
+            seq_ids += [request.seq_id] * item.n_tokens
+            outputs += [False] * (item.n_tokens - 1) + [item.outputs]
+        return Batch(tokens=tokens, pos=positions, seq_ids=seq_ids, logits=outputs)
+
+    def _advance(self, plan: list[Scheduled]) -> list[StepEvent]:
+        events, n_output = [], 0
+        for item in plan:
+            request = item.request
+            if len(request.output_token_ids) == 0:
+                self.n_prefill_tokens += item.n_tokens
+            outputs = item.outputs
+            request.n_computed += item.n_tokens
+            if not outputs:
+                continue
+            if not request.output_token_ids:
+                self.scheduler.cache_computed_prefix(request)  # later requests can share the prompt now
+            events.append(self._sample(request, self.context.get_logits_ith(n_output)))
+            n_output += 1
+        return events
+
+    def _sample(self, request: Request, logits) -> StepEvent:
+        sampled = request.sampler.sample(logits)
+        request.output_token_ids.append(sampled.token_id)
+        request.logprobs.append(sampled)
+        if request.first_token_time is None:
+            request.first_token_time = time.perf_counter()
+        result = request.stop.add(sampled.token_id)
+        if result.finished:
+            self.scheduler.finish(request, result.finish_reason)
+        elif len(request.output_token_ids) >= request.params.max_tokens:
+            self.scheduler.finish(request, "length")
+        return StepEvent(request.request_id, result.new_text, [sampled.token_id], request.finished)

@@ -1,0 +1,97 @@
+"""`LLM`: what most users call. Many prompts in, answers out, continuous batching underneath."""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from tqdm.auto import tqdm
+
+from kvlm.engine.engine import Engine
+from kvlm.engine.request import RequestOutput
+from kvlm.engine.sampling_params import SamplingParams
+from kvlm.fetch import DEFAULT_MODEL
+from kvlm.load import Model, load_model
+
+Prompt = str | list[int]
+Conversation = list[dict]
+
+
+@dataclass
+class StreamChunk:
+    """Incremental output of `LLM.stream`: the text and token ids that are new since the last chunk."""
+
+    text: str
+    token_ids: list[int]
+    finished: bool
+    output: RequestOutput | None = None  # set on the last chunk
+
+
+class LLM:
+    def __init__(self, model: str | Model = DEFAULT_MODEL, dtype: str = "float32", *, quant: str | None = None,
+                 n_ctx: int = 4096, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
+                 kv_dtype: str = "f32", enable_prefix_caching: bool = True) -> None:
+        self.model = model if isinstance(model, Model) else load_model(model, dtype, quant=quant)
+        self.tokenizer = self.model.tokenizer
+        self.engine = Engine(self.model, n_ctx=n_ctx, max_num_seqs=max_num_seqs,
+                             max_num_batched_tokens=max_num_batched_tokens, kv_dtype=kv_dtype,
+                             enable_prefix_caching=enable_prefix_caching)
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """One output per prompt, in order. A prompt is text (tokenized as is) or a list of token ids."""
+        prompts = [prompts] if isinstance(prompts, str) or _is_token_list(prompts) else list(prompts)
+        return self._run([self._ids(p) for p in prompts], _per_prompt(params, len(prompts)), use_tqdm)
+
+    def chat(self, conversations: Conversation | Sequence[Conversation],
+             params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Each conversation (a list of {"role", "content"}) is rendered with the model's chat template."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(c)) for c in conversations]
+        return self._run(prompts, _per_prompt(params, len(prompts)), use_tqdm)
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamChunk]:
+        """Yield text as it is completed (never half a character), then a last chunk with the output."""
+        request_id = self.engine.add_request(self._ids(prompt), params or SamplingParams())
+        try:
+            while not self.engine.requests[request_id].finished:
+                for event in self.engine.step():
+                    if event.request_id == request_id and (event.new_text or event.new_token_ids):
+                        yield StreamChunk(event.new_text, event.new_token_ids, False)
+            output = self.engine.release(request_id)
+            yield StreamChunk("", [], True, output)
+        finally:
+            if request_id in self.engine.requests:
+                self.engine.abort(request_id)
+                self.engine.release(request_id)
+
+    def _ids(self, prompt: Prompt) -> list[int]:
+        return list(prompt) if _is_token_list(prompt) else self.tokenizer.encode(prompt)
+
+    def _run(self, prompts: list[list[int]], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        with tqdm(total=len(ids), desc="requests", unit="req", disable=not use_tqdm) as bar:
+            started, generated = time.perf_counter(), 0
+            done = sum(self.engine.requests[i].finished for i in ids)
+            bar.update(done)
+            while self.engine.has_unfinished():
+                for event in self.engine.step():
+                    generated += len(event.new_token_ids)
+                    if event.finished:
+                        bar.update(1)
+                bar.set_postfix(tok_s=f"{generated / max(time.perf_counter() - started, 1e-9):.1f}")
+        return [self.engine.release(i) for i in ids]
+
+
+def _is_token_list(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) for t in value)
+
+
+def _per_prompt(params, n: int) -> list[SamplingParams]:
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+    return params

@@ -1,0 +1,127 @@
+"""Who runs in the next engine step, and with how many tokens.
+
+Each step is one batch: first one decode token for every running request that is past its prompt,
+then prompt chunks (running requests first, then newly admitted ones, oldest first) until the token
+budget is spent, so a long prompt never stalls the others (chunked prefill). Admission is bounded by
+max_num_seqs and by free cells; when cells run out mid-generation the most recently admitted request
+is preempted: its cells are freed and it is recomputed later from its prompt and output so far.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from kvlm.engine.prefix_cache import PrefixCache
+from kvlm.engine.request import Request, RequestState
+from kvlm.memory.memory import KVMemory
+
+
+@dataclass
+class Scheduled:
+    request: Request
+    n_tokens: int
+
+    @property
+    def outputs(self) -> bool:
+        """Does this chunk reach the end of what the request holds, so its last token gives logits?"""
+        return self.n_tokens == self.request.n_pending
+
+
+class Scheduler:
+    def __init__(self, memory: KVMemory, prefix_cache: PrefixCache | None, max_num_seqs: int,
+                 max_num_batched_tokens: int, first_seq_id: int) -> None:
+        self.memory = memory
+        self.prefix_cache = prefix_cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last is preempted first
+        self.free_seq_ids = list(range(first_seq_id + max_num_seqs - 1, first_seq_id - 1, -1))
+        self.n_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[Scheduled]:
+        """The next step's work; cells for all of it are free when this returns (evicting or preempting)."""
+        self._admit()
+        while True:
+            plan = self._plan()
+            needed = sum(s.n_tokens for s in plan)
+            if needed <= self._free_cells(needed) or not self.running:
+                return plan
+            self.preempt(self.running[-1])
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Release a request's sequence; its computed full blocks stay behind in the prefix cache."""
+        request.state, request.finish_reason = RequestState.FINISHED, reason
+        request.finish_time = time.perf_counter()
+        if request in self.running:
+            self.running.remove(request)
+            self._release(request, keep_in_cache=True)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+
+    def preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._release(request, keep_in_cache=False)
+        request.state, request.n_computed = RequestState.WAITING, 0
+        request.n_preemptions += 1
+        self.n_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def cache_computed_prefix(self, request: Request) -> None:
+        if self.prefix_cache is not None:
+            cells = self.memory.cells.seq_cells(request.seq_id)
+            self.prefix_cache.insert(request.token_ids[: request.n_computed], cells)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            # Room for the whole remaining prompt and one token more, so admission rarely ends in preemption.
+            if request.n_pending + 1 > self._free_cells(request.n_pending + 1) and self.running:
+                return
+            self.waiting.popleft()
+            request.seq_id = self.free_seq_ids.pop()
+            request.state = RequestState.RUNNING
+            self._reuse_cached_prefix(request)
+            self.running.append(request)
+
+    def _reuse_cached_prefix(self, request: Request) -> None:
+        if self.prefix_cache is None:
+            return
+        cells = self.prefix_cache.match(request.token_ids)
+        self.prefix_cache.lend(cells, request.seq_id)
+        request.n_computed = int(cells.size)
+        request.n_cached_tokens = int(cells.size)
+
+    def _plan(self) -> list[Scheduled]:
+        budget = self.max_num_batched_tokens
+        plan = []
+        decoding = [r for r in self.running if r.n_pending == 1]
+        prefilling = [r for r in self.running if r.n_pending > 1]
+        for request in decoding + prefilling:
+            n_tokens = min(request.n_pending, budget)
+            if n_tokens == 0:
+                break
+            plan.append(Scheduled(request, n_tokens))
+            budget -= n_tokens
+        return plan
+
+    def _free_cells(self, wanted: int) -> int:
+        """Free cells, after evicting cached prefixes if fewer than `wanted` are free."""
+        free = self.memory.n_cells - self.memory.n_used
+        if free < wanted and self.prefix_cache is not None:
+            free += self.prefix_cache.evict(wanted - free)
+        return free
+
+    def _release(self, request: Request, keep_in_cache: bool) -> None:
+        if keep_in_cache:
+            self.cache_computed_prefix(request)
+        self.memory.seq_rm(request.seq_id, -1, -1)
+        self.free_seq_ids.append(request.seq_id)
+        request.seq_id = None
