@@ -7,12 +7,13 @@ import torch
 from kvlm.loader.config import ModelConfig
 from kvlm.memory.cells import Cells
 from kvlm.memory.kv_store import KVStore
-from kvlm.memory.view import KVView
+from kvlm.memory.view import AttentionGroup, KVView
 from kvlm.model.ops import apply_rope, rope_cos_sin
 
 
-# Gather each token's own rows when that reads at most 1/4 of the cells, within a copy budget.
+# Attend over gathered rows instead of every cell when no token sees more than 1/4 of the cells.
 GATHER_MIN_SAVING = 4
+# Decode tokens each gather their own rows; beyond this many rows in all, they are grouped one by one.
 GATHER_MAX_ROWS = 1 << 16
 
 
@@ -24,6 +25,32 @@ def _gather_plan(visible: np.ndarray, longest: int) -> tuple[torch.Tensor, torch
     """Per token, the indices of its visible cells (padded to `longest`) and the mask hiding the padding."""
     order = np.argsort(~visible, axis=1, kind="stable")[:, :longest]
     return torch.from_numpy(order), _additive(np.take_along_axis(visible, order, axis=1))
+
+
+def attention_groups(visible: np.ndarray, seq_mask: np.ndarray) -> list[AttentionGroup]:
+    """Tokens of the same sequences read the same cells: gather those once per group, not per token.
+
+    Tokens alone in their group (decode tokens) are batched into one group with per-token rows.
+    """
+    _, group_of, sizes = np.unique(seq_mask, axis=0, return_inverse=True, return_counts=True)
+    group_of = group_of.reshape(-1)
+    alone = np.flatnonzero(sizes[group_of] == 1)
+    groups = []
+    if alone.size:
+        longest = int(visible[alone].sum(axis=1).max())
+        if alone.size * longest <= GATHER_MAX_ROWS:
+            index, mask = _gather_plan(visible[alone], longest)
+            groups.append(AttentionGroup(torch.from_numpy(alone), index, mask))
+        else:
+            groups += [_shared_rows_group(visible, np.array([token])) for token in alone]
+    for group in np.flatnonzero(sizes > 1):
+        groups.append(_shared_rows_group(visible, np.flatnonzero(group_of == group)))
+    return groups
+
+
+def _shared_rows_group(visible: np.ndarray, tokens: np.ndarray) -> AttentionGroup:
+    cells = np.flatnonzero(visible[tokens].any(axis=0))
+    return AttentionGroup(torch.from_numpy(tokens), torch.from_numpy(cells), _additive(visible[np.ix_(tokens, cells)]))
 
 
 class KVMemory:
@@ -113,8 +140,6 @@ class KVMemory:
         n_kv = self.cells.used_max
         visible = self.cells.visibility(ubatch.pos, ubatch.seq_mask, n_kv)
         rows = torch.from_numpy(slot)
-        longest = int(visible.sum(axis=1).max())
-        if longest * GATHER_MIN_SAVING <= n_kv and len(slot) * longest <= GATHER_MAX_ROWS:
-            index, mask = _gather_plan(visible, longest)
-            return KVView(self.store, rows, n_kv, mask, index)
+        if int(visible.sum(axis=1).max()) * GATHER_MIN_SAVING <= n_kv:
+            return KVView(self.store, rows, n_kv, None, attention_groups(visible, ubatch.seq_mask))
         return KVView(self.store, rows, n_kv, _additive(visible))

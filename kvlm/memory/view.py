@@ -9,12 +9,26 @@ from kvlm.memory.kv_store import KVStore
 
 
 @dataclass
+class AttentionGroup:
+    """Tokens that attend over only their own rows of the store.
+
+    `index` is [L] when the tokens share their rows (the tokens of one sequence: its cells, gathered
+    once) or [n, L] when each token has its own (one decode token per sequence). `mask` is additive,
+    [n, L], hiding future positions and padding.
+    """
+
+    tokens: torch.Tensor
+    index: torch.Tensor
+    mask: torch.Tensor
+
+
+@dataclass
 class KVView:
     store: KVStore
     rows: torch.Tensor          # the cells this step's tokens are written to, one per token
     n_visible: int              # cells 0 .. n_visible-1 are read by attention
-    mask: torch.Tensor | None   # additive [n_tokens, n_visible], or [n_tokens, L] with gather_index; None: all visible
-    gather_index: torch.Tensor | None = None  # [n_tokens, L]: each token reads only these rows
+    mask: torch.Tensor | None   # additive [n_tokens, n_visible]; None when every token sees every row
+    groups: list[AttentionGroup] | None = None  # instead of `mask`: who reads which rows, when that is far less
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.store.write(layer, self.rows, k, v)

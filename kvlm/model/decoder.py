@@ -85,8 +85,21 @@ class Decoder:
         kv.write(index, k, v.view(n_tokens, c.n_head_kv, c.head_dim))
         keys, values = kv.read(index)
         # float32 attention: exact for an f32 cache (no per-step copy of it), and faster than bf16 bmm on CPU.
-        if kv.gather_index is not None:
-            out = gathered_attention(q.float(), keys.float(), values.float(), kv.gather_index, kv.mask)
-        else:
+        if kv.groups is None:
             out = grouped_attention(q.float(), keys.float(), values.float(), kv.mask)
+        else:
+            out = _attention_by_group(q.float(), keys.float(), values.float(), kv.groups)
         return layer.attn_output(out.to(self.dtype))
+
+
+def _attention_by_group(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, groups) -> torch.Tensor:
+    out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+    for group in groups:
+        q_group = q.index_select(0, group.tokens)
+        if group.index.dim() == 2:
+            result = gathered_attention(q_group, keys, values, group.index, group.mask)
+        else:
+            rows_k, rows_v = keys.index_select(0, group.index), values.index_select(0, group.index)
+            result = grouped_attention(q_group, rows_k, rows_v, group.mask)
+        out.index_copy_(0, group.tokens, result)
+    return out
