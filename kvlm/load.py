@@ -19,10 +19,6 @@ class Model:
     tokenizer: Tokenizer
     source: Path
 
-    @property
-    def dtype_name(self) -> str:
-        return str(self.decoder.dtype).removeprefix("torch.")
-
 
 def load_model(
     spec: str = DEFAULT_MODEL, dtype: str = "float32", *, quant: str | None = None, fetch: bool = True,

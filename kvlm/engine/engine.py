@@ -77,9 +77,6 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
-    def output(self, request_id: str) -> RequestOutput:
-        return RequestOutput.of(self.requests[request_id])
-
     def release(self, request_id: str) -> RequestOutput:
         """The final output of a finished request, forgotten by the engine afterwards."""
         return RequestOutput.of(self.requests.pop(request_id))

@@ -25,10 +25,6 @@ class PrefixCache:
         self._blocks: OrderedDict[bytes, np.ndarray] = OrderedDict()  # least recently used first
         self.hit_tokens = 0
 
-    @property
-    def n_blocks(self) -> int:
-        return len(self._blocks)
-
     def match(self, tokens: list[int]) -> np.ndarray:
         """Cells of the longest cached prefix of `tokens`, leaving at least the last token to compute.
 

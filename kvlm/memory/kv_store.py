@@ -87,7 +87,6 @@ class KVStore:
         if n_cells <= 0:
             raise CacheError(f"KV cache size must be positive, got {n_cells} cells")
         self.shape = (config.n_layer, n_cells, config.n_head_kv, config.head_dim)
-        self.dtype_name = dtype
         self.k = _plane(self.shape, dtype)
         self.v = _plane(self.shape, dtype)
 
