@@ -62,11 +62,17 @@ def gathered_attention(
     n_tokens, n_head, dim = q.shape
     n_kv = k.shape[1]
     rows = index.shape + k.shape[1:]  # index_select is several times faster than k[index] here
-    keys = k.index_select(0, index.flatten()).view(rows).permute(0, 2, 3, 1)  # [T, n_kv, d, L]
-    values = v.index_select(0, index.flatten()).view(rows).permute(0, 2, 1, 3)  # [T, n_kv, L, d]
-    scores = torch.matmul(q.view(n_tokens, n_kv, n_head // n_kv, dim), keys) * (dim ** -0.5)
-    probs = torch.softmax(scores + mask[:, None, None, :], dim=-1)
-    return torch.matmul(probs, values).reshape(n_tokens, n_head * dim)
+    keys = k.index_select(0, index.flatten()).view(rows)  # [T, L, n_kv, d]
+    values = v.index_select(0, index.flatten()).view(rows)
+    q_grouped = q.view(n_tokens, n_kv, n_head // n_kv, dim)
+    out = q.new_empty(q_grouped.shape)
+    # One KV head at a time: [T, L, d] slices are plain strided matrices for bmm, whereas one matmul
+    # over [T, n_kv, ...] would first copy the gathered rows into a batch-friendly layout (2x slower).
+    for head in range(n_kv):
+        scores = torch.baddbmm(mask[:, None, :], q_grouped[:, head], keys[:, :, head].transpose(1, 2),
+                               alpha=dim ** -0.5)
+        out[:, head] = torch.bmm(torch.softmax(scores, dim=-1), values[:, :, head])
+    return out.view(n_tokens, n_head * dim)
 
 
 def causal_mask(n_tokens: int, n_past: int, dtype: torch.dtype) -> torch.Tensor:
