@@ -1,4 +1,4 @@
-"""The `kvlm` command: generate, chat, pull, inspect."""
+"""The `kvlm` command: generate, chat, serve, pull, inspect."""
 from __future__ import annotations
 
 import argparse
@@ -49,6 +49,19 @@ def _parser() -> argparse.ArgumentParser:
     _sampling_arguments(chat)
     chat.set_defaults(handler=_chat)
 
+    srv = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    _model_arguments(srv, dtype="bfloat16", n_ctx=8192)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--max-num-seqs", type=int, default=32, help="requests running at once")
+    srv.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step")
+    srv.add_argument("--kv-dtype", choices=KV_DTYPES, default="f32")
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: no key)")
+    srv.add_argument("--served-model-name", default=None, help="the name clients use (default: from --model)")
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="seconds in-flight requests get to finish after SIGINT/SIGTERM")
+    srv.set_defaults(handler=_serve)
+
     pull_cmd = commands.add_parser("pull", help="download a known model into the cache")
     pull_cmd.add_argument("name", choices=sorted(KNOWN_MODELS))
     pull_cmd.set_defaults(handler=_pull)
@@ -60,12 +73,12 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _model_arguments(parser: argparse.ArgumentParser) -> None:
+def _model_arguments(parser: argparse.ArgumentParser, dtype: str = "float32", n_ctx: int = 4096) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="known name, .gguf path or Hugging Face folder")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=dtype)
     parser.add_argument("--quant", choices=QUANTS, default=None,
                         help="keep layer weights int8/int4 (needs --dtype bfloat16): faster decode")
-    parser.add_argument("--n-ctx", type=int, default=4096, help="KV cache cells (tokens of context)")
+    parser.add_argument("--n-ctx", type=int, default=n_ctx, help="KV cache cells (tokens of context)")
 
 
 def _sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -152,6 +165,16 @@ def _chat(args: argparse.Namespace) -> int:
 def _write(text: str) -> None:
     sys.stdout.write(text)
     sys.stdout.flush()
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kvlm.server.serve import ServeSettings, serve  # the web stack loads only for this command
+
+    return serve(ServeSettings(
+        model=args.model, host=args.host, port=args.port, dtype=args.dtype, quant=args.quant, n_ctx=args.n_ctx,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_dtype=args.kv_dtype, api_key=args.api_key, served_model_name=args.served_model_name,
+        shutdown_timeout=args.shutdown_timeout))
 
 
 def _pull(args: argparse.Namespace) -> int:

@@ -136,4 +136,5 @@ class Engine:
             self.scheduler.finish(request, result.finish_reason)
         elif len(request.output_token_ids) >= request.params.max_tokens:
             self.scheduler.finish(request, "length")
-        return StepEvent(request.request_id, result.new_text, [sampled.token_id], request.finished)
+        logprobs = [sampled] if request.params.logprobs is not None else None
+        return StepEvent(request.request_id, result.new_text, [sampled.token_id], request.finished, logprobs)

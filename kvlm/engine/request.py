@@ -97,3 +97,4 @@ class StepEvent:
     new_text: str
     new_token_ids: list[int]
     finished: bool
+    new_logprobs: list[SampledToken] | None = None  # when the request asked for logprobs

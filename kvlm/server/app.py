@@ -1,0 +1,232 @@
+"""The OpenAI-compatible HTTP API over one engine: FastAPI routes, streaming as Server-Sent Events."""
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from importlib import resources
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+
+from kvlm.engine.engine import Engine
+from kvlm.engine.request import RequestOutput
+from kvlm.engine.sampling_params import SamplingParams
+from kvlm.server.async_engine import AsyncEngine, EngineFailure, Finished
+from kvlm.server.errors import error_body, install_error_handlers
+from kvlm.server.kv_report import kv_report
+from kvlm.server.metrics import ServerMetrics
+from kvlm.server.protocol import (
+    BadRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    checked_max_tokens,
+)
+from kvlm.server.responses import LogprobsFormatter, Reply, usage
+
+DISCONNECT_POLL_S = 0.25
+
+
+@dataclass
+class Choice:
+    """One generation the engine runs for a response: choice `index` of a prompt."""
+
+    index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> FastAPI:
+    metrics = ServerMetrics()
+    runner = AsyncEngine(engine, metrics)
+    tokenizer = engine.model.tokenizer
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        runner.start()
+        yield
+        await asyncio.to_thread(runner.stop)
+
+    app = FastAPI(title="kvlm", lifespan=lifespan)
+    app.state.runner = runner
+    install_error_handlers(app)
+
+    async def authorized(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            raise BadRequest("Incorrect API key provided: pass it as 'Authorization: Bearer <key>'", status=401,
+                             code="invalid_api_key")
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise BadRequest(f"The model '{name}' does not exist; this server serves '{model_name}'", "model",
+                             status=404, code="model_not_found")
+
+    def token_ids(prompt: str | list[int], field: str) -> list[int]:
+        if isinstance(prompt, str):
+            return tokenizer.encode(prompt)
+        vocab = engine.model.config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise BadRequest(f"token id {bad[0]} in {field} is outside the vocabulary [0, {vocab})", field)
+        if not prompt:
+            raise BadRequest(f"{field} must not be empty", field)
+        return list(prompt)
+
+    # --- generation ---
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        body.check_supported()
+        prompts = [token_ids(p, "prompt") for p in body.prompts()]
+        choices = []
+        for p, ids in enumerate(prompts):
+            max_tokens = checked_max_tokens(body.max_tokens, len(ids), engine.n_ctx, "max_tokens")
+            choices += [Choice(p * body.n + i, ids, body.sampling_params(max_tokens, body.logprobs, i))
+                        for i in range(body.n)]
+        reply = Reply("text_completion", model_name)
+        return await respond(reply, body, choices, sum(map(len, prompts)), request)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        messages = [m.as_template_message() for m in body.messages]
+        ids = tokenizer.encode(tokenizer.apply_chat_template(messages, body.add_generation_prompt),
+                               add_special_tokens=False)
+        field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        max_tokens = checked_max_tokens(body.requested_max_tokens(), len(ids), engine.n_ctx, field)
+        logprobs = body.logprobs_count()
+        choices = [Choice(i, ids, body.sampling_params(max_tokens, logprobs, i)) for i in range(body.n)]
+        reply = Reply("chat.completion", model_name)
+        return await respond(reply, body, choices, len(ids), request)
+
+    async def respond(reply: Reply, body, choices: list[Choice], n_prompt: int, request: Request) -> Response:
+        formatter = LogprobsFormatter(tokenizer, reply.chat)
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(stream_events(reply, choices, formatter, n_prompt, include_usage),
+                                     media_type="text/event-stream")
+        outputs = await until_disconnected(request, asyncio.gather(*(run_choice(reply, c) for c in choices)))
+        for output in outputs:
+            if output.error:
+                raise BadRequest(output.error, "prompt")
+        return JSONResponse(reply.body(
+            [reply.choice(c.index, o.text, formatter.format(o.logprobs or []), o.finish_reason)
+             for c, o in zip(choices, outputs)],
+            usage(n_prompt, sum(len(o.token_ids) for o in outputs))))
+
+    async def run_choice(reply: Reply, choice: Choice) -> RequestOutput:
+        async for item in runner.generate(f"{reply.id}-{choice.index}", choice.prompt_token_ids, choice.params):
+            if isinstance(item, Finished):
+                return item.output
+        raise EngineFailure("the engine stopped before the request finished")
+
+    async def stream_events(reply: Reply, choices: list[Choice], formatter: LogprobsFormatter, n_prompt: int,
+                            include_usage: bool) -> AsyncIterator[str]:
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(choice: Choice) -> None:
+            try:
+                async for item in runner.generate(f"{reply.id}-{choice.index}", choice.prompt_token_ids,
+                                                  choice.params):
+                    await merged.put((choice.index, item))
+            except EngineFailure as exc:
+                await merged.put((choice.index, exc))
+
+        tasks = [asyncio.create_task(pump(c)) for c in choices]
+        offsets = {c.index: 0 for c in choices}
+        started, n_generated, n_open = set(), 0, len(choices)
+        try:
+            while n_open:
+                index, item = await merged.get()
+                if isinstance(item, EngineFailure):
+                    yield sse(error_body(str(item), 500))
+                    break
+                if isinstance(item, Finished):
+                    n_open -= 1
+                    n_generated += len(item.output.token_ids)
+                    yield sse(reply.chunk([reply.delta(index, "", None, item.output.finish_reason)]))
+                    continue
+                logprobs = formatter.format(item.new_logprobs or [], offsets[index])
+                offsets[index] += len(item.new_text)
+                yield sse(reply.chunk([reply.delta(index, item.new_text, logprobs, None, index not in started)]))
+                started.add(index)
+            if include_usage:
+                yield sse(reply.chunk([], usage(n_prompt, n_generated)))
+            yield "data: [DONE]\n\n"
+        finally:
+            for task in tasks:
+                task.cancel()  # a client that left: its requests are aborted and their cells freed
+
+    # --- tokens ---
+    @app.post("/tokenize", dependencies=[Depends(authorized)])
+    async def tokenize(body: TokenizeRequest) -> dict:
+        check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise BadRequest("give exactly one of prompt or messages", "prompt")
+        if body.prompt is not None:
+            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            text = tokenizer.apply_chat_template([m.as_template_message() for m in body.messages],
+                                                 body.add_generation_prompt)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.n_ctx}
+
+    @app.post("/detokenize", dependencies=[Depends(authorized)])
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        check_model(body.model)
+        return {"prompt": tokenizer.decode(token_ids(body.tokens, "tokens"))}
+
+    # --- about the server ---
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "kvlm",
+                                            "max_model_len": engine.n_ctx}]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not runner.running:
+            return JSONResponse(error_body("the engine is not running", 503), status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        await runner.call(metrics.refresh)
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/kv")
+    async def kv() -> dict:
+        return await runner.call(kv_report)
+
+    @app.get("/kv/view")
+    async def kv_view() -> HTMLResponse:
+        return HTMLResponse(resources.files("kvlm.server").joinpath("kv_view.html").read_text(encoding="utf-8"))
+
+    return app
+
+
+def sse(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+async def until_disconnected(request: Request, work: asyncio.Future):
+    """Await `work`, cancelling it (and so aborting its requests) if the client goes away first."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                raise asyncio.CancelledError("the client disconnected")
+    finally:
+        if not task.done():
+            task.cancel()

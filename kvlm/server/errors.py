@@ -1,0 +1,65 @@
+"""Every error the server sends has OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+
+Bad input is a 4xx with a message naming the field; nothing a client sends produces a 500 or a stack trace.
+"""
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from kvlm.server.protocol import BadRequest
+
+log = logging.getLogger("kvlm")
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+               405: "invalid_request_error", 500: "server_error", 503: "server_error"}
+
+
+def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+def error_response(message: str, status: int, param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param, code), status_code=status)
+
+
+def _validation_message(error: dict) -> tuple[str, str | None]:
+    """One pydantic error as a sentence, and the field it is about."""
+    location = [str(part) for part in error.get("loc", ()) if part != "body"]
+    param = ".".join(location) or None
+    kind = error.get("type", "")
+    if kind == "json_invalid":
+        return f"the request body is not valid JSON: {error.get('ctx', {}).get('error', error.get('msg'))}", None
+    if kind == "extra_forbidden":
+        return f"Unrecognized request argument supplied: {param}", param
+    if kind == "missing":
+        return f"the field {param!r} is required", param
+    if not location:
+        return f"the request body must be a JSON object: {error.get('msg')}", None
+    return f"{param}: {error.get('msg')} (got {error.get('input')!r})", param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        message, param = _validation_message(errors[0]) if errors else ("invalid request", None)
+        return error_response(message, 400, param)
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(_: Request, exc: BadRequest) -> JSONResponse:
+        return error_response(str(exc), exc.status, exc.param, exc.code)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        return error_response(str(exc.detail), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error while serving a request")
+        return error_response(f"internal error ({type(exc).__name__}); the server logged the details", 500)

@@ -1,0 +1,67 @@
+"""Prometheus metrics of the server, kept in a registry of its own (one per app, so tests can run several)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvlm.engine.engine import Engine
+from kvlm.engine.request import RequestOutput, StepEvent
+from kvlm.server.async_engine import StepObserver
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+
+
+class ServerMetrics(StepObserver):
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kvlm_requests", "Requests finished, by finish reason", ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("kvlm_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("kvlm_generation_tokens", "Tokens generated", registry=r)
+        self.time_to_first_token = Histogram("kvlm_time_to_first_token_seconds", "From arrival to the first token",
+                                             buckets=LATENCY_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram("kvlm_inter_token_latency_seconds",
+                                             "Between two tokens of the same request", buckets=LATENCY_BUCKETS,
+                                             registry=r)
+        self.running = Gauge("kvlm_requests_running", "Requests holding a sequence", registry=r)
+        self.waiting = Gauge("kvlm_requests_waiting", "Requests waiting for a sequence", registry=r)
+        self.kv_cells_used = Gauge("kvlm_kv_cells_used", "KV cells in use (cached prefixes included)", registry=r)
+        self.kv_cells_total = Gauge("kvlm_kv_cells_total", "KV cells in all", registry=r)
+        self.prefix_hits = Counter("kvlm_prefix_cache_hits", "Requests that reused a cached prompt prefix",
+                                   registry=r)
+        self.prefix_hit_tokens = Counter("kvlm_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
+                                         registry=r)
+        self._last_token_time: dict[str, float] = {}
+
+    def on_step(self, engine: Engine, events: list[StepEvent], now: float) -> None:
+        for event in events:
+            if not event.new_token_ids:
+                continue
+            n = len(event.new_token_ids)
+            self.generation_tokens.inc(n)
+            last = self._last_token_time.get(event.request_id)
+            if last is None:
+                request = engine.requests[event.request_id]
+                self.time_to_first_token.observe(now - request.arrival_time)
+                if request.n_cached_tokens:
+                    self.prefix_hits.inc()
+                    self.prefix_hit_tokens.inc(request.n_cached_tokens)
+            else:
+                self.inter_token_latency.observe((now - last) / n)
+            self._last_token_time[event.request_id] = now
+        scheduler, memory = engine.scheduler, engine.context.memory
+        self.running.set(len(scheduler.running))
+        self.waiting.set(len(scheduler.waiting))
+        self.kv_cells_used.set(memory.n_used)
+        self.kv_cells_total.set(memory.n_cells)
+
+    def on_finished(self, output: RequestOutput) -> None:
+        self.requests.labels(finish_reason=output.finish_reason or "unknown").inc()
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        self._last_token_time.pop(output.request_id, None)
+
+    def refresh(self, engine: Engine) -> None:
+        """Gauges as they are now, for a scrape while the engine is idle."""
+        self.on_step(engine, [], 0.0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

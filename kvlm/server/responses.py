@@ -1,0 +1,90 @@
+"""OpenAI's response bodies: whole completions, stream chunks, logprobs and usage, as plain dicts."""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from kvlm.engine.sampler import SampledToken
+from kvlm.tokenizer import Tokenizer
+
+
+@dataclass
+class Reply:
+    """The identity shared by every chunk of one response."""
+
+    kind: str    # "text_completion" or "chat.completion"
+    model: str
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        prefix = "cmpl" if self.kind == "text_completion" else "chatcmpl"
+        self.id = self.id or f"{prefix}-{uuid.uuid4().hex}"
+
+    @property
+    def chat(self) -> bool:
+        return self.kind == "chat.completion"
+
+    def body(self, choices: list[dict], usage: dict | None) -> dict:
+        return {"id": self.id, "object": self.kind, "created": self.created, "model": self.model,
+                "choices": choices, "usage": usage}
+
+    def chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        body = {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return body
+
+    def choice(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
+        if self.chat:
+            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                    "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def delta(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None,
+              first: bool = False) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class LogprobsFormatter:
+    """Sampled tokens as OpenAI logprobs: the completions layout or the chat layout."""
+
+    def __init__(self, tokenizer: Tokenizer, chat: bool) -> None:
+        self.tokenizer, self.chat = tokenizer, chat
+
+    def piece(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def format(self, tokens: list[SampledToken], text_offset: int = 0) -> dict | None:
+        if not tokens:
+            return None
+        return self._chat(tokens) if self.chat else self._completion(tokens, text_offset)
+
+    def _chat(self, tokens: list[SampledToken]) -> dict:
+        def entry(token_id: int, logprob: float) -> dict:
+            piece = self.piece(token_id)
+            return {"token": piece, "logprob": logprob, "bytes": list(piece.encode("utf-8"))}
+
+        return {"content": [{**entry(t.token_id, t.logprob),
+                             "top_logprobs": [entry(i, lp) for i, lp in t.top_logprobs or []]} for t in tokens],
+                "refusal": None}
+
+    def _completion(self, tokens: list[SampledToken], text_offset: int) -> dict:
+        pieces = [self.piece(t.token_id) for t in tokens]
+        offsets, at = [], text_offset
+        for piece in pieces:
+            offsets.append(at)
+            at += len(piece)
+        return {"tokens": pieces, "token_logprobs": [t.logprob for t in tokens],
+                "top_logprobs": [{self.piece(i): lp for i, lp in t.top_logprobs or []} for t in tokens],
+                "text_offset": offsets}
