@@ -86,11 +86,10 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         check_model(body.model)
         body.check_supported()
         prompts = [token_ids(p, "prompt") for p in body.prompts()]
-        choices = []
+        n, choices = body.n_choices(), []
         for p, ids in enumerate(prompts):
             max_tokens = checked_max_tokens(body.max_tokens, len(ids), engine.n_ctx, "max_tokens")
-            choices += [Choice(p * body.n + i, ids, body.sampling_params(max_tokens, body.logprobs, i))
-                        for i in range(body.n)]
+            choices += [Choice(p * n + i, ids, body.sampling_params(max_tokens, body.logprobs, i)) for i in range(n)]
         reply = Reply("text_completion", model_name)
         return await respond(reply, body, choices, sum(map(len, prompts)), request)
 
@@ -103,7 +102,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = checked_max_tokens(body.requested_max_tokens(), len(ids), engine.n_ctx, field)
         logprobs = body.logprobs_count()
-        choices = [Choice(i, ids, body.sampling_params(max_tokens, logprobs, i)) for i in range(body.n)]
+        choices = [Choice(i, ids, body.sampling_params(max_tokens, logprobs, i)) for i in range(body.n_choices())]
         reply = Reply("chat.completion", model_name)
         return await respond(reply, body, choices, len(ids), request)
 

@@ -28,9 +28,20 @@ def error_response(message: str, status: int, param: str | None = None, code: st
     return JSONResponse(error_body(message, status, param, code), status_code=status)
 
 
+def _field_path(location: tuple) -> list[str]:
+    """The field path of a pydantic error location, without "body" and without the union member tried
+    (pydantic adds e.g. "str" or "list[int]" when a field accepts several types)."""
+    path = []
+    for part in location[1:] if location[:1] == ("body",) else location:
+        if isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part or part[:1].isupper()):
+            break
+        path.append(str(part))
+    return path
+
+
 def _validation_message(error: dict) -> tuple[str, str | None]:
     """One pydantic error as a sentence, and the field it is about."""
-    location = [str(part) for part in error.get("loc", ()) if part != "body"]
+    location = _field_path(tuple(error.get("loc", ())))
     param = ".".join(location) or None
     kind = error.get("type", "")
     if kind == "json_invalid":

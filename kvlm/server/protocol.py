@@ -52,10 +52,13 @@ class SamplingFields(BaseModel):
     ignore_eos: StrictBool | None = None
     stop_token_ids: list[StrictInt] | None = None
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
-        """The engine's params for choice `choice` of n: with a seed, choice i samples with seed + i."""
+    def n_choices(self) -> int:
         if not 1 <= self.n <= MAX_N:
             raise BadRequest(f"n must be between 1 and {MAX_N}, got {self.n}", "n")
+        return self.n
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
+        """The engine's params for choice `choice` of n: with a seed, choice i samples with seed + i."""
         names = ("temperature", "top_p", "frequency_penalty", "presence_penalty", "logit_bias", "stop", "top_k",
                  "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids")
         values: dict[str, Any] = {name: getattr(self, name) for name in names}
