@@ -167,6 +167,16 @@ def test_completion_logprobs(client, smollm2):
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
 
 
+def test_streamed_logprobs_equal_the_whole_ones(client):
+    kwargs = dict(model=MODEL, prompt="Water boils at", max_tokens=6, temperature=0, logprobs=2)
+    whole = client.completions.create(**kwargs).choices[0].logprobs
+    streamed = [c.choices[0].logprobs for c in client.completions.create(stream=True, **kwargs)
+                if c.choices and c.choices[0].logprobs]
+    assert [t for lp in streamed for t in lp.tokens] == whole.tokens
+    assert [x for lp in streamed for x in lp.token_logprobs] == pytest.approx(whole.token_logprobs, abs=1e-6)
+    assert [x for lp in streamed for x in lp.text_offset] == whole.text_offset
+
+
 def test_chat_logprobs(client):
     out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
                                          temperature=0, logprobs=True, top_logprobs=2)
