@@ -357,6 +357,18 @@ def test_disconnect_mid_stream_frees_the_requests_cells(server):
         "kvlm_requests_total{finish_reason=abort}", 0) == 1
 
 
+def test_disconnect_while_waiting_for_a_whole_response_aborts_it(server):
+    before = scrape(server)
+    body = {"model": MODEL, "prompt": "Tell me everything.", "max_tokens": 2000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server}/v1/completions", json=body, headers=AUTH, timeout=1.5)
+    kv = wait_until_no_request_cells(server)
+    assert kv["n_request_cells"] == 0
+    after = scrape(server)
+    assert after["kvlm_requests_total{finish_reason=abort}"] - before.get(
+        "kvlm_requests_total{finish_reason=abort}", 0) == 1
+
+
 def test_32_concurrent_streams_three_rounds_with_some_leaving(server):
     max_tokens = 12
 

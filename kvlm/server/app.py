@@ -30,6 +30,7 @@ from kvlm.server.protocol import (
 from kvlm.server.responses import LogprobsFormatter, Reply, usage
 
 DISCONNECT_POLL_S = 0.25
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the response
 
 
 @dataclass
@@ -113,6 +114,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
             return StreamingResponse(stream_events(reply, choices, formatter, n_prompt, include_usage),
                                      media_type="text/event-stream")
         outputs = await until_disconnected(request, asyncio.gather(*(run_choice(reply, c) for c in choices)))
+        if outputs is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody is left to read it
         for output in outputs:
             if output.error:
                 raise BadRequest(output.error, "prompt")
@@ -216,7 +219,8 @@ def sse(body: dict) -> str:
 
 
 async def until_disconnected(request: Request, work: asyncio.Future):
-    """Await `work`, cancelling it (and so aborting its requests) if the client goes away first."""
+    """Await `work`; None if the client went away first, in which case `work` is cancelled (aborting its
+    requests)."""
     task = asyncio.ensure_future(work)
     try:
         while True:
@@ -224,8 +228,7 @@ async def until_disconnected(request: Request, work: asyncio.Future):
             if done:
                 return task.result()
             if await request.is_disconnected():
-                task.cancel()
-                raise asyncio.CancelledError("the client disconnected")
+                return None
     finally:
         if not task.done():
             task.cancel()
