@@ -218,6 +218,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "frobnicate": True}, AUTH, 400, "frobnicate",
      ["frobnicate"]),
     ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 10**9]}, AUTH, 400, "prompt", [str(10**9)]),
+    ("/v1/completions", {"model": MODEL, "prompt": [[5, 6], []]}, AUTH, 400, "prompt", ["empty"]),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"abc": 1}}, AUTH, 400, "logit_bias",
      ["abc"]),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, AUTH, 400, "messages", []),

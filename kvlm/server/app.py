@@ -71,15 +71,14 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
                              status=404, code="model_not_found")
 
     def token_ids(prompt: str | list[int], field: str) -> list[int]:
-        if isinstance(prompt, str):
-            return tokenizer.encode(prompt)
+        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise BadRequest(f"{field} must not be empty", field)
         vocab = engine.model.config.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
+        bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise BadRequest(f"token id {bad[0]} in {field} is outside the vocabulary [0, {vocab})", field)
-        if not prompt:
-            raise BadRequest(f"{field} must not be empty", field)
-        return list(prompt)
+        return ids
 
     # --- generation ---
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
