@@ -28,7 +28,8 @@ request sent to the last byte received.
 Parallelism:
 - kvlm: continuous batching, max_num_seqs = concurrency (every request runs at once), max_num_batched_tokens =
   512, a KV cache with room for every request (n_ctx = the sum of prompt + max_tokens, + 256, rounded up to 256),
-  KV f32, prefix caching on (the default: the chat template's shared system message is computed once).
+  KV bf16 (kvlm serve's default for a bfloat16 model: the model's dtype), prefix caching on (the default: the
+  chat template's shared system message is computed once).
 - llama.cpp: one request at a time. llama-cpp-python's server (llama_cpp/server/app.py) holds one lock from the
   moment a request is taken until its last chunk, around a single `Llama` with one sequence; the other requests
   wait in the event loop. So its n_ctx only needs one request (the longest prompt + max_tokens, + 256, rounded

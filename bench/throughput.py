@@ -330,7 +330,8 @@ def main() -> None:
                         help="torch threads and llama.cpp n_threads / n_threads_batch (default: torch's count)")
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=tuple(DTYPE_LABELS),
                         help="kvlm compute dtypes; the first also runs the shared-prefix test")
-    parser.add_argument("--kv-dtype", default="f32", help="kvlm's KV cache dtype (llama.cpp keeps its default, f16)")
+    parser.add_argument("--kv-dtype", default="auto",
+                        help="kvlm's KV cache dtype; auto: the model's (llama.cpp keeps its default, f16)")
     parser.add_argument("--hf-requests", type=int, default=8, help="requests transformers runs (one batch)")
     parser.add_argument("--prefix-tokens", type=int, default=1000, help="shared-prefix length")
     parser.add_argument("--prefix-requests", type=int, default=8)
@@ -402,7 +403,8 @@ def main() -> None:
     # --- report
     print(f"\n{machine_line()}; {threads} threads for every engine (torch.set_num_threads, llama.cpp n_threads and "
           f"n_threads_batch); OMP_PROC_BIND={os.environ.get('OMP_PROC_BIND')}")
-    print(f"GGUF: {path.name}; kvlm KV cache {args.kv_dtype}, max_num_batched_tokens {N_BATCH}; {llama_note}; "
+    kv_note = " (the model's dtype: bf16 for bfloat16, f32 for float32)" if args.kv_dtype == "auto" else ""
+    print(f"GGUF: {path.name}; kvlm KV cache {args.kv_dtype}{kv_note}, max_num_batched_tokens {N_BATCH}; {llama_note}; "
           f"transformers float32 (weights dequantized from the GGUF)")
     print(f"{args.requests} requests, prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens "
           f"({sum(map(len, prompts))} in all), {args.max_tokens} output tokens each, greedy, EOS ignored")

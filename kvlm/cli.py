@@ -13,7 +13,7 @@ from kvlm.errors import KvlmError
 from kvlm.fetch import DEFAULT_MODEL, KNOWN_MODELS, pull
 from kvlm.generate import GenerationSettings, generate
 from kvlm.load import load_config, load_model
-from kvlm.memory.kv_store import KV_DTYPES, kv_bytes_for
+from kvlm.memory.kv_store import AUTO, KV_DTYPES, kv_bytes_for
 from kvlm.model.linear import QUANTS
 from kvlm.tokenizer import StreamDecoder
 
@@ -55,7 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--max-num-seqs", type=int, default=32, help="requests running at once")
     srv.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step")
-    srv.add_argument("--kv-dtype", choices=KV_DTYPES, default="f32")
+    srv.add_argument("--kv-dtype", choices=(AUTO, *KV_DTYPES), default=AUTO,
+                     help="KV cache dtype (default: the model's, bf16 for --dtype bfloat16)")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: no key)")
     srv.add_argument("--served-model-name", default=None, help="the name clients use (default: from --model)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,

@@ -49,3 +49,21 @@ def test_attention_by_group_equals_masked_attention_for_mixed_batches():
     groups = attention_groups(visible, seq_mask)
     assert sorted(len(g.tokens) for g in groups) == [2, 3, 3]
     assert torch.allclose(_attention_by_group(q, k, v, groups), grouped_attention(q, k, v, mask), atol=1e-5)
+
+
+@pytest.mark.parametrize("q_dtype, kv_dtype, atol", [(torch.float32, torch.float16, 2e-3),
+                                                     (torch.bfloat16, torch.bfloat16, 3e-2)])
+def test_gathered_attention_over_a_smaller_cache_dtype_converts_only_what_it_reads(q_dtype, kv_dtype, atol):
+    torch.manual_seed(2)
+    rng = np.random.default_rng(2)
+    n_tokens, n_rows, dim = 5, 50, 16
+    visible = rng.random((n_tokens, n_rows)) < 0.3
+    visible[:, 0] = True
+    q = torch.randn(n_tokens, 4, dim)
+    k, v = torch.randn(n_rows, 2, dim), torch.randn(n_rows, 2, dim)
+    mask = torch.zeros(visible.shape).masked_fill_(torch.from_numpy(~visible), float("-inf"))
+    expected = grouped_attention(q, k.to(kv_dtype).float(), v.to(kv_dtype).float(), mask)
+    index, gather_mask = _gather_plan(visible, int(visible.sum(axis=1).max()))
+    out = gathered_attention(q.to(q_dtype), k.to(kv_dtype), v.to(kv_dtype), index, gather_mask)
+    assert out.dtype == q_dtype
+    assert torch.allclose(out.float(), expected, atol=atol)

@@ -14,6 +14,7 @@ from kvlm.engine.scheduler import Scheduled, Scheduler
 from kvlm.engine.stop import StopChecker
 from kvlm.errors import KvlmError
 from kvlm.load import Model
+from kvlm.memory.kv_store import AUTO, resolve_kv_dtype
 
 PREFIX_CACHE_SEQ = 0  # the sequence id that keeps cached prefixes alive; requests use 1..max_num_seqs
 
@@ -24,8 +25,9 @@ class EngineError(KvlmError):
 
 class Engine:
     def __init__(self, model: Model, n_ctx: int = 4096, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
-                 kv_dtype: str = "f32", enable_prefix_caching: bool = True, block_size: int = 16) -> None:
+                 kv_dtype: str = AUTO, enable_prefix_caching: bool = True, block_size: int = 16) -> None:
         self.model = model
+        kv_dtype = resolve_kv_dtype(kv_dtype, model.decoder.dtype)
         self.context = Context(model, n_ctx=n_ctx, n_batch=max_num_batched_tokens,
                                n_ubatch=max_num_batched_tokens, n_seq_max=max_num_seqs + 1, kv_dtype=kv_dtype)
         memory = self.context.memory

@@ -12,6 +12,7 @@ from kvlm.engine.request import RequestOutput
 from kvlm.engine.sampling_params import SamplingParams
 from kvlm.fetch import DEFAULT_MODEL
 from kvlm.load import Model, load_model
+from kvlm.memory.kv_store import AUTO
 
 Prompt = str | list[int]
 Conversation = list[dict]
@@ -30,7 +31,7 @@ class StreamChunk:
 class LLM:
     def __init__(self, model: str | Model = DEFAULT_MODEL, dtype: str = "float32", *, quant: str | None = None,
                  n_ctx: int = 4096, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
-                 kv_dtype: str = "f32", enable_prefix_caching: bool = True) -> None:
+                 kv_dtype: str = AUTO, enable_prefix_caching: bool = True) -> None:
         self.model = model if isinstance(model, Model) else load_model(model, dtype, quant=quant)
         self.tokenizer = self.model.tokenizer
         self.engine = Engine(self.model, n_ctx=n_ctx, max_num_seqs=max_num_seqs,

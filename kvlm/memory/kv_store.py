@@ -11,6 +11,14 @@ Q8_BLOCK = 32
 # q8_0 as in ggml: blocks of 32 int8 values sharing one float16 scale, 34 bytes per 32 values.
 BYTES_PER_ELEMENT = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": (Q8_BLOCK + 2) / Q8_BLOCK}
 KV_DTYPES = tuple(BYTES_PER_ELEMENT)
+AUTO = "auto"
+
+
+def resolve_kv_dtype(kv_dtype: str, compute_dtype: torch.dtype) -> str:
+    """"auto" (vLLM's default) is the model's own dtype: bf16 for bfloat16, f32 for float32."""
+    if kv_dtype != AUTO:
+        return kv_dtype
+    return "bf16" if compute_dtype == torch.bfloat16 else "f32"
 
 
 def kv_bytes_for(config: ModelConfig, n_cells: int, dtype: str) -> int:

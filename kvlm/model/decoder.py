@@ -84,12 +84,19 @@ class Decoder:
         )
         kv.write(index, k, v.view(n_tokens, c.n_head_kv, c.head_dim))
         keys, values = kv.read(index)
-        # float32 attention: exact for an f32 cache (no per-step copy of it), and faster than bf16 bmm on CPU.
+        dtype = attention_dtype(keys.dtype)
+        q = q.to(dtype)
         if kv.groups is None:
-            out = grouped_attention(q.float(), keys.float(), values.float(), kv.mask)
-        else:
-            out = _attention_by_group(q.float(), keys.float(), values.float(), kv.groups)
+            out = grouped_attention(q, keys.to(dtype), values.to(dtype), kv.mask)
+        else:  # only the rows each group reads are converted, not the whole cache
+            out = _attention_by_group(q, keys, values, kv.groups)
         return layer.attn_output(out.to(self.dtype))
+
+
+def attention_dtype(kv_dtype: torch.dtype) -> torch.dtype:
+    """bfloat16 caches are attended in bfloat16 (the fused kernel accumulates in float32, and reads half
+    the bytes); every other cache in float32, which is exact for an f32 cache."""
+    return torch.bfloat16 if kv_dtype == torch.bfloat16 else torch.float32
 
 
 def _attention_by_group(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, groups) -> torch.Tensor:
@@ -99,7 +106,8 @@ def _attention_by_group(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         if group.index.dim() == 2:
             result = gathered_attention(q_group, keys, values, group.index, group.mask)
         else:
-            rows_k, rows_v = keys.index_select(0, group.index), values.index_select(0, group.index)
+            rows_k = keys.index_select(0, group.index).to(q.dtype)
+            rows_v = values.index_select(0, group.index).to(q.dtype)
             result = grouped_attention(q_group, rows_k, rows_v, group.mask)
         out.index_copy_(0, group.tokens, result)
     return out

@@ -43,7 +43,7 @@ def grouped_attention(
     group = n_head // n_kv
     # [1, n_kv, group * T, d]: the heads of one group stacked along the rows.
     q_grouped = q.permute(1, 0, 2).reshape(1, n_kv, group * n_tokens, dim)
-    mask = None if mask is None else torch.cat((mask,) * group)  # rows of the stacked heads
+    mask = None if mask is None else torch.cat((_in_dtype(mask, q),) * group)  # rows of the stacked heads
     out = F.scaled_dot_product_attention(q_grouped, k.permute(1, 0, 2)[None], v.permute(1, 0, 2)[None],
                                          attn_mask=mask)
     return out.view(n_head, n_tokens, dim).permute(1, 0, 2).reshape(n_tokens, n_head * dim)
@@ -55,23 +55,24 @@ def gathered_attention(
     """Attention of each token over only its own rows: index [T, L] picks them from k, v [S, n_kv, d].
 
     For many short sequences in one batch this is far less work than masking every cell for every
-    token. Rows are gathered once per token, never per query head: the group of heads sharing a KV
-    head stays a dimension of the matmul. `mask` [T, L] is additive (-inf on padding).
+    token. Rows are gathered once per token, never per query head: each token is a batch entry of the
+    fused kernel, its KV heads the heads and the group of query heads sharing one the query rows.
+    `mask` [T, L] is additive (-inf on padding). K and V may be stored in another dtype than q: only
+    the gathered rows are converted.
     """
     n_tokens, n_head, dim = q.shape
     n_kv = k.shape[1]
     rows = index.shape + k.shape[1:]  # index_select is several times faster than k[index] here
-    keys = k.index_select(0, index.flatten()).view(rows)  # [T, L, n_kv, d]
-    values = v.index_select(0, index.flatten()).view(rows)
-    q_grouped = q.view(n_tokens, n_kv, n_head // n_kv, dim)
-    out = q.new_empty(q_grouped.shape)
-    # One KV head at a time: [T, L, d] slices are plain strided matrices for bmm, whereas one matmul
-    # over [T, n_kv, ...] would first copy the gathered rows into a batch-friendly layout (2x slower).
-    for head in range(n_kv):
-        scores = torch.baddbmm(mask[:, None, :], q_grouped[:, head], keys[:, :, head].transpose(1, 2),
-                               alpha=dim ** -0.5)
-        out[:, head] = torch.bmm(torch.softmax(scores, dim=-1), values[:, :, head])
-    return out.view(n_tokens, n_head * dim)
+    keys = k.index_select(0, index.flatten()).view(rows).to(q.dtype).transpose(1, 2)  # [T, n_kv, L, d]
+    values = v.index_select(0, index.flatten()).view(rows).to(q.dtype).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q.view(n_tokens, n_kv, n_head // n_kv, dim), keys, values,
+                                         attn_mask=_in_dtype(mask, q)[:, None, None, :])
+    return out.reshape(n_tokens, n_head * dim)
+
+
+def _in_dtype(mask: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The fused kernel wants an additive mask in the query's dtype (0 and -inf survive any float dtype)."""
+    return mask if mask.dtype == q.dtype else mask.to(q.dtype)
 
 
 def causal_mask(n_tokens: int, n_past: int, dtype: torch.dtype) -> torch.Tensor:

@@ -10,6 +10,7 @@ import uvicorn
 
 from kvlm.engine.engine import Engine
 from kvlm.load import load_model
+from kvlm.memory.kv_store import AUTO
 from kvlm.server.app import create_app
 
 log = logging.getLogger("kvlm")
@@ -25,7 +26,7 @@ class ServeSettings:
     n_ctx: int = 8192
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
-    kv_dtype: str = "f32"
+    kv_dtype: str = AUTO  # the model's dtype
     api_key: str | None = None
     served_model_name: str | None = None
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGINT/SIGTERM
@@ -47,7 +48,7 @@ def serve(settings: ServeSettings) -> int:
     log.info("model %s (%s, %s%s) from %s", name, model.config.architecture, settings.dtype,
              f", {settings.quant}" if settings.quant else "", model.source)
     log.info("KV cache: %d cells x %d layers, %s: %d bytes (%.1f MiB); up to %d sequences", settings.n_ctx,
-             model.config.n_layer, settings.kv_dtype, kv_bytes, kv_bytes / 2**20, settings.max_num_seqs)
+             model.config.n_layer, engine.context.kv_dtype, kv_bytes, kv_bytes / 2**20, settings.max_num_seqs)
     app = create_app(engine, name, settings.api_key)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
                             timeout_graceful_shutdown=settings.shutdown_timeout)
