@@ -176,7 +176,7 @@ def kvlm_server(path: Path, port: int, n_ctx: int, concurrency: int, extra_args:
     return Server("kvlm serve", port, command, "/health",
                   f"continuous batching: up to {concurrency} requests at once (max_num_seqs), {N_BATCH}-token steps",
                   {"ignore_eos": True, "stream_options": {"include_usage": True}},
-                  f"bf16, n_ctx {n_ctx}, {' '.join(extra_args) or 'no extra args'}")
+                  f"bf16 weights and KV cache, n_ctx {n_ctx}, {' '.join(extra_args) or 'no extra args'}")
 
 
 def llama_server(path: Path, port: int, n_ctx: int, threads: int, extra_bufts: bool, extra_args: list[str]) -> Server:
