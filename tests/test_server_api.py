@@ -37,9 +37,13 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(smollm2):
+def engine(smollm2):
+    return Engine(smollm2, n_ctx=N_CTX, max_num_seqs=16)
+
+
+@pytest.fixture(scope="module")
+def server(engine):
     """Base URL of a server on a thread; the engine is shut down with it."""
-    engine = Engine(smollm2, n_ctx=N_CTX, max_num_seqs=16)
     port = free_port()
     uv = uvicorn.Server(uvicorn.Config(create_app(engine, MODEL, API_KEY), host="127.0.0.1", port=port,
                                        log_level="warning"))
@@ -249,6 +253,26 @@ def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(server, pat
     assert "Traceback" not in response.text
     ok = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 1
+
+
+def test_a_failing_engine_step_fails_its_requests_and_the_server_keeps_serving(server, engine, monkeypatch):
+    def broken_step():
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(engine, "step", broken_step)
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
+    response = post(server, "/v1/completions", body)
+    assert response.status_code == 500
+    assert response.json()["error"]["message"] == "the engine failed: RuntimeError: injected failure"
+    with httpx.stream("POST", f"{server}/v1/completions", json={**body, "stream": True}, headers=AUTH,
+                      timeout=60) as streamed:
+        lines = [line for line in streamed.iter_lines() if line.startswith("data: ")]
+    assert json.loads(lines[0][6:])["error"]["message"] == "the engine failed: RuntimeError: injected failure"
+    assert lines[-1] == "data: [DONE]"
+    monkeypatch.undo()
+    assert kv_state(server)["n_request_cells"] == 0
+    ok = post(server, "/v1/completions", body)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
 
 
 def test_unknown_route_and_method_have_the_error_shape(server):

@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from kvlm.server.async_engine import EngineFailure
 from kvlm.server.protocol import BadRequest
 
 log = logging.getLogger("kvlm")
@@ -65,6 +66,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(BadRequest)
     async def bad_request(_: Request, exc: BadRequest) -> JSONResponse:
         return error_response(str(exc), exc.status, exc.param, exc.code)
+
+    @app.exception_handler(EngineFailure)
+    async def engine_failure(_: Request, exc: EngineFailure) -> JSONResponse:
+        return error_response(str(exc), 500)
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
