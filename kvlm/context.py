@@ -84,7 +84,7 @@ class Context:
         return self.model.decoder.forward(torch.tensor(ubatch.tokens), torch.tensor(ubatch.pos), view, output_rows)
 
     def _roll_back(self, snapshot, status: DecodeStatus, message: str) -> DecodeStatus:
-        self.memory.cells = snapshot
+        self.memory.cells.restore(snapshot)
         return self._fail(status, message)
 
     def _fail(self, status: DecodeStatus, message: str) -> DecodeStatus:

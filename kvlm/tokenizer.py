@@ -173,6 +173,16 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for: part of a character, for a byte-level token that splits one."""
+        token = self._backend.id_to_token(token_id)
+        if token is None:
+            raise ValueError(f"token id {token_id} is outside the vocabulary [0, {self.vocab_size})")
+        byte_of = _byte_alphabet_inverse()
+        if token_id in self._backend.get_added_tokens_decoder() or not set(token) <= byte_of.keys():
+            return self.decode([token_id]).encode("utf-8")
+        return bytes(byte_of[char] for char in token)
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """The prompt the model's own chat template makes of `messages`, rendered as transformers renders it."""
         if self.chat_template is None:
@@ -254,6 +264,11 @@ def _byte_alphabet() -> dict[int, str]:
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     unprintable = [b for b in range(256) if b not in printable]
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(unprintable)}}
+
+
+@cache
+def _byte_alphabet_inverse() -> dict[str, int]:
+    return {char: byte for byte, char in _byte_alphabet().items()}
 
 
 def _byte_level_bpe(tokens: list[str], merges: list[str]) -> models.BPE:

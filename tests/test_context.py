@@ -105,7 +105,7 @@ def test_failure_in_micro_batch_two_of_three_rolls_everything_back(smollm2, prom
 
     ctx = new_context(smollm2, n_ubatch=16)
     decode_ok(ctx, Batch.for_sequence(prompts[1], seq_id=0))
-    before = memory_state(ctx)
+    before, cells = memory_state(ctx), ctx.memory.cells
     calls = {"n": 0}
     if failure == "compute":
         forward = smollm2.decoder.forward
@@ -126,6 +126,7 @@ def test_failure_in_micro_batch_two_of_three_rolls_everything_back(smollm2, prom
     monkeypatch.undo()
     ctx.abort_callback = None
     assert memory_state(ctx) == before
+    assert ctx.memory.cells is cells  # restored in place: the engine's prefix cache holds this object
     with pytest.raises(IndexError, match="did not succeed"):
         ctx.get_logits_ith(0)
     assert memory_state(ctx) == expected_state

@@ -128,3 +128,11 @@ def test_chat_uses_the_template_and_progress_bar_shows(smollm2, capsys):
         smollm2.tokenizer.apply_chat_template([{"role": "user", "content": "Say hello."}]))
     assert out.prompt_token_ids == expected_prompt
     assert "requests" in capsys.readouterr().err
+
+
+def test_logit_bias_outside_the_vocabulary_fails_only_its_request(smollm2, prompts):
+    llm = make_llm(smollm2)
+    bad = SamplingParams(max_tokens=4, temperature=0.0, logit_bias={10**8: 5.0})
+    good, broken = llm.generate([prompts[0], prompts[1]], [GREEDY, bad], use_tqdm=False)
+    assert broken.finish_reason == "error" and str(10**8) in broken.error
+    assert good.token_ids == alone(smollm2, prompts[0]).token_ids

@@ -388,3 +388,12 @@ def test_hf_folder_bos_comes_from_tokenizer_json(hf_folder, tmp_path):
 def test_hf_folder_without_tokenizer_json(tmp_path):
     with pytest.raises(ModelFileError, match="tokenizer.json"):
         Tokenizer.from_hf_folder(tmp_path)
+
+
+@pytest.mark.parametrize("text", ["plain words", "😀 héllo", "<|im_start|>user\nhi<|im_end|>", "日本語のテキスト"])
+def test_token_bytes_put_back_together_give_the_text(smollm2, text):
+    tokenizer = smollm2.tokenizer
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert b"".join(tokenizer.token_bytes(i) for i in ids) == text.encode("utf-8")
+    emoji = tokenizer.encode("😀", add_special_tokens=False)
+    assert len(emoji) > 1 and all(tokenizer.token_bytes(i) != "\N{REPLACEMENT CHARACTER}".encode() for i in emoji)

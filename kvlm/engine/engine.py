@@ -68,6 +68,9 @@ class Engine:
         bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
         if bad:
             return f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})"
+        biased = sorted(t for t in request.params.logit_bias or {} if t >= vocab)
+        if biased:  # found here, not at the first sample, where it would fail the whole step
+            return f"logit_bias token id {biased[0]} is outside the vocabulary [0, {vocab})"
         return None
 
     def abort(self, request_id: str) -> None:

@@ -54,6 +54,10 @@ class Cells:
         other.pos, other.seqs, other.shift = self.pos.copy(), self.seqs.copy(), self.shift.copy()
         return other
 
+    def restore(self, snapshot: Cells) -> None:
+        """Take back the state of a `copy()`, in place: whoever holds this object (the prefix cache) sees it."""
+        self.__dict__.update(snapshot.copy().__dict__)
+
     def seq_pos_min(self, seq_id: int) -> int:
         positions = self.pos[self.seqs[:, self._seq(seq_id)]]
         return int(positions.min()) if positions.size else -1

@@ -9,12 +9,14 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from importlib import resources
 
+import jinja2
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from kvlm.engine.engine import Engine
 from kvlm.engine.request import RequestOutput
 from kvlm.engine.sampling_params import SamplingParams
+from kvlm.errors import KvlmError
 from kvlm.server.async_engine import AsyncEngine, EngineFailure, Finished
 from kvlm.server.errors import error_body, install_error_handlers
 from kvlm.server.kv_report import kv_report
@@ -70,15 +72,29 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
             raise BadRequest(f"The model '{name}' does not exist; this server serves '{model_name}'", "model",
                              status=404, code="model_not_found")
 
+    def in_vocabulary(ids, field: str) -> None:
+        vocab = engine.model.config.vocab_size
+        bad = [t for t in ids if not 0 <= int(t) < vocab]
+        if bad:
+            raise BadRequest(f"token id {bad[0]} in {field} is outside the vocabulary [0, {vocab})", field)
+
     def token_ids(prompt: str | list[int], field: str) -> list[int]:
         ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise BadRequest(f"{field} must not be empty", field)
-        vocab = engine.model.config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise BadRequest(f"token id {bad[0]} in {field} is outside the vocabulary [0, {vocab})", field)
+        in_vocabulary(ids, field)
         return ids
+
+    def chat_token_ids(messages, add_generation_prompt: bool) -> list[int]:
+        try:
+            text = tokenizer.apply_chat_template([m.as_template_message() for m in messages], add_generation_prompt)
+        except (jinja2.TemplateError, KvlmError) as exc:  # e.g. a template that wants roles to alternate
+            raise BadRequest(f"the chat template refused the messages: {exc}", "messages") from None
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def sampling_checked(params: SamplingParams) -> SamplingParams:
+        in_vocabulary((params.logit_bias or {}).keys(), "logit_bias")
+        return params
 
     # --- generation ---
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
@@ -89,20 +105,20 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         n, choices = body.n_choices(), []
         for p, ids in enumerate(prompts):
             max_tokens = checked_max_tokens(body.max_tokens, len(ids), engine.n_ctx, "max_tokens")
-            choices += [Choice(p * n + i, ids, body.sampling_params(max_tokens, body.logprobs, i)) for i in range(n)]
+            choices += [Choice(p * n + i, ids, sampling_checked(body.sampling_params(max_tokens, body.logprobs, i)))
+                        for i in range(n)]
         reply = Reply("text_completion", model_name)
         return await respond(reply, body, choices, sum(map(len, prompts)), request)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        messages = [m.as_template_message() for m in body.messages]
-        ids = tokenizer.encode(tokenizer.apply_chat_template(messages, body.add_generation_prompt),
-                               add_special_tokens=False)
+        ids = chat_token_ids(body.messages, body.add_generation_prompt)
         field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        max_tokens = checked_max_tokens(body.requested_max_tokens(), len(ids), engine.n_ctx, field)
+        max_tokens = checked_max_tokens(body.requested_max_tokens(), len(ids), engine.n_ctx, field, "messages")
         logprobs = body.logprobs_count()
-        choices = [Choice(i, ids, body.sampling_params(max_tokens, logprobs, i)) for i in range(body.n_choices())]
+        choices = [Choice(i, ids, sampling_checked(body.sampling_params(max_tokens, logprobs, i)))
+                   for i in range(body.n_choices())]
         reply = Reply("chat.completion", model_name)
         return await respond(reply, body, choices, len(ids), request)
 
@@ -156,7 +172,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
                     yield sse(reply.chunk([reply.delta(index, "", None, item.output.finish_reason)]))
                     continue
                 logprobs = formatter.format(item.new_logprobs or [], offsets[index])
-                offsets[index] += len(item.new_text)
+                offsets[index] = formatter.next_offset(logprobs, offsets[index])
                 yield sse(reply.chunk([reply.delta(index, item.new_text, logprobs, None, index not in started)]))
                 started.add(index)
             if include_usage:
@@ -175,9 +191,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         if body.prompt is not None:
             ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
-            text = tokenizer.apply_chat_template([m.as_template_message() for m in body.messages],
-                                                 body.add_generation_prompt)
-            ids = tokenizer.encode(text, add_special_tokens=False)
+            ids = chat_token_ids(body.messages, body.add_generation_prompt)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.n_ctx}
 
     @app.post("/detokenize", dependencies=[Depends(authorized)])

@@ -66,10 +66,15 @@ class AsyncEngine:
     def running(self) -> bool:
         return self._thread.is_alive() and not self._stopping.is_set()
 
+    def _check_running(self) -> None:
+        if not self.running:
+            raise EngineFailure("the engine is not running")
+
     # --- what handlers call ---
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[StepEvent | Finished]:
         """The request's events as they come, then `Finished`. Leaving early (a disconnect) aborts it."""
+        self._check_running()
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, events)
@@ -90,6 +95,7 @@ class AsyncEngine:
 
     async def call(self, fn: Callable[[Engine], Any]) -> Any:
         """Run fn(engine) on the engine thread, between steps, and return its result."""
+        self._check_running()
         loop = asyncio.get_running_loop()
         future = loop.create_future()
 
@@ -106,22 +112,35 @@ class AsyncEngine:
 
     # --- the engine thread ---
     def _run(self) -> None:
-        while not self._stopping.is_set():
-            self._drain_commands(block=not self.engine.has_unfinished())
-            if self.engine.has_unfinished() and not self._stopping.is_set():
-                self._step()
-        for request_id in list(self._streams):
-            self._abort(request_id)
+        try:
+            while not self._stopping.is_set():
+                self._drain_commands(block=not self.engine.has_unfinished())
+                if self.engine.has_unfinished() and not self._stopping.is_set():
+                    self._step()
+        except BaseException:
+            log.exception("the engine thread failed")
+            raise
+        finally:
+            self._stopping.set()
+            self._drain_commands(block=False)  # requests still queued are refused, inspections answered
+            for request_id in list(self._streams):
+                if request_id in self.engine.requests:
+                    self._abort(request_id)
+                else:
+                    self._fail(request_id, EngineFailure("the engine stopped before the request started"))
 
     def _drain_commands(self, block: bool) -> None:
         try:
             command = self._commands.get(timeout=IDLE_WAIT_S) if block else self._commands.get_nowait()
         except queue.Empty:
             return
-        command()
         while True:
             try:
-                self._commands.get_nowait()()
+                command()
+            except Exception:  # noqa: BLE001 - one bad command must not end the thread every request waits on
+                log.exception("an engine command failed")
+            try:
+                command = self._commands.get_nowait()
             except queue.Empty:
                 return
 
@@ -130,7 +149,7 @@ class AsyncEngine:
             events = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the server
             log.exception("engine step failed")
-            for request_id in list(self._streams):
+            for request_id in [r for r in self._streams if r in self.engine.requests]:
                 self._fail(request_id, EngineFailure(f"the engine failed: {type(exc).__name__}: {exc}"))
             return
         self.observer.on_step(self.engine, events, time.perf_counter())
@@ -142,7 +161,14 @@ class AsyncEngine:
     def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if request_id not in self._streams:  # the client left before its request reached the engine
             return
-        self.engine.add_request(prompt_token_ids, params, request_id)
+        if self._stopping.is_set():
+            self._fail(request_id, EngineFailure("the server is shutting down"))
+            return
+        try:
+            self.engine.add_request(prompt_token_ids, params, request_id)
+        except Exception as exc:  # noqa: BLE001 - reported to its client
+            self._fail(request_id, EngineFailure(f"the request could not start: {type(exc).__name__}: {exc}"))
+            return
         if self.engine.requests[request_id].finished:  # refused (e.g. too long): no step will report it
             self._finish(request_id)
 
@@ -161,7 +187,9 @@ class AsyncEngine:
     def _fail(self, request_id: str, error: Exception) -> None:
         if request_id in self.engine.requests:
             self.engine.abort(request_id)
-            self.engine.release(request_id)
+            output = self.engine.release(request_id)
+            output.finish_reason = "error"
+            self.observer.on_finished(output)
         self._send(request_id, error)
         self._streams.pop(request_id, None)
 

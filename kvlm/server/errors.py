@@ -49,6 +49,8 @@ def _validation_message(error: dict) -> tuple[str, str | None]:
         return f"the request body is not valid JSON: {error.get('ctx', {}).get('error', error.get('msg'))}", None
     if kind == "extra_forbidden":
         return f"Unrecognized request argument supplied: {param}", param
+    if kind == "missing" and param is None:
+        return "a JSON object is required as the request body", None
     if kind == "missing":
         return f"the field {param!r} is required", param
     if not location:

@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 from kvlm.engine.sampling_params import SamplingParams
 
 MAX_N = 16  # choices per request
+MAX_STOP_STRINGS, MAX_STOP_LENGTH = 4, 256  # OpenAI takes up to 4 stop sequences
+MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default max_logprobs
 
 
 class BadRequest(ValueError):
@@ -52,6 +54,14 @@ class SamplingFields(BaseModel):
     ignore_eos: StrictBool | None = None
     stop_token_ids: list[StrictInt] | None = None
 
+    def _check_limits(self, logprobs: int | None) -> None:
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LENGTH for s in stops):
+            raise BadRequest(f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LENGTH} "
+                             f"characters, got {len(stops)} of up to {max(map(len, stops))}", "stop")
+        if logprobs is not None and logprobs > MAX_LOGPROBS:
+            raise BadRequest(f"logprobs must be at most {MAX_LOGPROBS}, got {logprobs}", "logprobs")
+
     def n_choices(self) -> int:
         if not 1 <= self.n <= MAX_N:
             raise BadRequest(f"n must be between 1 and {MAX_N}, got {self.n}", "n")
@@ -59,6 +69,7 @@ class SamplingFields(BaseModel):
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
         """The engine's params for choice `choice` of n: with a seed, choice i samples with seed + i."""
+        self._check_limits(logprobs)
         names = ("temperature", "top_p", "frequency_penalty", "presence_penalty", "logit_bias", "stop", "top_k",
                  "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids")
         values: dict[str, Any] = {name: getattr(self, name) for name in names}
@@ -158,11 +169,12 @@ class DetokenizeRequest(BaseModel):
     tokens: list[StrictInt]
 
 
-def checked_max_tokens(requested: int | None, n_prompt: int, n_ctx: int, field: str) -> int:
+def checked_max_tokens(requested: int | None, n_prompt: int, n_ctx: int, field: str,
+                       prompt_field: str = "prompt") -> int:
     """max_tokens as the engine gets it: what is left of the context when not given; refused if over it."""
     if n_prompt + 1 > n_ctx:
         raise BadRequest(f"This model's maximum context length is {n_ctx} tokens, but the prompt has {n_prompt} "
-                         f"tokens (at least one more is needed for the completion)", "prompt",
+                         f"tokens (at least one more is needed for the completion)", prompt_field,
                          code="context_length_exceeded")
     if requested is None:
         return n_ctx - n_prompt

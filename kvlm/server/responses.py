@@ -65,6 +65,12 @@ class LogprobsFormatter:
     def piece(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
+    def next_offset(self, logprobs: dict | None, offset: int) -> int:
+        """Where the next token's text_offset starts in the completions layout: after these tokens' pieces."""
+        if logprobs is None or self.chat:
+            return offset
+        return logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+
     def format(self, tokens: list[SampledToken], text_offset: int = 0) -> dict | None:
         if not tokens:
             return None
@@ -72,8 +78,9 @@ class LogprobsFormatter:
 
     def _chat(self, tokens: list[SampledToken]) -> dict:
         def entry(token_id: int, logprob: float) -> dict:
-            piece = self.piece(token_id)
-            return {"token": piece, "logprob": logprob, "bytes": list(piece.encode("utf-8"))}
+            # bytes are the token's own, so a character split over tokens can be put back together
+            return {"token": self.piece(token_id), "logprob": logprob,
+                    "bytes": list(self.tokenizer.token_bytes(token_id))}
 
         return {"content": [{**entry(t.token_id, t.logprob),
                              "top_logprobs": [entry(i, lp) for i, lp in t.top_logprobs or []]} for t in tokens],
