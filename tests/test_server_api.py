@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -19,6 +18,7 @@ import openai
 import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
+from server_helpers import free_port
 
 from kvlm.engine.engine import Engine
 from kvlm.engine.llm import LLM
@@ -29,12 +29,6 @@ MODEL = "smollm2-test"
 API_KEY = "sk-test-key"
 N_CTX = 4096
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -12,14 +11,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from server_helpers import free_port
 
 KVLM = str(Path(sys.executable).with_name("kvlm"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(gguf: Path, port: int, log_path: Path) -> subprocess.Popen:

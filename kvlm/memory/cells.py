@@ -55,8 +55,10 @@ class Cells:
         return other
 
     def restore(self, snapshot: Cells) -> None:
-        """Take back the state of a `copy()`, in place: whoever holds this object (the prefix cache) sees it."""
-        self.__dict__.update(snapshot.copy().__dict__)
+        """Take back the state of a `copy()`, in place: whoever holds this object (the prefix cache) sees it.
+
+        The snapshot's arrays are taken over, not copied: it must not be used afterwards."""
+        self.__dict__.update(snapshot.__dict__)
 
     def seq_pos_min(self, seq_id: int) -> int:
         positions = self.pos[self.seqs[:, self._seq(seq_id)]]

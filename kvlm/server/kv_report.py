@@ -50,8 +50,8 @@ def kv_report(engine: Engine) -> dict:
     pos, seqs = cells.pos, cells.seqs
     used = np.flatnonzero(pos >= 0)
     request_of = {r.seq_id: r.request_id for r in engine.scheduler.running}
-    live = [s for s in range(seqs.shape[1]) if seqs[:, s].any()]
-    by_requests = seqs[:, [s for s in range(seqs.shape[1]) if s != PREFIX_CACHE_SEQ]].any(axis=1)
+    live = np.flatnonzero(seqs.any(axis=0))
+    by_requests = np.delete(seqs, PREFIX_CACHE_SEQ, axis=1).any(axis=1)
     cache_only = int(np.count_nonzero(seqs[:, PREFIX_CACHE_SEQ] & ~by_requests))
     return {
         "n_cells": cells.n_cells,
@@ -59,6 +59,6 @@ def kv_report(engine: Engine) -> dict:
         "n_request_cells": int(np.count_nonzero(by_requests)),  # held by at least one running request
         "n_prefix_cache_only_cells": cache_only,                 # held only by the prefix cache: evictable
         "cells": [[int(c), int(pos[c]), [int(s) for s in np.flatnonzero(seqs[c])]] for c in used],
-        "sequences": [_sequence(s, seqs, pos, request_of.get(s)) for s in live],
+        "sequences": [_sequence(int(s), seqs, pos, request_of.get(int(s))) for s in live],
         "fragmentation": _fragmentation(pos),
     }
