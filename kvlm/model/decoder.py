@@ -9,7 +9,8 @@ from kvlm.loader.config import ModelConfig
 from kvlm.loader.weights import ModelWeights
 from kvlm.memory.view import KVView
 from kvlm.model.linear import QUANTS, Linear, make_linear
-from kvlm.model.ops import apply_rope, gathered_attention, grouped_attention, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
+from kvlm.model.attention import attend
+from kvlm.model.ops import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -83,31 +84,4 @@ class Decoder:
             (c.n_head, c.n_head_kv), dim=1
         )
         kv.write(index, k, v.view(n_tokens, c.n_head_kv, c.head_dim))
-        keys, values = kv.read(index)
-        dtype = attention_dtype(keys.dtype)
-        q = q.to(dtype)
-        if kv.groups is None:
-            out = grouped_attention(q, keys.to(dtype), values.to(dtype), kv.mask)
-        else:  # only the rows each group reads are converted, not the whole cache
-            out = _attention_by_group(q, keys, values, kv.groups)
-        return layer.attn_output(out.to(self.dtype))
-
-
-def attention_dtype(kv_dtype: torch.dtype) -> torch.dtype:
-    """bfloat16 caches are attended in bfloat16 (the fused kernel accumulates in float32, and reads half
-    the bytes); every other cache in float32, which is exact for an f32 cache."""
-    return torch.bfloat16 if kv_dtype == torch.bfloat16 else torch.float32
-
-
-def _attention_by_group(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, groups) -> torch.Tensor:
-    out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-    for group in groups:
-        q_group = q.index_select(0, group.tokens)
-        if group.index.dim() == 2:
-            result = gathered_attention(q_group, keys, values, group.index, group.mask)
-        else:
-            rows_k = keys.index_select(0, group.index).to(q.dtype)
-            rows_v = values.index_select(0, group.index).to(q.dtype)
-            result = grouped_attention(q_group, rows_k, rows_v, group.mask)
-        out.index_copy_(0, group.tokens, result)
-    return out
+        return layer.attn_output(attend(q, index, kv).to(self.dtype))
