@@ -41,7 +41,7 @@ class Context:
         self.n_ctx, self.n_batch, self.n_ubatch, self.n_seq_max = n_ctx, n_batch, n_ubatch, n_seq_max
         self.kv_dtype = kv_dtype
         self.abort_callback = abort_callback
-        self.memory = KVMemory(model.config, n_ctx, n_seq_max, kv_dtype, model.decoder.inv_freq)
+        self.memory = KVMemory(model.config, n_ctx, n_seq_max, kv_dtype, model.decoder.rope)
         self.last_error = ""
         self._logits: torch.Tensor | None = None
         half = self.memory.kv_bytes / 2 / 2**20

@@ -15,3 +15,7 @@ class ModelFileError(KvlmError):
 
 class CacheError(KvlmError):
     """A KV cache operation was asked to go outside its limits."""
+
+
+class UnsupportedModelError(ModelFileError):
+    """A model file asks for something kvlm does not implement: an architecture, a RoPE type, a tokenizer."""

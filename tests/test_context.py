@@ -208,7 +208,7 @@ def test_context_shift_keeps_n_keep_and_drops_the_oldest_half(smollm2):
 
 
 def test_seq_div_rotates_cached_keys_by_the_position_change(smollm2):
-    from kvlm.model.ops import apply_rope, rope_cos_sin
+    from kvlm.model.ops import apply_rope
 
     tokens = smollm2.tokenizer.encode("one two three four five six")
     ctx = new_context(smollm2)
@@ -220,7 +220,7 @@ def test_seq_div_rotates_cached_keys_by_the_position_change(smollm2):
     new = ctx.memory.cells.pos[cells]
     assert new.tolist() == [0, 1] + [p // 2 for p in range(2, len(tokens))]
     ctx.memory.apply_shifts()
-    cos, sin = rope_cos_sin(torch.from_numpy(new - old), smollm2.decoder.inv_freq, torch.float32)
+    cos, sin = smollm2.decoder.rope.shift_cos_sin(torch.from_numpy(new - old))
     for layer in (0, 17):
         expected = apply_rope(before[layer], cos, sin)
         assert torch.allclose(ctx.memory.store.k.data[layer, cells], expected, atol=1e-5)

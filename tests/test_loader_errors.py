@@ -202,7 +202,7 @@ def test_damaged_safetensors_file(tmp_path, hf_config, hf_tensors):
 
 VALID = ModelConfig(
     architecture="llama", name="valid", n_layer=2, n_embd=64, n_ff=128, n_head=4, n_head_kv=2, head_dim=16,
-    vocab_size=100, n_ctx_train=256, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    vocab_size=100, n_ctx_train=256, rms_norm_eps=1e-5, tie_word_embeddings=True,
 )
 
 

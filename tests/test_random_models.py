@@ -119,7 +119,7 @@ def test_config_read_from_folder(ours_from_folder, reference):
     hf, ours = reference.config, ours_from_folder.config
     assert (ours.n_head, ours.n_head_kv, ours.head_dim) == (hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim)
     assert ours.tie_word_embeddings == hf.tie_word_embeddings
-    assert ours.rope_theta == hf.rope_parameters["rope_theta"]
+    assert ours.rope.theta == hf.rope_parameters["rope_theta"]
 
 
 def test_hf_folder_logits_match_transformers(ours_from_folder, reference):

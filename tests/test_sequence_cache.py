@@ -12,7 +12,7 @@ from kvlm.memory.sequence_cache import SequenceCache
 
 SMALL = ModelConfig(
     architecture="llama", name="small", n_layer=3, n_embd=32, n_ff=64, n_head=4, n_head_kv=2, head_dim=8,
-    vocab_size=50, n_ctx_train=64, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    vocab_size=50, n_ctx_train=64, rms_norm_eps=1e-5, tie_word_embeddings=True,
 )
 
 

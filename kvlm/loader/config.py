@@ -1,7 +1,9 @@
 """The one flat description of a model that every other layer reads."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from kvlm.model.rope import RopeScaling
 
 
 @dataclass(frozen=True)
@@ -16,9 +18,9 @@ class ModelConfig:
     head_dim: int
     vocab_size: int
     n_ctx_train: int
-    rope_theta: float
     rms_norm_eps: float
     tie_word_embeddings: bool
+    rope: RopeScaling = field(default_factory=RopeScaling)
 
     def __post_init__(self) -> None:
         for field in ("n_layer", "n_embd", "n_ff", "n_head", "n_head_kv", "head_dim", "vocab_size", "n_ctx_train"):

@@ -12,6 +12,7 @@ from gguf.quants import dequantize
 from kvlm.errors import ModelFileError
 from kvlm.loader.config import ModelConfig
 from kvlm.loader.gguf_metadata import metadata_of, open_gguf
+from kvlm.model.rope import RopeScaling
 from kvlm.loader.weights import ModelWeights, expected_shapes
 
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -65,9 +66,9 @@ def config_from_metadata(metadata: dict[str, Any], path: str | Path, *, tied: bo
             head_dim=int(key("attention.key_length", n_embd // max(n_head, 1))),
             vocab_size=int(vocab),
             n_ctx_train=int(key("context_length")),
-            rope_theta=float(key("rope.freq_base", 10000.0)),
             rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
             tie_word_embeddings=tied,
+            rope=RopeScaling(theta=float(key("rope.freq_base", 10000.0))),
         )
     except (TypeError, ValueError) as exc:  # values of the wrong type, or ones ModelConfig rejects
         raise ModelFileError(f"{path}: the metadata describes an invalid model: {exc}") from exc

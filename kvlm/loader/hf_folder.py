@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from kvlm.errors import ModelFileError
 from kvlm.loader.config import ModelConfig
+from kvlm.model.rope import RopeScaling
 from kvlm.loader.weights import ModelWeights, expected_shapes
 
 SUPPORTED_MODEL_TYPES = ("llama",)
@@ -66,9 +67,9 @@ def config_from_hf(folder: Path) -> ModelConfig:
             head_dim=raw.get("head_dim") or raw["hidden_size"] // max(n_head, 1),
             vocab_size=raw["vocab_size"],
             n_ctx_train=raw.get("max_position_embeddings", 2048),
-            rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            rope=RopeScaling(theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))),
         )
     except KeyError as exc:
         raise ModelFileError(f"{path}: the config has no {exc.args[0]!r}") from None

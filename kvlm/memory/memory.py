@@ -8,7 +8,8 @@ from kvlm.loader.config import ModelConfig
 from kvlm.memory.cells import Cells
 from kvlm.memory.kv_store import KVStore
 from kvlm.memory.view import AttentionGroup, KVView
-from kvlm.model.ops import apply_rope, rope_cos_sin
+from kvlm.model.ops import apply_rope
+from kvlm.model.rope import Rope
 
 
 # Attend over gathered rows instead of every cell when no token sees more than 1/4 of the cells.
@@ -60,10 +61,10 @@ class KVMemory:
     pending shift that `apply_shifts` turns into a rotation of the cached K before the next compute.
     """
 
-    def __init__(self, config: ModelConfig, n_cells: int, n_seq_max: int, kv_dtype: str, inv_freq: torch.Tensor):
+    def __init__(self, config: ModelConfig, n_cells: int, n_seq_max: int, kv_dtype: str, rope: Rope):
         self.cells = Cells(n_cells, n_seq_max)
         self.store = KVStore(config, n_cells, kv_dtype)
-        self.inv_freq = inv_freq
+        self.rope = rope
         self.config = config
 
     # --- the llama.cpp memory API ---
@@ -117,7 +118,7 @@ class KVMemory:
             return
         cells, deltas = self.cells.take_shifts()
         rows = torch.from_numpy(cells)
-        cos, sin = rope_cos_sin(torch.from_numpy(deltas), self.inv_freq, torch.float32)
+        cos, sin = self.rope.shift_cos_sin(torch.from_numpy(deltas))
         for layer in range(self.store.n_layer):
             keys = self.store.k.read(layer, self.n_cells)[rows].float()
             self.store.k.write(layer, rows, apply_rope(keys, cos, sin))

@@ -27,7 +27,7 @@ class StateError(CacheError):
 
 def model_identity(config: ModelConfig) -> str:
     return (f"{config.architecture}/{config.name}/L{config.n_layer}/E{config.n_embd}/H{config.n_head}"
-            f"/KV{config.n_head_kv}x{config.head_dim}/V{config.vocab_size}/theta{config.rope_theta:g}")
+            f"/KV{config.n_head_kv}x{config.head_dim}/V{config.vocab_size}/rope{config.rope}")
 
 
 def encode_state(header: dict, positions: np.ndarray, parts: list[torch.Tensor]) -> bytes:

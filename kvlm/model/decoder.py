@@ -10,7 +10,8 @@ from kvlm.loader.weights import ModelWeights
 from kvlm.memory.view import KVView
 from kvlm.model.linear import QUANTS, Linear, make_linear
 from kvlm.model.attention import attend
-from kvlm.model.ops import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
+from kvlm.model.ops import apply_rope, rms_norm, swiglu
+from kvlm.model.rope import Rope
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -43,7 +44,7 @@ class Decoder:
         # The output head is the largest matrix; int8 keeps it close to the file's Q8_0/F16 precision.
         head = self.token_embd if config.tie_word_embeddings else weights.output
         self.output = make_linear(head, self.dtype, quant and "int8")
-        self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta)
+        self.rope = Rope(config.rope, config.head_dim)
 
     def _layer(self, weights: ModelWeights, i: int) -> LayerWeights:
         linear = lambda w: make_linear(w, self.dtype, self.quant)  # noqa: E731
@@ -66,7 +67,7 @@ class Decoder:
         nothing here makes those rows visible to later calls: the cache's commit does that.
         """
         x = self.token_embd[tokens]
-        cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype)
+        cos, sin = self.rope.cos_sin(positions, self.dtype)
         for index, layer in enumerate(self.layers):
             x = x + self._attention(index, layer, rms_norm(x, layer.attn_norm, self.config.rms_norm_eps), cos, sin, kv)
             x = x + swiglu(rms_norm(x, layer.ffn_norm, self.config.rms_norm_eps), layer.gate_up, layer.down)

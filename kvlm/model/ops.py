@@ -10,17 +10,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
-def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-
-
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape [n_tokens, 1, head_dim] for positions read at run time."""
-    angles = positions.float()[:, None] * inv_freq[None, :]
-    angles = torch.cat((angles, angles), dim=-1)[:, None, :]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (i, i + d/2) of x [n_tokens, n_heads, head_dim] (the Hugging Face layout)."""
     half = x.shape[-1] // 2
