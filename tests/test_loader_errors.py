@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from gguf_factory import gguf_metadata, gguf_tensors, llama_config, random_llama, write_gguf
-from kvlm.errors import ModelFileError
+from kvlm.errors import ModelFileError, UnsupportedModelError
 from kvlm.load import load_model
 from kvlm.loader.config import ModelConfig
 from kvlm.loader.gguf_file import load_gguf, read_gguf_config
@@ -218,3 +218,74 @@ VALID = ModelConfig(
 def test_model_config_rejects_invalid_values_naming_the_field(change, field):
     with pytest.raises(ValueError, match=field):
         replace(VALID, **change)
+
+
+# Families: what is not supported is refused by name before any weight is read
+
+
+def test_unknown_architecture_is_a_typed_error(gguf_path, tiny, tensors, tmp_path, hf_config, hf_tensors):
+    write_gguf(gguf_path, gguf_metadata(tiny.config, arch="mamba"), tensors, arch="mamba")
+    with pytest.raises(UnsupportedModelError, match="'mamba'.*supported: llama, qwen2, qwen3"):
+        load_gguf(gguf_path)
+    hf_config["architectures"] = ["GPT2LMHeadModel"]
+    hf_config["model_type"] = "gpt2"
+    with pytest.raises(UnsupportedModelError, match="'GPT2LMHeadModel'.*Qwen2ForCausalLM"):
+        load_hf_folder(write_hf_folder(tmp_path, hf_config, hf_tensors))
+
+
+def test_a_missing_tensor_fails_before_any_weight_is_dequantized(gguf_path, metadata, tensors, monkeypatch):
+    import kvlm.loader.gguf_file as gguf_file
+
+    read = []
+    monkeypatch.setattr(gguf_file, "dequantize", lambda *args: read.append(args) or pytest.fail("weights read"))
+    del tensors["blk.1.ffn_down.weight"]  # the very last layer tensor: every other one is fine
+    assert_file_error(load_gguf, write_gguf(gguf_path, metadata, tensors), "blk.1.ffn_down.weight", "missing")
+    assert read == []
+
+
+def test_a_missing_folder_tensor_fails_before_any_weight_is_read(tmp_path, hf_config, hf_tensors, monkeypatch):
+    import kvlm.loader.hf_folder as hf_folder
+
+    monkeypatch.setattr(hf_folder, "_read_tensors", lambda *args: pytest.fail("weights read"))
+    del hf_tensors["model.layers.1.mlp.down_proj.weight"]
+    folder = write_hf_folder(tmp_path, hf_config, hf_tensors)
+    assert_file_error(load_hf_folder, folder, "model.layers.1.mlp.down_proj.weight", "missing")
+
+
+def test_a_qwen2_file_without_its_biases_names_the_missing_bias(gguf_path, tiny, tensors):
+    message = assert_file_error(load_gguf, write_gguf(gguf_path, gguf_metadata(tiny.config, arch="qwen2"), tensors,
+                                                      arch="qwen2"), "attn_q.bias", "missing")
+    assert "blk.0" in message
+
+
+def test_a_qwen3_q_norm_of_the_wrong_shape_is_named(gguf_path, tiny, tensors):
+    head_dim = tiny.config.head_dim
+    tensors.update({f"blk.{i}.attn_{p}_norm.weight": np.ones(head_dim, np.float32) for i in range(2) for p in "qk"})
+    tensors["blk.1.attn_q_norm.weight"] = np.ones(head_dim + 2, np.float32)
+    path = write_gguf(gguf_path, gguf_metadata(tiny.config, arch="qwen3"), tensors, arch="qwen3")
+    assert_file_error(load_gguf, path, "blk.1.attn_q_norm.weight", f"shape [{head_dim + 2}], expected [{head_dim}]")
+
+
+@pytest.mark.parametrize("option", ["attention_bias", "mlp_bias", "use_sliding_window"])
+def test_config_options_kvlm_does_not_implement_are_refused(tmp_path, hf_config, hf_tensors, option):
+    hf_config[option] = True
+    with pytest.raises(UnsupportedModelError, match=f"{option}=True is not supported"):
+        load_hf_folder(write_hf_folder(tmp_path, hf_config, hf_tensors))
+
+
+def test_an_unknown_rope_type_is_named(tmp_path, hf_config, hf_tensors, gguf_path, metadata, tensors):
+    hf_config.pop("rope_parameters", None)
+    hf_config.update(rope_theta=10000.0, rope_scaling={"rope_type": "xpos", "factor": 2.0})
+    with pytest.raises(UnsupportedModelError, match="'xpos'"):
+        load_hf_folder(write_hf_folder(tmp_path, hf_config, hf_tensors))
+    metadata["llama.rope.scaling.type"] = "xpos"
+    with pytest.raises(UnsupportedModelError, match="'xpos'"):
+        load_gguf(write_gguf(gguf_path, metadata, tensors))
+
+
+def test_model_config_layer_kinds_are_checked():
+    assert VALID.layer_kinds == ("attention", "attention")
+    with pytest.raises(ValueError, match="3 entries for 2 layers"):
+        replace(VALID, layer_kinds=("attention",) * 3)
+    with pytest.raises(ValueError, match=r"unknown kinds \['mamba'\]"):
+        replace(VALID, layer_kinds=("attention", "mamba"))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvlm.families import LAYER_KINDS, family_named
 from kvlm.model.rope import RopeScaling
 
 
@@ -21,6 +22,8 @@ class ModelConfig:
     rms_norm_eps: float
     tie_word_embeddings: bool
     rope: RopeScaling = field(default_factory=RopeScaling)
+    layer_kinds: tuple[str, ...] = ()  # one per layer; empty means the family's own list
+
 
     def __post_init__(self) -> None:
         for field in ("n_layer", "n_embd", "n_ff", "n_head", "n_head_kv", "head_dim", "vocab_size", "n_ctx_train"):
@@ -33,6 +36,21 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
+        if not self.layer_kinds:
+            object.__setattr__(self, "layer_kinds", self.family.layer_kinds(self.n_layer))
+        self._check_layer_kinds()
+
+    def _check_layer_kinds(self) -> None:
+        if len(self.layer_kinds) != self.n_layer:
+            raise ValueError(f"ModelConfig.layer_kinds has {len(self.layer_kinds)} entries for {self.n_layer} layers")
+        unknown = sorted(set(self.layer_kinds) - set(LAYER_KINDS))
+        if unknown:
+            raise ValueError(f"ModelConfig.layer_kinds has unknown kinds {unknown} (known: {', '.join(LAYER_KINDS)})")
+
+    @property
+    def family(self):
+        """The architecture's description in the family registry (raises UnsupportedModelError if unknown)."""
+        return family_named(self.architecture)
 
     @property
     def n_group(self) -> int:

@@ -10,40 +10,48 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from kvlm.errors import ModelFileError
+from kvlm.families import family_named
 from kvlm.loader.config import ModelConfig
 from kvlm.loader.gguf_metadata import metadata_of, open_gguf
-from kvlm.model.rope import RopeScaling
 from kvlm.loader.weights import ModelWeights, expected_shapes
+from kvlm.model import rope
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3.x: per-dimension divisors of the RoPE frequencies
 
 
 def load_gguf(path: str | Path) -> tuple[ModelConfig, ModelWeights, dict[str, Any]]:
-    """Config, float32 weights and raw metadata of a GGUF model file."""
+    """Config, float32 weights and raw metadata of a GGUF model file.
+
+    Every tensor's presence, shape and size is checked before any is dequantized.
+    """
     reader = open_gguf(path)
     metadata = metadata_of(reader)
+    config = _config_of(reader, metadata, path)
     tensors = {t.name: t for t in reader.tensors}
-    config = config_from_metadata(metadata, path, tied="output.weight" not in tensors)
-    weights = {}
-    for name, shape in expected_shapes(config).items():
-        if name == "output.weight" and config.tie_word_embeddings:
-            continue
-        weights[name] = _read_tensor(path, tensors, name, shape, config)
+    shapes = expected_shapes(config)
+    for name, shape in shapes.items():
+        _check_tensor(path, tensors.get(name), name, shape)
+    weights = {name: _read_tensor(path, tensors[name], shape, config) for name, shape in shapes.items()}
     return config, ModelWeights(config, weights), metadata
 
 
 def read_gguf_config(path: str | Path) -> ModelConfig:
     reader = open_gguf(path)
-    names = {t.name for t in reader.tensors}
-    return config_from_metadata(metadata_of(reader), path, tied="output.weight" not in names)
+    return _config_of(reader, metadata_of(reader), path)
 
 
-def config_from_metadata(metadata: dict[str, Any], path: str | Path, *, tied: bool) -> ModelConfig:
+def _config_of(reader: GGUFReader, metadata: dict[str, Any], path: str | Path) -> ModelConfig:
+    tensors = {t.name: t for t in reader.tensors}
+    freqs = tensors.get(ROPE_FREQS)
+    freq_factors = None if freqs is None else _dequantize(path, freqs).reshape(-1).tolist()
+    return config_from_metadata(metadata, path, tied="output.weight" not in tensors, freq_factors=freq_factors)
+
+
+def config_from_metadata(
+    metadata: dict[str, Any], path: str | Path, *, tied: bool, freq_factors: list[float] | None = None
+) -> ModelConfig:
     arch = metadata.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelFileError(
-            f"{path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
+    family_named(arch, path)
 
     def key(suffix: str, default: Any = None) -> Any:
         value = metadata.get(f"{arch}.{suffix}", default)
@@ -68,36 +76,35 @@ def config_from_metadata(metadata: dict[str, Any], path: str | Path, *, tied: bo
             n_ctx_train=int(key("context_length")),
             rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
             tie_word_embeddings=tied,
-            rope=RopeScaling(theta=float(key("rope.freq_base", 10000.0))),
+            rope=rope.rope_from_gguf(metadata, arch, freq_factors),
         )
     except (TypeError, ValueError) as exc:  # values of the wrong type, or ones ModelConfig rejects
         raise ModelFileError(f"{path}: the metadata describes an invalid model: {exc}") from exc
 
 
-def _read_tensor(path, tensors: dict, name: str, shape: tuple[int, ...], config: ModelConfig) -> torch.Tensor:
-    tensor = tensors.get(name)
+def _check_tensor(path, tensor, name: str, shape: tuple[int, ...]) -> None:
+    """Present, of the expected shape, and holding all its bytes."""
     if tensor is None:
         raise ModelFileError(f"{path}: tensor {name} is missing (expected shape {list(shape)})")
     found = tuple(int(n) for n in reversed(tensor.shape.tolist()))
     if found != shape:
         raise ModelFileError(f"{path}: tensor {name} has shape {list(found)}, expected {list(shape)}")
-    _check_complete(path, tensor, shape)
-    values = torch.from_numpy(np.require(_dequantize(path, tensor), np.float32, ["C", "W"]).reshape(shape))
-    if name.endswith("attn_q.weight"):
-        values = unpermute_rope_rows(values, config.n_head)
-    elif name.endswith("attn_k.weight"):
-        values = unpermute_rope_rows(values, config.n_head_kv)
-    return values
-
-
-def _check_complete(path, tensor, shape: tuple[int, ...]) -> None:
     block, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
     expected_bytes = int(np.prod(shape)) // block * type_size
     if tensor.data.nbytes != expected_bytes:
         raise ModelFileError(
-            f"{path}: tensor {tensor.name} holds {tensor.data.nbytes} bytes, expected {expected_bytes} "
+            f"{path}: tensor {name} holds {tensor.data.nbytes} bytes, expected {expected_bytes} "
             "(the file is truncated or damaged)"
         )
+
+
+def _read_tensor(path, tensor, shape: tuple[int, ...], config: ModelConfig) -> torch.Tensor:
+    values = torch.from_numpy(np.require(_dequantize(path, tensor), np.float32, ["C", "W"]).reshape(shape))
+    if config.family.permuted_qk and tensor.name.endswith("attn_q.weight"):
+        values = unpermute_rope_rows(values, config.n_head)
+    elif config.family.permuted_qk and tensor.name.endswith("attn_k.weight"):
+        values = unpermute_rope_rows(values, config.n_head_kv)
+    return values
 
 
 def _dequantize(path, tensor) -> np.ndarray:

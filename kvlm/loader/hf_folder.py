@@ -6,37 +6,40 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors import safe_open
 
-from kvlm.errors import ModelFileError
+from kvlm.errors import ModelFileError, UnsupportedModelError
+from kvlm.families import family_for_hf
 from kvlm.loader.config import ModelConfig
-from kvlm.model.rope import RopeScaling
+from kvlm.model import rope
 from kvlm.loader.weights import ModelWeights, expected_shapes
-
-SUPPORTED_MODEL_TYPES = ("llama",)
 
 _LAYER_NAMES = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
 }
+# Options of config.json that change the architecture in ways kvlm does not implement: refused, not ignored.
+_UNSUPPORTED_OPTIONS = ("attention_bias", "mlp_bias", "use_sliding_window")
 _GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 _HF_LAYER_NAMES = {gguf: hf for hf, gguf in _LAYER_NAMES.items()}
 _HF_GLOBAL_NAMES = {gguf: hf for hf, gguf in _GLOBAL_NAMES.items()}
 
 
 def load_hf_folder(folder: str | Path) -> tuple[ModelConfig, ModelWeights]:
+    """Config and float32 weights; every tensor's presence and shape is checked before any is read."""
     folder = Path(folder)
     config = config_from_hf(folder)
-    tensors = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        for name, value in _read_safetensors(file).items():
-            tensors[gguf_name(name)] = value.float()
+    files = sorted(folder.glob("*.safetensors"))
+    shapes = expected_shapes(config)
+    found = {gguf_name(name): (file, name, shape) for file in files for name, shape in _tensor_shapes(file)}
+    for name, shape in shapes.items():
+        _check_shape(folder, found.get(name), name, shape)
     weights = {}
-    for name, shape in expected_shapes(config).items():
-        if name == "output.weight" and config.tie_word_embeddings:
-            continue
-        weights[name] = _checked(folder, tensors, name, shape)
+    for file in files:
+        wanted = {hf: name for name, (f, hf, _) in found.items() if f == file and name in shapes}
+        weights.update({wanted[hf]: tensor.float() for hf, tensor in _read_tensors(file, wanted).items()})
     return config, ModelWeights(config, weights)
 
 
@@ -48,16 +51,14 @@ def config_from_hf(folder: Path) -> ModelConfig:
         raise ModelFileError(f"{path}: cannot read the model config ({exc})") from exc
     if not isinstance(raw, dict):
         raise ModelFileError(f"{path}: expected a JSON object, found {type(raw).__name__}")
-    model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelFileError(
-            f"{path}: model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-        )
+    family = family_for_hf(raw, path)
+    for option in _UNSUPPORTED_OPTIONS:
+        if raw.get(option):
+            raise UnsupportedModelError(f"{path}: {option}={raw[option]!r} is not supported for {family.name} models")
     try:
         n_head = raw["num_attention_heads"]
-        rope = raw.get("rope_parameters") or {}
         return ModelConfig(
-            architecture=model_type,
+            architecture=family.name,
             name=raw.get("_name_or_path") or folder.name,
             n_layer=raw["num_hidden_layers"],
             n_embd=raw["hidden_size"],
@@ -69,7 +70,7 @@ def config_from_hf(folder: Path) -> ModelConfig:
             n_ctx_train=raw.get("max_position_embeddings", 2048),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            rope=RopeScaling(theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))),
+            rope=rope.rope_from_hf_config(raw),
         )
     except KeyError as exc:
         raise ModelFileError(f"{path}: the config has no {exc.args[0]!r}") from None
@@ -98,19 +99,25 @@ def hf_name(name: str) -> str:
     return name
 
 
-def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
+def _tensor_shapes(file: Path) -> list[tuple[str, tuple[int, ...]]]:
+    """Names and shapes from a safetensors header, without reading any data."""
     try:
-        return load_file(file)
+        with safe_open(file, "pt") as f:
+            return [(name, tuple(f.get_slice(name).get_shape())) for name in f.keys()]
     except (SafetensorError, OSError) as exc:
         raise ModelFileError(f"{file}: not a readable safetensors file ({exc})") from exc
 
 
-def _checked(folder: Path, tensors: dict[str, torch.Tensor], name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    tensor = tensors.get(name)
-    if tensor is None:
+def _read_tensors(file: Path, names) -> dict[str, torch.Tensor]:
+    try:
+        with safe_open(file, "pt") as f:
+            return {name: f.get_tensor(name) for name in names}
+    except (SafetensorError, OSError) as exc:
+        raise ModelFileError(f"{file}: not a readable safetensors file ({exc})") from exc
+
+
+def _check_shape(folder: Path, found, name: str, shape: tuple[int, ...]) -> None:
+    if found is None:
         raise ModelFileError(f"{folder}: tensor {hf_name(name)} is missing (expected shape {list(shape)})")
-    if tuple(tensor.shape) != shape:
-        raise ModelFileError(
-            f"{folder}: tensor {hf_name(name)} has shape {list(tensor.shape)}, expected {list(shape)}"
-        )
-    return tensor
+    if found[2] != shape:
+        raise ModelFileError(f"{folder}: tensor {hf_name(name)} has shape {list(found[2])}, expected {list(shape)}")

@@ -7,24 +7,17 @@ import torch
 
 from kvlm.loader.config import ModelConfig
 
-LAYER_TENSORS = (
-    "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down",
-)
-
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Shape of every tensor the decoder needs, [out, in] for matrices as torch's linear expects."""
-    d, ff, hd = config.n_embd, config.n_ff, config.head_dim
-    q_rows, kv_rows = config.n_head * hd, config.n_head_kv * hd
-    per_layer = {
-        "attn_norm": (d,), "attn_q": (q_rows, d), "attn_k": (kv_rows, d), "attn_v": (kv_rows, d),
-        "attn_output": (d, q_rows), "ffn_norm": (d,), "ffn_gate": (ff, d), "ffn_up": (ff, d), "ffn_down": (d, ff),
-    }
+    d = config.n_embd
+    per_layer = config.family.layer_shapes(d, config.n_ff, config.n_head, config.n_head_kv, config.head_dim)
     shapes = {"token_embd.weight": (config.vocab_size, d), "output_norm.weight": (d,)}
     for layer in range(config.n_layer):
-        for part in LAYER_TENSORS:
-            shapes[f"blk.{layer}.{part}.weight"] = per_layer[part]
-    shapes["output.weight"] = (config.vocab_size, d)
+        for part, shape in per_layer.items():
+            shapes[f"blk.{layer}.{part}"] = shape
+    if not config.tie_word_embeddings:
+        shapes["output.weight"] = (config.vocab_size, d)
     return shapes
 
 
@@ -35,8 +28,11 @@ class ModelWeights:
     config: ModelConfig
     tensors: dict[str, torch.Tensor]
 
-    def layer(self, index: int, part: str) -> torch.Tensor:
-        return self.tensors[f"blk.{index}.{part}.weight"]
+    def layer(self, index: int, part: str, kind: str = "weight") -> torch.Tensor:
+        return self.tensors[f"blk.{index}.{part}.{kind}"]
+
+    def has(self, index: int, part: str, kind: str = "weight") -> bool:
+        return f"blk.{index}.{part}.{kind}" in self.tensors
 
     @property
     def output(self) -> torch.Tensor:

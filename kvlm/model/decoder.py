@@ -1,10 +1,15 @@
-"""A Llama-family decoder on torch: embeddings, N x (attention + SwiGLU), final norm, LM head."""
+"""One decoder for every family: embeddings, a walk over the layer kinds, final norm, LM head.
+
+What differs between families (biases, QK-norm, RoPE scaling) is data in the config and its family.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
+from kvlm.families import ATTENTION
 from kvlm.loader.config import ModelConfig
 from kvlm.loader.weights import ModelWeights
 from kvlm.memory.view import KVView
@@ -20,6 +25,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class LayerWeights:
     attn_norm: torch.Tensor
     qkv: Linear             # Q, K and V projections stacked: one matmul instead of three
+    qkv_bias: torch.Tensor | None
+    qk_norm: torch.Tensor | None  # [n_head + n_head_kv, head_dim]: each Q head's then each K head's weight
     attn_output: Linear
     ffn_norm: torch.Tensor
     gate_up: Linear         # gate and up projections stacked
@@ -45,17 +52,27 @@ class Decoder:
         head = self.token_embd if config.tie_word_embeddings else weights.output
         self.output = make_linear(head, self.dtype, quant and "int8")
         self.rope = Rope(config.rope, config.head_dim)
+        self._blocks = {ATTENTION: self._attention_block}  # one entry per layer kind the config may list
 
     def _layer(self, weights: ModelWeights, i: int) -> LayerWeights:
         linear = lambda w: make_linear(w, self.dtype, self.quant)  # noqa: E731
+        qkv = ("attn_q", "attn_k", "attn_v")
         return LayerWeights(
             attn_norm=weights.layer(i, "attn_norm").to(self.dtype),
-            qkv=linear(torch.cat([weights.layer(i, p) for p in ("attn_q", "attn_k", "attn_v")])),
+            qkv=linear(torch.cat([weights.layer(i, p) for p in qkv])),
+            qkv_bias=torch.cat([weights.layer(i, p, "bias") for p in qkv]).to(self.dtype)
+            if self.config.family.qkv_bias else None,
+            qk_norm=self._qk_norm(weights, i) if self.config.family.qk_norm else None,
             attn_output=linear(weights.layer(i, "attn_output")),
             ffn_norm=weights.layer(i, "ffn_norm").to(self.dtype),
             gate_up=linear(torch.cat([weights.layer(i, "ffn_gate"), weights.layer(i, "ffn_up")])),
             down=linear(weights.layer(i, "ffn_down")),
         )
+
+    def _qk_norm(self, weights: ModelWeights, i: int) -> torch.Tensor:
+        c = self.config
+        q_norm, k_norm = weights.layer(i, "attn_q_norm"), weights.layer(i, "attn_k_norm")
+        return torch.cat([q_norm.expand(c.n_head, -1), k_norm.expand(c.n_head_kv, -1)]).to(self.dtype)
 
     @torch.inference_mode()
     def forward(
@@ -68,21 +85,30 @@ class Decoder:
         """
         x = self.token_embd[tokens]
         cos, sin = self.rope.cos_sin(positions, self.dtype)
-        for index, layer in enumerate(self.layers):
-            x = x + self._attention(index, layer, rms_norm(x, layer.attn_norm, self.config.rms_norm_eps), cos, sin, kv)
-            x = x + swiglu(rms_norm(x, layer.ffn_norm, self.config.rms_norm_eps), layer.gate_up, layer.down)
+        for index, (kind, layer) in enumerate(zip(self.config.layer_kinds, self.layers)):
+            x = self._blocks[kind](index, layer, x, cos, sin, kv)
         if output_rows is not None:
             x = x[output_rows]
         return self.output(rms_norm(x, self.output_norm, self.config.rms_norm_eps)).float()
+
+    def _attention_block(self, index: int, layer: LayerWeights, x, cos, sin, kv: KVView) -> torch.Tensor:
+        """Pre-norm attention then pre-norm SwiGLU, each added to the residual stream."""
+        eps = self.config.rms_norm_eps
+        x = x + self._attention(index, layer, rms_norm(x, layer.attn_norm, eps), cos, sin, kv)
+        return x + swiglu(rms_norm(x, layer.ffn_norm, eps), layer.gate_up, layer.down)
 
     def _attention(self, index: int, layer: LayerWeights, h, cos, sin, kv: KVView) -> torch.Tensor:
         c = self.config
         q_size, kv_size = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
         n_tokens = h.shape[0]
-        qk, v = layer.qkv(h).split((q_size + kv_size, kv_size), dim=-1)
-        # Q and K heads side by side take their rotation in one go.
-        q, k = apply_rope(qk.view(n_tokens, c.n_head + c.n_head_kv, c.head_dim), cos, sin).split(
-            (c.n_head, c.n_head_kv), dim=1
-        )
+        qkv = layer.qkv(h)
+        if layer.qkv_bias is not None:
+            qkv = qkv + layer.qkv_bias
+        qk, v = qkv.split((q_size + kv_size, kv_size), dim=-1)
+        # Q and K heads side by side take their norm and rotation in one go.
+        qk = qk.view(n_tokens, c.n_head + c.n_head_kv, c.head_dim)
+        if layer.qk_norm is not None:
+            qk = F.rms_norm(qk, (c.head_dim,), eps=c.rms_norm_eps) * layer.qk_norm
+        q, k = apply_rope(qk, cos, sin).split((c.n_head, c.n_head_kv), dim=1)
         kv.write(index, k, v.view(n_tokens, c.n_head_kv, c.head_dim))
         return layer.attn_output(attend(q, index, kv).to(self.dtype))

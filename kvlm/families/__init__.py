@@ -1,0 +1,35 @@
+"""The registry of model families: from a file's architecture name to what the decoder needs to know."""
+from __future__ import annotations
+
+from kvlm.errors import UnsupportedModelError
+from kvlm.families import llama, qwen2, qwen3
+from kvlm.families.family import ATTENTION, LAYER_KINDS, Family
+
+FAMILIES: dict[str, Family] = {family.name: family for family in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY)}
+_BY_HF_NAME = {
+    name: family for family in FAMILIES.values() for name in (*family.hf_architectures, family.hf_model_type)
+}
+
+__all__ = ["ATTENTION", "FAMILIES", "LAYER_KINDS", "Family", "family_named", "family_for_hf"]
+
+
+def family_named(architecture: object, where: object = "the model") -> Family:
+    """The family of a GGUF `general.architecture` (or a ModelConfig's `architecture`)."""
+    if architecture not in FAMILIES:
+        raise UnsupportedModelError(
+            f"{where}: architecture {architecture!r} is not supported (supported: {', '.join(FAMILIES)})"
+        )
+    return FAMILIES[architecture]
+
+
+def family_for_hf(config: dict, where: object) -> Family:
+    """The family of a config.json: its `architectures[0]`, else its `model_type`."""
+    architectures = config.get("architectures") or [None]
+    for name in (architectures[0], config.get("model_type")):
+        if isinstance(name, str) and name in _BY_HF_NAME:
+            return _BY_HF_NAME[name]
+    supported = ", ".join(f"{f.hf_model_type} ({', '.join(f.hf_architectures)})" for f in FAMILIES.values())
+    raise UnsupportedModelError(
+        f"{where}: architecture {architectures[0]!r} (model_type {config.get('model_type')!r}) is not supported "
+        f"(supported: {supported})"
+    )
