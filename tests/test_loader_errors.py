@@ -283,6 +283,12 @@ def test_an_unknown_rope_type_is_named(tmp_path, hf_config, hf_tensors, gguf_pat
         load_gguf(write_gguf(gguf_path, metadata, tensors))
 
 
+def test_partial_rotary_embeddings_are_refused(gguf_path, metadata, tensors):
+    metadata["llama.rope.dimension_count"] = 8
+    with pytest.raises(UnsupportedModelError, match="dimension_count=8 rotates part of each 16-dim head"):
+        read_gguf_config(write_gguf(gguf_path, metadata, tensors))
+
+
 def test_model_config_layer_kinds_are_checked():
     assert VALID.layer_kinds == ("attention", "attention")
     with pytest.raises(ValueError, match="3 entries for 2 layers"):

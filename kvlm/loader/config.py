@@ -1,7 +1,8 @@
 """The one flat description of a model that every other layer reads."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from itertools import groupby
 
 from kvlm.families import LAYER_KINDS, family_named
 from kvlm.model.rope import RopeScaling
@@ -58,4 +59,11 @@ class ModelConfig:
         return self.n_head // self.n_head_kv
 
     def describe(self) -> dict[str, object]:
-        return dict(self.__dict__)
+        """The config for people: RoPE by what differs from the plain form, layer kinds as runs."""
+        values = dict(self.__dict__)
+        family = self.family
+        values["architecture"] = " ".join([self.architecture, *(p for p in ("qkv_bias", "qk_norm") if getattr(family, p))])
+        values["rope"] = " ".join(f"{f.name}={getattr(self.rope, f.name)}" for f in fields(self.rope)
+                                  if f.name in ("theta", "kind") or getattr(self.rope, f.name) != f.default)
+        values["layer_kinds"] = ", ".join(f"{len(list(run))} x {kind}" for kind, run in groupby(self.layer_kinds))
+        return values

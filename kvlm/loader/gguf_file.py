@@ -9,7 +9,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from kvlm.errors import ModelFileError
+from kvlm.errors import ModelFileError, UnsupportedModelError
 from kvlm.families import family_named
 from kvlm.loader.config import ModelConfig
 from kvlm.loader.gguf_metadata import metadata_of, open_gguf
@@ -63,7 +63,7 @@ def config_from_metadata(
         n_embd = int(key("embedding_length"))
         n_head = int(key("attention.head_count"))
         vocab = metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens", []))
-        return ModelConfig(
+        config = ModelConfig(
             architecture=arch,
             name=str(metadata.get("general.name", Path(path).stem)),
             n_layer=int(key("block_count")),
@@ -80,6 +80,18 @@ def config_from_metadata(
         )
     except (TypeError, ValueError) as exc:  # values of the wrong type, or ones ModelConfig rejects
         raise ModelFileError(f"{path}: the metadata describes an invalid model: {exc}") from exc
+    _check_full_rotary(metadata, config, path)
+    return config
+
+
+def _check_full_rotary(metadata: dict[str, Any], config: ModelConfig, path) -> None:
+    """RoPE over only part of each head (rope.dimension_count < head_dim) is not implemented."""
+    dims = metadata.get(f"{config.architecture}.rope.dimension_count", config.head_dim)
+    if dims != config.head_dim:
+        raise UnsupportedModelError(
+            f"{path}: {config.architecture}.rope.dimension_count={dims} rotates part of each "
+            f"{config.head_dim}-dim head; only full-head RoPE is supported"
+        )
 
 
 def _check_tensor(path, tensor, name: str, shape: tuple[int, ...]) -> None:

@@ -238,7 +238,7 @@ def rope_from_hf_config(raw: Mapping[str, Any]) -> RopeScaling:
         raise UnsupportedModelError(f"RoPE type {kind!r} is not supported (supported: {', '.join(KINDS)})")
     partial = _first(params.get("partial_rotary_factor"), raw.get("partial_rotary_factor"), 1.0)
     if partial != 1:
-        raise UnsupportedModelError(f"partial_rotary_factor={partial!r} is not supported (only 1.0, a fully rotated head)")
+        raise UnsupportedModelError(f"partial_rotary_factor={partial!r} is not supported (only 1.0: whole heads)")
     theta = _first(params.get("rope_theta"), raw.get("rope_theta"), 10000.0)
     if kind == "default":
         return RopeScaling(theta=theta)
@@ -303,8 +303,9 @@ def _yarn_from_gguf(key, metadata, arch, theta, factor, attn_factor, factors) ->
     mscale, mscale_all_dim = (1.0, float(log_mul)) if log_mul else (None, None)
     # The converter writes transformers' attention_factor as yarn_attn_factor: honoured as transformers does.
     attention = key("scaling.yarn_attn_factor")
-    if attn_factor != 1.0:
-        attention = (yarn_attention_factor(factor, mscale, mscale_all_dim) if attention is None else attention)
+    if attn_factor != 1.0:  # llama.cpp multiplies the whole magnitude by it
+        if attention is None:
+            attention = yarn_attention_factor(factor, mscale, mscale_all_dim)
         attention *= attn_factor
     original = key("scaling.original_context_length") or metadata.get(f"{arch}.context_length")
     return RopeScaling(
