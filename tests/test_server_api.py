@@ -19,6 +19,7 @@ import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 from server_helpers import free_port
+from test_cli_chat_kwargs import NO_THINKING, QWEN3_STYLE_TEMPLATE
 
 from kvlm.engine.engine import Engine
 from kvlm.engine.llm import LLM
@@ -229,6 +230,14 @@ BAD_REQUESTS = [
                               "tools": [{"type": "function"}]}, AUTH, 400, "tools", ["tools"]),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                               "top_logprobs": 3}, AUTH, 400, "top_logprobs", ["logprobs"]),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                              "chat_template_kwargs": "enable_thinking"}, AUTH, 400, "chat_template_kwargs",
+     ["dictionary", "enable_thinking"]),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                              "chat_template_kwargs": {"messages": []}}, AUTH, 400, "chat_template_kwargs",
+     ["cannot set messages"]),
+    ("/tokenize", {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": [1]}, AUTH, 400,
+     "chat_template_kwargs", ["dictionary"]),
     ("/v1/completions", {"model": MODEL, "prompt": "hi"}, {"Authorization": "Bearer nope"}, 401, None, ["API key"]),
     ("/v1/completions", {"model": MODEL, "prompt": "hi"}, {}, 401, None, ["API key"]),
     ("/detokenize", {"tokens": [-5]}, AUTH, 400, "tokens", ["-5"]),
@@ -296,7 +305,7 @@ def test_a_failing_forward_pass_fails_its_requests_and_the_server_keeps_serving(
 
 
 def test_a_chat_template_that_refuses_the_messages_is_a_400(server, engine, monkeypatch):
-    def refuse(messages, add_generation_prompt=True):
+    def refuse(*args, **kwargs):
         raise jinja2.TemplateError("Conversation roles must alternate user/assistant/user/assistant")
 
     monkeypatch.setattr(engine.model.tokenizer, "apply_chat_template", refuse)
@@ -305,6 +314,20 @@ def test_a_chat_template_that_refuses_the_messages_is_a_400(server, engine, monk
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == "messages" and "roles must alternate" in error["message"]
+
+
+def test_chat_template_kwargs_reach_the_template(server, client, engine, monkeypatch):
+    """vLLM's extra field, as clients send it: the openai client's extra_body."""
+    monkeypatch.setattr(engine.model.tokenizer, "chat_template", QWEN3_STYLE_TEMPLATE)
+    messages = [{"role": "user", "content": "Hi"}]
+    for kwargs, thinks in (None, True), ({"enable_thinking": True}, True), ({"enable_thinking": False}, False):
+        expected = engine.model.tokenizer.encode_chat(messages, **(kwargs or {}))
+        assert engine.model.tokenizer.decode(expected).endswith(NO_THINKING) != thinks
+        tokens = post(server, "/tokenize", {"messages": messages, "chat_template_kwargs": kwargs}).json()
+        assert tokens["tokens"] == expected
+        out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0,
+                                             extra_body={"chat_template_kwargs": kwargs})
+        assert out.usage.prompt_tokens == len(expected)
 
 
 def test_unknown_route_and_method_have_the_error_shape(server):

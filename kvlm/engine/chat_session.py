@@ -10,12 +10,15 @@ from collections.abc import Iterator
 
 from kvlm.engine.llm import LLM, StreamChunk
 from kvlm.engine.sampling_params import SamplingParams
+from kvlm.tokenizer import checked_template_kwargs
 
 
 class ChatSession:
-    def __init__(self, llm: LLM, params: SamplingParams, system: str | None = None) -> None:
+    def __init__(self, llm: LLM, params: SamplingParams, system: str | None = None,
+                 chat_template_kwargs: dict | None = None) -> None:
         self.llm = llm
         self.params = params
+        self.template_kwargs = checked_template_kwargs(chat_template_kwargs or {}, "chat_template_kwargs")
         self.messages: list[dict] = [{"role": "system", "content": system}] if system else []
         self.history_ids: list[int] = []   # the tokens the engine last held for this conversation
         self.history_text = ""             # the text those tokens stand for
@@ -25,12 +28,12 @@ class ChatSession:
         """Stream the assistant's answer to a new user message, then remember both."""
         tokenizer = self.llm.tokenizer
         self.messages.append({"role": "user", "content": content})
-        rendered = tokenizer.apply_chat_template(self.messages, add_generation_prompt=True)
+        rendered = tokenizer.apply_chat_template(self.messages, add_generation_prompt=True, **self.template_kwargs)
         if self.history_ids and rendered.startswith(self.history_text):
             prompt_ids = self.history_ids + tokenizer.encode(rendered[len(self.history_text):],
                                                              add_special_tokens=False)
         else:
-            prompt_ids = tokenizer.encode(rendered)
+            prompt_ids = tokenizer.encode(rendered, add_special_tokens=False)  # the template writes any BOS
         final = None
         for chunk in self.llm.stream(prompt_ids, self.params):
             final = chunk.output or final

@@ -13,6 +13,7 @@ from kvlm.engine.sampling_params import SamplingParams
 from kvlm.fetch import DEFAULT_MODEL
 from kvlm.load import Model, load_model
 from kvlm.memory.kv_store import AUTO
+from kvlm.tokenizer import checked_template_kwargs
 
 Prompt = str | list[int]
 Conversation = list[dict]
@@ -45,11 +46,18 @@ class LLM:
         return self._run([self._ids(p) for p in prompts], _per_prompt(params, len(prompts)), use_tqdm)
 
     def chat(self, conversations: Conversation | Sequence[Conversation],
-             params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Each conversation (a list of {"role", "content"}) is rendered with the model's chat template."""
+             params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True, *,
+             add_generation_prompt: bool = True, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Each conversation (a list of {"role", "content"}) is rendered with the model's chat template.
+
+        As in vLLM, `tools` (OpenAI function specs) and `chat_template_kwargs` (e.g. {"enable_thinking": False})
+        reach the template.
+        """
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(c)) for c in conversations]
+        kwargs = checked_template_kwargs(chat_template_kwargs or {}, "chat_template_kwargs")
+        prompts = [self.tokenizer.encode_chat(c, add_generation_prompt, tools, **kwargs) for c in conversations]
         return self._run(prompts, _per_prompt(params, len(prompts)), use_tqdm)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamChunk]:

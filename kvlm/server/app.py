@@ -85,12 +85,13 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         in_vocabulary(ids, field)
         return ids
 
-    def chat_token_ids(messages, add_generation_prompt: bool) -> list[int]:
+    def chat_token_ids(body: ChatCompletionRequest | TokenizeRequest) -> list[int]:
+        messages, kwargs = [m.as_template_message() for m in body.messages], body.template_kwargs()
         try:
-            text = tokenizer.apply_chat_template([m.as_template_message() for m in messages], add_generation_prompt)
-        except (jinja2.TemplateError, KvlmError) as exc:  # e.g. a template that wants roles to alternate
+            return tokenizer.encode_chat(messages, body.add_generation_prompt, **kwargs)
+        # e.g. a template that wants roles to alternate, or a template kwarg of a type it cannot use
+        except (jinja2.TemplateError, KvlmError, TypeError, ValueError) as exc:
             raise BadRequest(f"the chat template refused the messages: {exc}", "messages") from None
-        return tokenizer.encode(text, add_special_tokens=False)
 
     def sampling_checked(params: SamplingParams) -> SamplingParams:
         in_vocabulary((params.logit_bias or {}).keys(), "logit_bias")
@@ -113,7 +114,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        ids = chat_token_ids(body.messages, body.add_generation_prompt)
+        ids = chat_token_ids(body)
         field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = checked_max_tokens(body.requested_max_tokens(), len(ids), engine.n_ctx, field, "messages")
         logprobs = body.logprobs_count()
@@ -191,7 +192,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         if body.prompt is not None:
             ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
-            ids = chat_token_ids(body.messages, body.add_generation_prompt)
+            ids = chat_token_ids(body)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.n_ctx}
 
     @app.post("/detokenize", dependencies=[Depends(authorized)])

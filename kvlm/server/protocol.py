@@ -2,7 +2,7 @@
 
 Unknown fields are refused (400) rather than ignored, so a client never believes a setting took effect
 when it did not. Besides OpenAI's fields, vLLM's extras are accepted: top_k, min_p, repetition_penalty,
-ignore_eos, stop_token_ids.
+ignore_eos, stop_token_ids, and for chat chat_template_kwargs.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from kvlm.engine.sampling_params import SamplingParams
+from kvlm.tokenizer import checked_template_kwargs
 
 MAX_N = 16  # choices per request
 MAX_STOP_STRINGS, MAX_STOP_LENGTH = 4, 256  # OpenAI takes up to 4 stop sequences
@@ -133,14 +134,27 @@ class ResponseFormat(BaseModel):
     type: Literal["text"]
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatTemplateFields(BaseModel):
+    """How messages become a prompt; chat_template_kwargs is vLLM's extra, e.g. {"enable_thinking": false}."""
+
+    model_config = ConfigDict(extra="forbid")
+    add_generation_prompt: StrictBool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        try:
+            return checked_template_kwargs(self.chat_template_kwargs or {}, "chat_template_kwargs")
+        except ValueError as exc:
+            raise BadRequest(str(exc), "chat_template_kwargs") from None
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
     response_format: ResponseFormat | None = None
-    add_generation_prompt: StrictBool = True
 
     def logprobs_count(self) -> int | None:
         """How many alternatives per token the engine must return (None: no logprobs at all)."""
@@ -154,13 +168,11 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TokenizeRequest(ChatTemplateFields):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: StrictBool = True
-    add_generation_prompt: StrictBool = True
 
 
 class DetokenizeRequest(BaseModel):
