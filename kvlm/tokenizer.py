@@ -82,6 +82,12 @@ _NAMED_TOKEN_KEYS = {
     "pad_token": "tokenizer.ggml.padding_token_id",
 }
 _END_OF_TURN_KEYS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+# llama.cpp ends generation at these tokens too, whatever the metadata says (llama-vocab.cpp): a Qwen base
+# model, say, finishes with <|endoftext|> while its eos is <|im_end|>. The last three end fill-in-the-middle.
+_END_OF_GENERATION_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>",
+    "<|end_of_text|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
+})
 
 # Names a message's reasoning may come under; transformers copies it to the ones templates read.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -131,6 +137,7 @@ class Tokenizer:
             _wanted(metadata.get("tokenizer.ggml.add_eos_token"), named_tokens.get("eos_token"), ids["eos_token"]),
         )
         stop_ids = {metadata.get(key) for key in ("tokenizer.ggml.eos_token_id", *_END_OF_TURN_KEYS)}
+        stop_ids |= {i for i, token in enumerate(tokens) if token in _END_OF_GENERATION_TEXTS}
         return cls(
             backend,
             bos_id=ids["bos_token"],

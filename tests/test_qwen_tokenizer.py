@@ -100,7 +100,9 @@ def test_properties(tokenizer, metadata, hf_qwen_tokenizer):
     assert tokenizer.vocab_size == len(hf_qwen_tokenizer) == 151936
     assert (tokenizer.bos_id, tokenizer.eos_id) == (151643, 151645)
     assert tokenizer.eos_id == hf_qwen_tokenizer.eos_token_id
-    assert tokenizer.stop_ids == frozenset({151645})
+    # As llama.cpp: <|im_end|> (eos), <|endoftext|>, and the fill-in-the-middle ends <|fim_pad|>, <|repo_name|>,
+    # <|file_sep|>.
+    assert tokenizer.stop_ids == frozenset({151645, 151643, 151662, 151663, 151664})
 
 
 @pytest.mark.parametrize("text", TEXTS)

@@ -202,12 +202,12 @@ def test_bos_added_when_the_file_asks(metadata):
 def test_properties(tokenizer, reference):
     assert tokenizer.vocab_size == len(reference) == 49152
     assert (tokenizer.bos_id, tokenizer.eos_id) == (reference.bos_token_id, reference.eos_token_id)
-    assert tokenizer.stop_ids == frozenset({2})
+    assert tokenizer.stop_ids == frozenset({0, 2})  # <|im_end|> (eos) and, as in llama.cpp, <|endoftext|>
 
 
 def test_stop_ids_include_end_of_turn_tokens(metadata):
-    marked = {**metadata, "tokenizer.ggml.eot_token_id": 1, "tokenizer.ggml.eom_token_id": 0}
-    assert Tokenizer.from_gguf_metadata(marked).stop_ids == frozenset({0, 1, 2})
+    marked = {**metadata, "tokenizer.ggml.eot_token_id": 1, "tokenizer.ggml.eom_token_id": 4}
+    assert Tokenizer.from_gguf_metadata(marked).stop_ids == frozenset({0, 1, 2, 4})
 
 
 @pytest.mark.parametrize("text", TEXTS)
