@@ -1,6 +1,8 @@
 """What every benchmark shares: the model path, a timer, and a markdown table printer."""
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import platform
 import statistics
 import time
@@ -9,13 +11,42 @@ from pathlib import Path
 
 import torch
 
-from kvlm.fetch import DEFAULT_MODEL, pull
+from kvlm.fetch import DEFAULT_MODEL, pull, resolve_model
 
 BENCH_DIR = Path(__file__).resolve().parent
 
 
 def default_gguf() -> Path:
     return pull(DEFAULT_MODEL)
+
+
+def add_model_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"a known model name or a .gguf file (default: {DEFAULT_MODEL}, the one RESULTS.md uses)")
+
+
+def model_gguf(spec: str) -> Path:
+    """--model as a GGUF path: a known name is pulled into kvlm's cache on first use."""
+    return resolve_model(spec)
+
+
+def model_label(path: Path) -> str:
+    """A short name for titles: the file name without .gguf."""
+    return path.name.removesuffix(".gguf")
+
+
+def can_plot() -> bool:
+    """Whether matplotlib is installed (an optional extra); the tables are printed either way."""
+    if importlib.util.find_spec("matplotlib") is None:
+        print("\nno plot: matplotlib is not installed")
+        return False
+    return True
+
+
+def plot_path(stem: str, spec: str) -> Path:
+    """bench/<stem>.png for the default model (the plots RESULTS.md shows); bench/<stem>-<model>.png otherwise."""
+    suffix = "" if spec == DEFAULT_MODEL else "-" + Path(spec).name.removesuffix(".gguf")
+    return BENCH_DIR / f"{stem}{suffix}.png"
 
 
 def median_seconds(run: Callable[[], object], repeats: int) -> float:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import argparse
 
-from bench.common import BENCH_DIR, default_gguf, machine_line, markdown_table, median_seconds
+from bench.common import (
+    add_model_option, machine_line, markdown_table, median_seconds, model_gguf, model_label, plot_path,
+)
 from kvlm.generate import decode, prefill, recompute
 from kvlm.load import load_model
 from kvlm.memory.sequence_cache import SequenceCache
@@ -23,7 +25,7 @@ def step_times(model, context: int, repeats: int) -> tuple[float, float]:
     return cached, uncached
 
 
-def plot(rows: list[list[object]], path) -> None:
+def plot(rows: list[list[object]], title_model: str, path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -37,7 +39,7 @@ def plot(rows: list[list[object]], path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("context (tokens already in the sequence)")
     ax.set_ylabel("ms per generated token")
-    ax.set_title("kvlm decode step, SmolLM2-135M")
+    ax.set_title(f"kvlm decode step, {title_model}")
     ax.legend()
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
@@ -46,11 +48,13 @@ def plot(rows: list[list[object]], path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
+    add_model_option(parser)
     parser.add_argument("--contexts", type=int, nargs="+", default=[64, 256, 512, 1024, 2048])
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--repeats", type=int, default=16)
     args = parser.parse_args()
-    model = load_model(str(default_gguf()), args.dtype)
+    path = model_gguf(args.model)
+    model = load_model(str(path), args.dtype)
     rows = []
     for context in args.contexts:
         cached, uncached = step_times(model, context, args.repeats)
@@ -59,8 +63,8 @@ def main() -> None:
               f"{uncached / cached:.1f}x", flush=True)
     print(f"\n{machine_line()}, dtype {args.dtype}\n")
     print(markdown_table(["context", "cached ms/token", "recompute ms/token", "speed-up"], rows))
-    plot(rows, BENCH_DIR / "kv_cache_speedup.png")
-    print(f"\nplot: {BENCH_DIR / 'kv_cache_speedup.png'}")
+    plot(rows, model_label(path), plot_path("kv_cache_speedup", args.model))
+    print(f"\nplot: {plot_path('kv_cache_speedup', args.model)}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Aggregate decode throughput with many parallel sequences, and 512-token prefill: kvlm vs llama.cpp, in one run.
 
-    python -m bench.multi_sequence [--sequences 1 8 32 64] [--steps 32] [--threads N]
+    python -m bench.multi_sequence [--model NAME_OR_GGUF] [--sequences 1 8 32 64] [--steps 32] [--threads N]
 
 Decode: every sequence gets its own prompt (28-32 tokens cut from one English paragraph; both engines get the
 same token ids). All prompts are prefilled (whole prompts packed into batches of at most 512 tokens), then a few
@@ -11,12 +11,18 @@ sequences x steps / elapsed, the batch building and the argmax included, for bot
 Prefill: one 512-token prompt, one batch, only the last token an output; a fresh context each repeat (made
 outside the timing), median of `--repeats`, after one untimed warm-up.
 
-kvlm runs bfloat16 (the throughput setting) and float32, and bfloat16 + int4 weights (the batch-1 setting) for
-one sequence and for prefill. llama.cpp runs through llama-cpp-python's low-level C API (llama_batch_init,
-llama_decode, llama_get_logits_ith) on the same GGUF, with the weights as stored (quantized), its default F16 KV
-cache and flash-attention setting (auto), n_batch = n_ubatch = 512, and as many threads as torch uses. Its
-default KV layout for several sequences is one stream per sequence (kv_unified = false); the unified layout
-(kv_unified = true: one pool, attention over all of it) is measured too unless --llama-kv says otherwise.
+kvlm runs bfloat16 (the throughput setting) and float32, and bfloat16 + int4 / int8 weights (the batch-1
+settings) for one sequence and for prefill. llama.cpp runs through llama-cpp-python's low-level C API
+(llama_batch_init, llama_decode, llama_get_logits_ith) on the same GGUF, with the weights as stored (quantized),
+its default F16 KV cache and flash-attention setting (auto), n_batch = n_ubatch = 512, and as many threads as
+torch uses. Its default KV layout for several sequences is one stream per sequence (kv_unified = false); the
+unified layout (kv_unified = true: one pool, attention over all of it) is measured too unless --llama-kv says
+otherwise.
+
+--model picks the GGUF (default: SmolLM2-135M, the model of RESULTS.md's tables). Batch-1 decode of 128 tokens
+and 512-token prefill for another model, for example:
+
+    python -m bench.multi_sequence --model qwen2.5-coder-0.5b-instruct --sequences 1 --steps 128 --llama-kv split
 """
 from __future__ import annotations
 
@@ -35,7 +41,9 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from bench.common import BENCH_DIR, default_gguf, machine_line, markdown_table  # noqa: E402
+from bench.common import (  # noqa: E402
+    add_model_option, can_plot, machine_line, markdown_table, model_gguf, model_label, plot_path,
+)
 from bench.llama_cpp_driver import N_BATCH, N_UBATCH  # noqa: E402
 from kvlm import Batch, Context, DecodeStatus, load_model  # noqa: E402
 
@@ -182,14 +190,14 @@ def ratio(a: float | None, b: float | None) -> object:
     return "–" if a is None or b is None else f"{a / b:.2f}x"
 
 
-def plot(sequences: list[int], decode: dict[str, dict[int, float]], path: Path) -> None:
+def plot(sequences: list[int], decode: dict[str, dict[int, float]], title_model: str, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    styles = {"kvlm bf16": "o-", "kvlm f32": "s-", "kvlm bf16+int4": "D", "llama.cpp": "^-",
+    styles = {"kvlm bf16": "o-", "kvlm f32": "s-", "kvlm bf16+int4": "D", "kvlm bf16+int8": "P", "llama.cpp": "^-",
               "llama.cpp unified KV": "v--"}
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for label, rates in decode.items():
@@ -205,7 +213,7 @@ def plot(sequences: list[int], decode: dict[str, dict[int, float]], path: Path) 
     ax.set_xticklabels([str(n) for n in sequences])
     ax.set_xlabel("parallel sequences (one token each per decode step)")
     ax.set_ylabel("aggregate decode tokens/s")
-    ax.set_title(f"Batched decode, SmolLM2-135M, {torch.get_num_threads()} threads")
+    ax.set_title(f"Batched decode, {title_model}, {torch.get_num_threads()} threads")
     ax.legend()
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
@@ -215,7 +223,8 @@ def plot(sequences: list[int], decode: dict[str, dict[int, float]], path: Path) 
 
 def print_agreement(sequences: list[int], tokens: dict[str, dict[int, list[list[int]]]]) -> None:
     """How many of the first CHECK_TOKENS greedy tokens of sequences 0 and 1 agree between engines."""
-    pairs = [("llama.cpp", "kvlm bf16"), ("llama.cpp", "kvlm f32"), ("kvlm f32", "kvlm bf16")]
+    pairs = [("llama.cpp", "kvlm bf16"), ("llama.cpp", "kvlm f32"), ("kvlm f32", "kvlm bf16"),
+             ("llama.cpp", "kvlm bf16+int4"), ("llama.cpp", "kvlm bf16+int8")]
     print(f"\nSanity check: of the first {CHECK_TOKENS} greedy tokens, how many match (sequence 0; sequence 1)")
     for n_seq in sequences:
         parts = []
@@ -231,13 +240,27 @@ def print_agreement(sequences: list[int], tokens: dict[str, dict[int, list[list[
             print(f"  {n_seq:>3} sequences: " + ", ".join(parts))
 
 
+def kvlm_over_llama(decode: dict[str, dict[int, float]], prefill: dict[str, float], sequences: list[int],
+                    prefill_tokens: int) -> str:
+    """Every kvlm setting's rate over llama.cpp's (default KV layout), per measure: above 1.00x kvlm is faster."""
+    rows = [[f"decode, {n} sequence{'s' if n > 1 else ''}",
+             *(ratio(decode.get(label, {}).get(n), decode.get("llama.cpp", {}).get(n)) for label in KVLM_LABELS)]
+            for n in sequences]
+    rows.append([f"prefill, {prefill_tokens} tokens",
+                 *(ratio(prefill.get(label), prefill.get("llama.cpp")) for label in KVLM_LABELS)])
+    return markdown_table(["kvlm / llama.cpp", *KVLM_LABELS], rows)
+
+
 # --- main --------------------------------------------------------------------------------------------------------
 
-KVLM_SETUPS = [("kvlm bf16", "bfloat16", None), ("kvlm f32", "float32", None), ("kvlm bf16+int4", "bfloat16", "int4")]
+KVLM_SETUPS = [("kvlm bf16", "bfloat16", None), ("kvlm f32", "float32", None), ("kvlm bf16+int4", "bfloat16", "int4"),
+               ("kvlm bf16+int8", "bfloat16", "int8")]
+KVLM_LABELS = [label for label, _, _ in KVLM_SETUPS]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_option(parser)
     parser.add_argument("--sequences", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps")
     parser.add_argument("--prefill-tokens", type=int, default=512)
@@ -255,7 +278,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
     sequences = sorted(set(args.sequences))
-    path = default_gguf()
+    path = model_gguf(args.model)
 
     decode: dict[str, dict[int, float]] = {}
     tokens: dict[str, dict[int, list[list[int]]]] = {}
@@ -303,25 +326,27 @@ def main() -> None:
     print(f"decode: {args.steps} timed steps after {WARMUP_STEPS} warm-up steps, prompts of "
           f"{min(PROMPT_LENGTHS)}-{max(PROMPT_LENGTHS)} tokens, greedy\n")
     extra = "llama.cpp unified KV" in decode
-    header = ["decode, aggregate tok/s", "kvlm bf16", "kvlm f32", "kvlm bf16+int4", "llama.cpp"]
+    header = ["decode, aggregate tok/s", *KVLM_LABELS, "llama.cpp"]
     header += ["llama.cpp unified KV"] if extra else []
     header += ["kvlm bf16 / llama.cpp"]
     rows = []
     for n_seq in sequences:
         get = lambda label: decode.get(label, {}).get(n_seq)  # noqa: E731
-        row = [f"{n_seq} sequence{'s' if n_seq > 1 else ''}", fmt(get("kvlm bf16")), fmt(get("kvlm f32")),
-               fmt(get("kvlm bf16+int4")), fmt(get("llama.cpp"))]
+        row = [f"{n_seq} sequence{'s' if n_seq > 1 else ''}", *(fmt(get(label)) for label in KVLM_LABELS),
+               fmt(get("llama.cpp"))]
         row += [fmt(get("llama.cpp unified KV"))] if extra else []
         rows.append(row + [ratio(get("kvlm bf16"), get("llama.cpp"))])
     print(markdown_table(header, rows))
     print()
-    header = ["prefill, tok/s", "kvlm bf16", "kvlm f32", "kvlm bf16+int4", "llama.cpp", "kvlm bf16 / llama.cpp"]
-    print(markdown_table(header, [[f"{args.prefill_tokens}-token prompt, 1 sequence", fmt(prefill.get("kvlm bf16")),
-                                   fmt(prefill.get("kvlm f32")), fmt(prefill.get("kvlm bf16+int4")),
-                                   fmt(prefill.get("llama.cpp")),
+    header = ["prefill, tok/s", *KVLM_LABELS, "llama.cpp", "kvlm bf16 / llama.cpp"]
+    print(markdown_table(header, [[f"{args.prefill_tokens}-token prompt, 1 sequence",
+                                   *(fmt(prefill.get(label)) for label in KVLM_LABELS), fmt(prefill.get("llama.cpp")),
                                    ratio(prefill.get("kvlm bf16"), prefill.get("llama.cpp"))]]))
-    plot(sequences, decode, BENCH_DIR / "multi_sequence.png")
-    print(f"\nplot: {BENCH_DIR / 'multi_sequence.png'}")
+    print()
+    print(kvlm_over_llama(decode, prefill, sequences, args.prefill_tokens))
+    if can_plot():
+        plot(sequences, decode, model_label(path), plot_path("multi_sequence", args.model))
+        print(f"\nplot: {plot_path('multi_sequence', args.model)}")
 
 
 if __name__ == "__main__":

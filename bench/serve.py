@@ -72,7 +72,7 @@ import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench.common import BENCH_DIR, default_gguf, machine_line, markdown_table  # noqa: E402
+from bench.common import add_model_option, machine_line, markdown_table, model_gguf, plot_path  # noqa: E402
 from bench.llama_cpp_driver import N_BATCH  # noqa: E402
 from bench.throughput import CELL_SLACK, CORPUS, QUESTIONS, WARMUP_TEXT, make_prompts  # noqa: E402
 from kvlm.loader.gguf_metadata import read_gguf_metadata  # noqa: E402
@@ -421,6 +421,7 @@ def measure(server: Server, bodies: list[dict], warmup: dict, args: argparse.Nam
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_option(parser)
     parser.add_argument("--concurrency", type=int, default=64, help="clients, each with one request, all at once")
     parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
@@ -435,7 +436,7 @@ def main() -> None:
     if args.concurrency < 1 or args.max_tokens < 1 or args.threads < 1:
         parser.error("--concurrency, --max-tokens and --threads must be at least 1")
 
-    path = default_gguf()
+    path = model_gguf(args.model)
     tokenizer = gguf_tokenizer(path)
     messages = make_messages(tokenizer, args.concurrency)
     lengths = [prompt_tokens(tokenizer, m) for m in messages]
@@ -462,8 +463,8 @@ def main() -> None:
         sys.exit(1)
 
     report(results, args, path, lengths, args.threads)
-    plot(results, args.concurrency, args.threads, BENCH_DIR / "serve.png")
-    print(f"\nplot: {BENCH_DIR / 'serve.png'}")
+    plot(results, args.concurrency, args.threads, plot_path("serve", args.model))
+    print(f"\nplot: {plot_path('serve', args.model)}")
 
 
 if __name__ == "__main__":

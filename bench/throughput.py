@@ -51,7 +51,9 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench.common import BENCH_DIR, default_gguf, machine_line, markdown_table  # noqa: E402
+from bench.common import (  # noqa: E402
+    add_model_option, machine_line, markdown_table, model_gguf, model_label, plot_path,
+)
 from bench.llama_cpp_driver import N_BATCH  # noqa: E402
 from bench.multi_sequence import PARAGRAPH  # noqa: E402
 from kvlm import LLM, SamplingParams, load_model  # noqa: E402
@@ -293,7 +295,7 @@ def agreement(a: Run, b: Run) -> str:
             f"{statistics.mean(leading):.1f} leading tokens in common on average")
 
 
-def plot(runs: list[Run], n_full: int, path: Path) -> None:
+def plot(runs: list[Run], n_full: int, title_model: str, path: Path) -> None:
     """Bars of output tok/s: the first n_full runs had every request, the rest the transformers subset."""
     import matplotlib
 
@@ -310,7 +312,7 @@ def plot(runs: list[Run], n_full: int, path: Path) -> None:
     ax.set_xticks(range(len(runs)))
     ax.set_xticklabels(labels, fontsize=8)
     ax.set_ylabel("output tokens/s")
-    ax.set_title(f"Batched generation, SmolLM2-135M, greedy, {torch.get_num_threads()} threads")
+    ax.set_title(f"Batched generation, {title_model}, greedy, {torch.get_num_threads()} threads")
     ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -324,6 +326,7 @@ DTYPE_LABELS = {"bfloat16": "kvlm bf16", "float32": "kvlm f32"}
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_option(parser)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
@@ -345,7 +348,7 @@ def main() -> None:
     run_hf = not args.no_hf and hf_requests > 0
     torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
-    path = default_gguf()
+    path = model_gguf(args.model)
     timings: list[str] = []
 
     def timed(what: str, started: float) -> None:
@@ -446,8 +449,8 @@ def main() -> None:
                      result.together_ttft, f"{result.first_ttft / result.together_ttft:.2f}x", ", ".join(map(str, cached))])
     print(markdown_table(header, rows))
 
-    plot(table, len(runs), BENCH_DIR / "throughput.png")
-    print(f"\nplot: {BENCH_DIR / 'throughput.png'}")
+    plot(table, len(runs), model_label(path), plot_path("throughput", args.model))
+    print(f"\nplot: {plot_path('throughput', args.model)}")
 
 
 if __name__ == "__main__":

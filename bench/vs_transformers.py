@@ -3,7 +3,7 @@
 Both are timed the same way from outside: decode tokens/s = (N - 1) / (t(N tokens) - t(1 token)),
 so prompt processing is excluded for both.
 
-    python -m bench.vs_transformers [--tokens 128]
+    python -m bench.vs_transformers [--model NAME_OR_GGUF] [--tokens 128]
 
 kvlm runs float32, bfloat16 and bfloat16 with int4 weights; transformers runs at the same compute dtype.
 """
@@ -13,7 +13,7 @@ import argparse
 
 import torch
 
-from bench.common import default_gguf, machine_line, markdown_table, median_seconds
+from bench.common import add_model_option, machine_line, markdown_table, median_seconds, model_gguf
 from kvlm.generate import GenerationSettings, generate
 from kvlm.load import load_model
 
@@ -49,10 +49,11 @@ KVLM_SETUPS = [("float32", None), ("bfloat16", None), ("bfloat16", "int4")]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
+    add_model_option(parser)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    path = default_gguf()
+    path = model_gguf(args.model)
     reference_rates: dict[str, float] = {}
     rows = []
     for dtype, quant in KVLM_SETUPS:
