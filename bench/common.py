@@ -11,13 +11,9 @@ from pathlib import Path
 
 import torch
 
-from kvlm.fetch import DEFAULT_MODEL, pull, resolve_model
+from kvlm.fetch import DEFAULT_MODEL, resolve_model
 
 BENCH_DIR = Path(__file__).resolve().parent
-
-
-def default_gguf() -> Path:
-    return pull(DEFAULT_MODEL)
 
 
 def add_model_option(parser: argparse.ArgumentParser) -> None:
