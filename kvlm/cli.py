@@ -82,6 +82,8 @@ def _model_arguments(parser: argparse.ArgumentParser, dtype: str = "float32", n_
     parser.add_argument("--quant", choices=QUANTS, default=None,
                         help="keep layer weights int8/int4 (needs --dtype bfloat16): faster decode")
     parser.add_argument("--n-ctx", type=int, default=n_ctx, help="KV cache cells (tokens of context)")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="float32 logits that do not depend on the batch (oneDNN products, float64 attention)")
 
 
 def _template_arguments(parser: argparse.ArgumentParser) -> None:
@@ -117,7 +119,7 @@ def _generate(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
     if args.prompt is not None and args.chat_template_kwargs:
         raise ValueError("--chat-template-kwargs applies to --chat only; a --prompt is tokenized as is")
-    model = load_model(args.model, args.dtype, quant=args.quant)
+    model = load_model(args.model, args.dtype, quant=args.quant, batch_invariant=args.batch_invariant)
     prompt_ids = model.tokenizer.encode(args.prompt) if args.prompt is not None else model.tokenizer.encode_chat(
         [{"role": "user", "content": args.chat}], **args.chat_template_kwargs)
     output = _recompute_every_step(model, prompt_ids, args) if args.no_cache else _stream(
@@ -166,7 +168,8 @@ def _print_timings(output: RequestOutput) -> None:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    llm = LLM(args.model, args.dtype, quant=args.quant, n_ctx=args.n_ctx, max_num_seqs=1)
+    llm = LLM(args.model, args.dtype, quant=args.quant, batch_invariant=args.batch_invariant, n_ctx=args.n_ctx,
+              max_num_seqs=1)
     session = ChatSession(llm, _sampling_params(args), system=args.system,
                           chat_template_kwargs=args.chat_template_kwargs)
     interactive = sys.stdin.isatty()
@@ -191,7 +194,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     return serve(ServeSettings(
         model=args.model, host=args.host, port=args.port, dtype=args.dtype, quant=args.quant, n_ctx=args.n_ctx,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        batch_invariant=args.batch_invariant, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_dtype=args.kv_dtype, api_key=args.api_key, served_model_name=args.served_model_name,
         shutdown_timeout=args.shutdown_timeout))
 

@@ -22,11 +22,12 @@ class Model:
 
 def load_model(
     spec: str = DEFAULT_MODEL, dtype: str = "float32", *, quant: str | None = None, fetch: bool = True,
-    progress: bool = True,
+    progress: bool = True, batch_invariant: bool = False,
 ) -> Model:
     """`spec` is a known model name (fetched on first use), a .gguf file or a Hugging Face folder.
 
-    `quant` ("int8" or "int4", with dtype "bfloat16") keeps the layer weights quantized for speed.
+    `quant` ("int8" or "int4", with dtype "bfloat16") keeps the layer weights quantized for speed;
+    `batch_invariant` (float32) makes logits independent of the batch (see `Decoder`).
     """
     source = resolve_model(spec, fetch=fetch, progress=progress)
     if source.is_dir():
@@ -35,7 +36,7 @@ def load_model(
     else:
         config, weights, metadata = load_gguf(source)
         tokenizer = Tokenizer.from_gguf_metadata(metadata)
-    return Model(config, Decoder(config, weights, dtype, quant), tokenizer, source)
+    return Model(config, Decoder(config, weights, dtype, quant, batch_invariant), tokenizer, source)
 
 
 def load_config(spec: str = DEFAULT_MODEL, *, fetch: bool = True, progress: bool = True) -> ModelConfig:

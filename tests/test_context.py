@@ -130,6 +130,7 @@ def test_failure_in_micro_batch_two_of_three_rolls_everything_back(smollm2, prom
     with pytest.raises(IndexError, match="did not succeed"):
         ctx.get_logits_ith(0)
     assert memory_state(ctx) == expected_state
+    # Same cells, same shapes, same stored rows as the clean context: the same computation, bit for bit.
     assert torch.equal(_decoded_after(ctx, prompts), expected_logits)
 
 
@@ -237,8 +238,11 @@ def test_sequence_state_round_trip(smollm2, prompts, kv_dtype):
     decode_ok(other, Batch.for_sequence(prompts[1], seq_id=0))
     other.state_seq_load(blob, 5)
     assert (other.memory.seq_pos_min(5), other.memory.seq_pos_max(5)) == (0, len(prompts[0]) - 1)
+    assert other.state_seq_save(5) == blob  # the stored rows, bit for bit, in other cells
     decode_ok(other, Batch.for_sequence([42], seq_id=5))
-    assert torch.equal(other.get_logits_ith(-1), expected)
+    # Other cells and another sequence beside it: float32 noise at most, whatever the KV dtype, since
+    # attention reads the same stored rows in the same (position) order.
+    assert (other.get_logits_ith(-1) - expected).abs().max().item() <= TOLERANCE
 
 
 def test_bad_states_are_refused_and_change_nothing(smollm2, prompts):

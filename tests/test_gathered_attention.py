@@ -1,24 +1,44 @@
-"""Gathered attention (each token reads only its own rows) equals masked attention over every row."""
+"""Attention by group (tokens over only their own rows, gathered in position order) equals masked attention
+over every row, and does not depend on where the rows sit in the cache."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from kvlm.memory.memory import _gather_plan, attention_groups
-from kvlm.model.decoder import _attention_by_group
-from kvlm.model.ops import gathered_attention, grouped_attention
+from kvlm.memory.memory import attention_groups
+from kvlm.model.attention import attend, attention_dtype
+from kvlm.model.ops import grouped_attention
+
+
+class FakeView:
+    """Just what `attend` reads of a KVView: the stored rows and the groups."""
+
+    def __init__(self, k, v, groups):
+        self.k, self.v, self.groups, self.mask = k, v, groups, None
+
+    def read(self, layer):
+        return self.k, self.v
+
+
+def mixed_batch(seed: int, n_rows: int = 60):
+    """Two prefill chunks (sequences 0 and 1) and three decode tokens (sequences 2, 3, 4) in one batch."""
+    rng = np.random.default_rng(seed)
+    cell_seq = rng.integers(0, 5, n_rows)
+    cell_pos = rng.permutation(n_rows)  # unique positions, in no particular cell order
+    token_seq = np.array([0, 0, 0, 1, 1, 2, 3, 4])
+    token_pos = np.array([40, 41, 42, 40, 41, 40, 40, 40])
+    visible = (cell_seq[None, :] == token_seq[:, None]) & (cell_pos[None, :] <= token_pos[:, None])
+    visible[np.arange(8), np.arange(8)] = True  # each token's own cell
+    return visible, np.eye(5, dtype=bool)[token_seq], cell_pos
 
 
 @pytest.mark.parametrize("n_head, n_kv", [(4, 4), (8, 2), (4, 1)])
-def test_gathered_equals_masked_attention(n_head, n_kv, monkeypatch):
-    torch.manual_seed(0)
-    rng = np.random.default_rng(0)
-    n_tokens, n_rows, dim = 6, 40, 16
-    visible = rng.random((n_tokens, n_rows)) < 0.2
-    visible[np.arange(n_tokens), rng.integers(0, n_rows, n_tokens)] = True  # every token sees something
-    q = torch.randn(n_tokens, n_head, dim)
-    k, v = torch.randn(n_rows, n_kv, dim), torch.randn(n_rows, n_kv, dim)
+def test_attention_by_group_equals_masked_attention(n_head, n_kv, monkeypatch):
+    torch.manual_seed(1)
+    visible, seq_mask, cell_pos = mixed_batch(1)
+    q = torch.randn(8, n_head, 16)
+    k, v = torch.randn(60, n_kv, 16), torch.randn(60, n_kv, 16)
     mask = torch.zeros(visible.shape).masked_fill_(torch.from_numpy(~visible), float("-inf"))
     expected = grouped_attention(q, k, v, mask)
 
@@ -27,43 +47,49 @@ def test_gathered_equals_masked_attention(n_head, n_kv, monkeypatch):
 
     monkeypatch.setattr(torch, "repeat_interleave", no_copies)
     monkeypatch.setattr(torch.Tensor, "repeat_interleave", no_copies)
-    index, gather_mask = _gather_plan(visible, int(visible.sum(axis=1).max()))
-    assert torch.allclose(gathered_attention(q, k, v, index, gather_mask), expected, atol=1e-5)
+    groups = attention_groups(visible, seq_mask, cell_pos)
+    assert sorted(len(g.tokens) for g in groups) == [2, 3, 3]  # the decode tokens batched, each with its rows
+    for g in groups:
+        rows = g.index.numpy().reshape(-1, g.index.shape[-1])
+        real = (g.mask.numpy() == 0).reshape(rows.shape) if g.index.dim() == 2 else np.ones(rows.shape, bool)
+        assert all(np.all(np.diff(cell_pos[r[ok]]) > 0) for r, ok in zip(rows, real))  # in position order
+    assert torch.allclose(attend(q, 0, FakeView(k, v, groups)), expected, atol=1e-5)
 
 
-def test_attention_by_group_equals_masked_attention_for_mixed_batches():
-    # Two prefill chunks (sequences 0 and 1) and three decode tokens (sequences 2, 3, 4) in one batch.
-    torch.manual_seed(1)
-    rng = np.random.default_rng(1)
-    n_rows, n_seq, dim = 60, 5, 16
-    cell_seq = rng.integers(0, n_seq, n_rows)
-    cell_pos = rng.integers(0, 20, n_rows)
-    token_seq = np.array([0, 0, 0, 1, 1, 2, 3, 4])
-    token_pos = np.array([20, 21, 22, 20, 21, 20, 20, 20])
-    visible = (cell_seq[None, :] == token_seq[:, None]) & (cell_pos[None, :] <= token_pos[:, None])
-    visible[np.arange(8), np.arange(8)] = True  # each token's own cell
-    seq_mask = np.eye(n_seq, dtype=bool)[token_seq]
-    q = torch.randn(8, 4, dim)
-    k, v = torch.randn(n_rows, 2, dim), torch.randn(n_rows, 2, dim)
-    mask = torch.zeros(visible.shape).masked_fill_(torch.from_numpy(~visible), float("-inf"))
-    groups = attention_groups(visible, seq_mask)
-    assert sorted(len(g.tokens) for g in groups) == [2, 3, 3]
-    assert torch.allclose(_attention_by_group(q, k, v, groups), grouped_attention(q, k, v, mask), atol=1e-5)
-
-
-@pytest.mark.parametrize("q_dtype, kv_dtype, atol", [(torch.float32, torch.float16, 2e-3),
-                                                     (torch.bfloat16, torch.bfloat16, 3e-2)])
-def test_gathered_attention_over_a_smaller_cache_dtype_converts_only_what_it_reads(q_dtype, kv_dtype, atol):
+def test_attention_does_not_depend_on_where_the_rows_are_stored():
+    # The same rows in other cells, with other sequences' cells in between: the same groups and the same
+    # computation, so the same result bit for bit (what makes a sequence's logits independent of its neighbours).
     torch.manual_seed(2)
-    rng = np.random.default_rng(2)
-    n_tokens, n_rows, dim = 5, 50, 16
-    visible = rng.random((n_tokens, n_rows)) < 0.3
-    visible[:, 0] = True
-    q = torch.randn(n_tokens, 4, dim)
-    k, v = torch.randn(n_rows, 2, dim), torch.randn(n_rows, 2, dim)
-    mask = torch.zeros(visible.shape).masked_fill_(torch.from_numpy(~visible), float("-inf"))
-    expected = grouped_attention(q, k.to(kv_dtype).float(), v.to(kv_dtype).float(), mask)
-    index, gather_mask = _gather_plan(visible, int(visible.sum(axis=1).max()))
-    out = gathered_attention(q.to(q_dtype), k.to(kv_dtype), v.to(kv_dtype), index, gather_mask)
-    assert out.dtype == q_dtype
-    assert torch.allclose(out.float(), expected, atol=atol)
+    visible, seq_mask, cell_pos = mixed_batch(2)
+    q = torch.randn(8, 4, 16)
+    k, v = torch.randn(60, 2, 16), torch.randn(60, 2, 16)
+    out = attend(q, 0, FakeView(k, v, attention_groups(visible, seq_mask, cell_pos)))
+    moved = np.random.default_rng(3).permutation(90)[:60]  # cell c goes to cell moved[c] of a larger cache
+    k2, v2 = torch.randn(90, 2, 16), torch.randn(90, 2, 16)
+    k2[moved], v2[moved] = k, v
+    pos2, visible2 = np.zeros(90, dtype=cell_pos.dtype), np.zeros((8, 90), dtype=bool)
+    pos2[moved], visible2[:, moved] = cell_pos, visible
+    assert torch.equal(attend(q, 0, FakeView(k2, v2, attention_groups(visible2, seq_mask, pos2))), out)
+
+
+@pytest.mark.parametrize("q_dtype, kv_dtype, batch_invariant, expected", [
+    (torch.float32, torch.bfloat16, False, torch.float32),  # a float32 model's only rounding is the cache's
+    (torch.float32, torch.float16, False, torch.float32),
+    (torch.float32, torch.bfloat16, True, torch.float64),  # batch-invariant: float64, whatever the cache
+    (torch.float32, torch.float32, True, torch.float64),
+    (torch.bfloat16, torch.bfloat16, False, torch.bfloat16),
+    (torch.bfloat16, torch.float32, False, torch.float32),
+])
+def test_attention_dtype(q_dtype, kv_dtype, batch_invariant, expected):
+    assert attention_dtype(q_dtype, kv_dtype, batch_invariant) == expected
+
+
+def test_a_smaller_cache_dtype_is_read_as_stored():
+    torch.manual_seed(4)
+    visible, seq_mask, cell_pos = mixed_batch(4)
+    q = torch.randn(8, 4, 16)
+    k, v = torch.randn(60, 2, 16).half(), torch.randn(60, 2, 16).half()
+    groups = attention_groups(visible, seq_mask, cell_pos)
+    out = attend(q, 0, FakeView(k, v, groups))
+    assert out.dtype == torch.float32
+    assert torch.equal(out, attend(q, 0, FakeView(k.float(), v.float(), groups)))

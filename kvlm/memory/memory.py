@@ -12,9 +12,7 @@ from kvlm.model.ops import apply_rope
 from kvlm.model.rope import Rope
 
 
-# Attend over gathered rows instead of every cell when no token sees more than 1/4 of the cells.
-GATHER_MIN_SAVING = 4
-# Decode tokens each gather their own rows; beyond this many rows in all, they are grouped one by one.
+# Lone decode tokens each gather their own rows; beyond this many rows in all, they are grouped one by one.
 GATHER_MAX_ROWS = 1 << 16
 
 
@@ -22,36 +20,48 @@ def _additive(visible: np.ndarray) -> torch.Tensor:
     return torch.zeros(visible.shape, dtype=torch.float32).masked_fill_(torch.from_numpy(~visible), float("-inf"))
 
 
-def _gather_plan(visible: np.ndarray, longest: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per token, the indices of its visible cells (padded to `longest`) and the mask hiding the padding."""
-    order = np.argsort(~visible, axis=1, kind="stable")[:, :longest]
-    return torch.from_numpy(order), _additive(np.take_along_axis(visible, order, axis=1))
+def attention_groups(visible: np.ndarray, seq_mask: np.ndarray, cell_pos: np.ndarray) -> list[AttentionGroup]:
+    """Tokens attend over only the cells they see, in position order: never over other sequences' cells.
 
-
-def attention_groups(visible: np.ndarray, seq_mask: np.ndarray) -> list[AttentionGroup]:
-    """Tokens of the same sequences read the same cells: gather those once per group, not per token.
-
-    Tokens alone in their group (decode tokens) are batched into one group with per-token rows.
+    So a sequence's rows, their order and the shapes its attention runs with do not depend on what else is
+    in the cache (a rounding cache would turn such float32 noise into whole-ulp flips of the stored K/V).
+    The tokens of the same sequences form one group and gather its cells once; several lone tokens (decode)
+    are batched into one group with per-token rows, padded to the longest.
     """
-    _, group_of, sizes = np.unique(seq_mask, axis=0, return_inverse=True, return_counts=True)
-    group_of = group_of.reshape(-1)
-    alone = np.flatnonzero(sizes[group_of] == 1)
+    group_of, sizes = _same_sequences(seq_mask)
+    lone = np.flatnonzero(sizes[group_of] == 1)
     groups = []
-    if alone.size:
-        longest = int(visible[alone].sum(axis=1).max())
-        if alone.size * longest <= GATHER_MAX_ROWS:
-            index, mask = _gather_plan(visible[alone], longest)
-            groups.append(AttentionGroup(torch.from_numpy(alone), index, mask))
-        else:
-            groups += [_shared_rows_group(visible, np.array([token])) for token in alone]
+    longest = int(visible[lone].sum(axis=1).max()) if lone.size else 0
+    if lone.size > 1 and lone.size * longest <= GATHER_MAX_ROWS:
+        groups.append(_per_token_rows_group(visible, cell_pos, lone, longest))
+    else:
+        groups += [_shared_rows_group(visible, cell_pos, np.array([token])) for token in lone]
     for group in np.flatnonzero(sizes > 1):
-        groups.append(_shared_rows_group(visible, np.flatnonzero(group_of == group)))
+        groups.append(_shared_rows_group(visible, cell_pos, np.flatnonzero(group_of == group)))
     return groups
 
 
-def _shared_rows_group(visible: np.ndarray, tokens: np.ndarray) -> AttentionGroup:
+def _same_sequences(seq_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per token, the index of its set of sequences; and how many tokens have each set."""
+    rows = np.packbits(seq_mask, axis=1)
+    keys = rows.view(np.dtype((np.void, rows.shape[1]))).ravel()  # far faster than np.unique(axis=0)
+    _, group_of, sizes = np.unique(keys, return_inverse=True, return_counts=True)
+    return group_of.reshape(-1), sizes
+
+
+def _per_token_rows_group(visible: np.ndarray, cell_pos: np.ndarray, tokens: np.ndarray, longest: int):
+    """Per token, its visible cells by position (padded to `longest`) and the mask hiding the padding."""
+    seen = visible[tokens]
+    order = np.argsort(np.where(seen, cell_pos, np.iinfo(cell_pos.dtype).max), axis=1, kind="stable")[:, :longest]
+    return AttentionGroup(torch.from_numpy(tokens), torch.from_numpy(order),
+                          _additive(np.take_along_axis(seen, order, axis=1)))
+
+
+def _shared_rows_group(visible: np.ndarray, cell_pos: np.ndarray, tokens: np.ndarray) -> AttentionGroup:
     cells = np.flatnonzero(visible[tokens].any(axis=0))
-    return AttentionGroup(torch.from_numpy(tokens), torch.from_numpy(cells), _additive(visible[np.ix_(tokens, cells)]))
+    cells = cells[np.argsort(cell_pos[cells], kind="stable")]
+    seen = visible[np.ix_(tokens, cells)]
+    return AttentionGroup(torch.from_numpy(tokens), torch.from_numpy(cells), None if seen.all() else _additive(seen))
 
 
 class KVMemory:
@@ -140,7 +150,8 @@ class KVMemory:
         self.cells.apply(slot, ubatch.pos, ubatch.seq_mask)
         n_kv = self.cells.used_max
         visible = self.cells.visibility(ubatch.pos, ubatch.seq_mask, n_kv)
+        groups = attention_groups(visible, ubatch.seq_mask, self.cells.pos[:n_kv])
         rows = torch.from_numpy(slot)
-        if int(visible.sum(axis=1).max()) * GATHER_MIN_SAVING <= n_kv:
-            return KVView(self.store, rows, n_kv, None, attention_groups(visible, ubatch.seq_mask))
-        return KVView(self.store, rows, n_kv, _additive(visible))
+        if len(groups) == 1 and torch.equal(groups[0].index, torch.arange(n_kv)):
+            return KVView(self.store, rows, n_kv, groups[0].mask)  # every cell in cell order: no gather needed
+        return KVView(self.store, rows, n_kv, None, groups)

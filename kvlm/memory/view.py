@@ -10,16 +10,16 @@ from kvlm.memory.kv_store import KVStore
 
 @dataclass
 class AttentionGroup:
-    """Tokens that attend over only their own rows of the store.
+    """Tokens that attend over only their own rows of the store, in position order.
 
     `index` is [L] when the tokens share their rows (the tokens of one sequence: its cells, gathered
     once) or [n, L] when each token has its own (one decode token per sequence). `mask` is additive,
-    [n, L], hiding future positions and padding.
+    [n, L], hiding future positions and padding; None when every token sees every row.
     """
 
     tokens: torch.Tensor
     index: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor | None
 
 
 @dataclass
@@ -28,7 +28,7 @@ class KVView:
     rows: torch.Tensor          # the cells this step's tokens are written to, one per token
     n_visible: int              # cells 0 .. n_visible-1 are read by attention
     mask: torch.Tensor | None   # additive [n_tokens, n_visible]; None when every token sees every row
-    groups: list[AttentionGroup] | None = None  # instead of `mask`: who reads which rows, when that is far less
+    groups: list[AttentionGroup] | None = None  # instead of `mask`: which tokens read which rows
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.store.write(layer, self.rows, k, v)

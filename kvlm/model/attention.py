@@ -7,20 +7,28 @@ from kvlm.memory.view import KVView
 from kvlm.model.ops import gathered_attention, grouped_attention
 
 
-def attend(q: torch.Tensor, layer: int, kv: KVView) -> torch.Tensor:
-    """q [T, n_head, d] over the rows of `layer` that `kv` makes visible; returns [T, n_head * d]."""
+def attend(q: torch.Tensor, layer: int, kv: KVView, batch_invariant: bool = False) -> torch.Tensor:
+    """q [T, n_head, d] over the rows of `layer` that `kv` makes visible; returns [T, n_head * d] in q's dtype."""
     keys, values = kv.read(layer)
-    dtype = attention_dtype(keys.dtype)
-    q = q.to(dtype)
+    dtype = attention_dtype(q.dtype, keys.dtype, batch_invariant)
+    q_in = q.to(dtype)
     if kv.groups is None:
-        return grouped_attention(q, keys.to(dtype), values.to(dtype), kv.mask)
-    return _attention_by_group(q, keys, values, kv.groups)  # only the rows each group reads are converted
+        out = grouped_attention(q_in, keys.to(dtype), values.to(dtype), kv.mask)
+    else:
+        out = _attention_by_group(q_in, keys, values, kv.groups)  # only the rows each group reads are converted
+    return out.to(q.dtype)
 
 
-def attention_dtype(kv_dtype: torch.dtype) -> torch.dtype:
-    """bfloat16 caches are attended in bfloat16 (the fused kernel accumulates in float32, and reads half
-    the bytes); every other cache in float32, which is exact for an f32 cache."""
-    return torch.bfloat16 if kv_dtype == torch.bfloat16 else torch.float32
+def attention_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype, batch_invariant: bool = False) -> torch.dtype:
+    """A bfloat16 model attends over a bf16 cache in bfloat16 (the fused kernel accumulates in float32, and
+    reads half the bytes), over any other cache in float32; so does a float32 model, whose only rounding is
+    then the cache's. In the batch-invariant mode a float32 model attends in float64: the kernel's rounding
+    then no longer depends on how many tokens and rows one call holds (a rounding cache would turn that
+    float32 noise into whole-ulp flips of the stored K/V, amplified over the layers), for about 2x the
+    attention time."""
+    if q_dtype == torch.bfloat16:
+        return torch.bfloat16 if kv_dtype == torch.bfloat16 else torch.float32
+    return torch.float64 if batch_invariant else torch.float32
 
 
 def _attention_by_group(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, groups) -> torch.Tensor:

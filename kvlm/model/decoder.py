@@ -34,17 +34,27 @@ class LayerWeights:
 
 
 class Decoder:
-    """`quant` ("int8" or "int4") stores the layer matrices weight-only quantized; it needs bfloat16."""
+    """`quant` ("int8" or "int4") stores the layer matrices weight-only quantized; it needs bfloat16.
+
+    `batch_invariant` (float32 only, as vLLM's VLLM_BATCH_INVARIANT) makes a token's logits independent of
+    what else is in its batch and of how the batch is cut into micro-batches, bit for bit on one machine:
+    oneDNN products and float64 attention. The default float32 instead uses the same MKL products as
+    transformers, whose logits it then matches to ~1e-5; the batch-invariant products round differently
+    (up to ~1.5e-4 from transformers on SmolLM2, about as far as transformers' own float32 is from float64).
+    """
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, dtype: str = "float32",
-                 quant: str | None = None) -> None:
+                 quant: str | None = None, batch_invariant: bool = False) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         if quant is not None and (quant not in QUANTS or dtype != "bfloat16"):
             raise ValueError(f"quant must be one of {', '.join(QUANTS)} with dtype bfloat16, got {quant!r} with {dtype}")
+        if batch_invariant and dtype != "float32":
+            raise ValueError(f"batch_invariant needs dtype float32, got {dtype}")
         self.config = config
         self.dtype = DTYPES[dtype]
         self.quant = quant
+        self.batch_invariant = batch_invariant
         self.layers = [self._layer(weights, i) for i in range(config.n_layer)]
         self.token_embd = weights.tensors["token_embd.weight"].to(self.dtype)
         self.output_norm = weights.tensors["output_norm.weight"].to(self.dtype)
@@ -55,7 +65,7 @@ class Decoder:
         self._blocks = {ATTENTION: self._attention_block}  # one entry per layer kind the config may list
 
     def _layer(self, weights: ModelWeights, i: int) -> LayerWeights:
-        linear = lambda w: make_linear(w, self.dtype, self.quant)  # noqa: E731
+        linear = lambda w: make_linear(w, self.dtype, self.quant, self.batch_invariant)  # noqa: E731
         qkv = ("attn_q", "attn_k", "attn_v")
         return LayerWeights(
             attn_norm=weights.layer(i, "attn_norm").to(self.dtype),
@@ -111,4 +121,4 @@ class Decoder:
             qk = F.rms_norm(qk, (c.head_dim,), eps=c.rms_norm_eps) * layer.qk_norm
         q, k = apply_rope(qk, cos, sin).split((c.n_head, c.n_head_kv), dim=1)
         kv.write(index, k, v.view(n_tokens, c.n_head_kv, c.head_dim))
-        return layer.attn_output(attend(q, index, kv).to(self.dtype))
+        return layer.attn_output(attend(q, index, kv, self.batch_invariant))

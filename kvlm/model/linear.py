@@ -21,19 +21,27 @@ class DenseLinear:
         return F.linear(x, self.weight)
 
 
-class PackedBf16Linear:
-    """bfloat16 weights reordered once into oneDNN's blocked layout.
+class PackedLinear:
+    """float32 or bfloat16 weights reordered once into oneDNN's blocked layout.
 
-    Plain F.linear repacks the weight on every call, which costs more than the product itself when
-    weights stream from memory; results are bit-identical.
+    Plain F.linear repacks a bf16 weight on every call, which costs more than the product itself when
+    weights stream from memory. In float32 (the batch-invariant mode), each output row comes out of oneDNN
+    the same whatever the number of rows, which MKL does not guarantee below 4-16 rows; only a single row
+    takes another kernel, so it is computed as two (about +5% on that product).
     """
 
     PACK_FOR_BATCH = 32  # a layout hint only: any batch size works
 
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.bfloat16), self.PACK_FOR_BATCH)
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), self.PACK_FOR_BATCH)
+        self.pad_single_row = dtype == torch.float32
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pad_single_row and x.shape[0] == 1:
+            return self._product(x.expand(2, -1))[:1]
+        return self._product(x)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
 
 
@@ -70,14 +78,16 @@ class Int4Linear:
         return torch._weight_int4pack_mm_for_cpu(x, self.weight, INT4_GROUP, self.scales_and_zeros)
 
 
-Linear = DenseLinear | PackedBf16Linear | Int8Linear | Int4Linear
+Linear = DenseLinear | PackedLinear | Int8Linear | Int4Linear
 
 
-def make_linear(weight: torch.Tensor, dtype: torch.dtype, quant: str | None) -> Linear:
+def make_linear(weight: torch.Tensor, dtype: torch.dtype, quant: str | None, batch_invariant: bool = False) -> Linear:
+    """float32 stays on MKL (what transformers uses, so logits match it) unless `batch_invariant` asks for
+    a product whose rows do not depend on the batch."""
     if quant == "int8":
         return Int8Linear(weight)
     if quant == "int4":
         return Int4Linear(weight)
-    if dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
-        return PackedBf16Linear(weight)
+    if torch.backends.mkldnn.is_available() and (dtype == torch.bfloat16 or batch_invariant):
+        return PackedLinear(weight, dtype)
     return DenseLinear(weight, dtype)

@@ -23,6 +23,7 @@ class ServeSettings:
     port: int = 8000
     dtype: str = "bfloat16"
     quant: str | None = None
+    batch_invariant: bool = False
     n_ctx: int = 8192
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
@@ -40,7 +41,7 @@ def served_name(model: str) -> str:
 
 def serve(settings: ServeSettings) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    model = load_model(settings.model, settings.dtype, quant=settings.quant)
+    model = load_model(settings.model, settings.dtype, quant=settings.quant, batch_invariant=settings.batch_invariant)
     engine = Engine(model, n_ctx=settings.n_ctx, max_num_seqs=settings.max_num_seqs,
                     max_num_batched_tokens=settings.max_num_batched_tokens, kv_dtype=settings.kv_dtype)
     name = settings.served_model_name or served_name(settings.model)
