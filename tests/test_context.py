@@ -98,7 +98,8 @@ def _decoded_after(ctx, prompts) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("failure", ["compute", "abort"])
-def test_failure_in_micro_batch_two_of_three_rolls_everything_back(smollm2, prompts, monkeypatch, failure):
+def test_failure_in_micro_batch_two_of_three_rolls_everything_back(smollm2, prompts, monkeypatch, fail_forward_at,
+                                                                   failure):
     clean = new_context(smollm2, n_ubatch=16)
     decode_ok(clean, Batch.for_sequence(prompts[1], seq_id=0))
     expected_state, expected_logits = memory_state(clean), _decoded_after(clean, prompts)
@@ -106,19 +107,11 @@ def test_failure_in_micro_batch_two_of_three_rolls_everything_back(smollm2, prom
     ctx = new_context(smollm2, n_ubatch=16)
     decode_ok(ctx, Batch.for_sequence(prompts[1], seq_id=0))
     before, cells = memory_state(ctx), ctx.memory.cells
-    calls = {"n": 0}
     if failure == "compute":
-        forward = smollm2.decoder.forward
-
-        def failing_forward(*args, **kwargs):
-            calls["n"] += 1
-            if calls["n"] == 2:
-                raise RuntimeError("injected failure")
-            return forward(*args, **kwargs)
-
-        monkeypatch.setattr(smollm2.decoder, "forward", failing_forward)
+        fail_forward_at(smollm2.decoder, 2)
         expected_status = DecodeStatus.COMPUTE_FAILED
     else:
+        calls = {"n": 0}
         ctx.abort_callback = lambda: calls.__setitem__("n", calls["n"] + 1) or calls["n"] == 2
         expected_status = DecodeStatus.ABORTED
     assert ctx.decode(three_ubatch_batch(prompts)) == expected_status

@@ -27,13 +27,7 @@ CONTEXT_STEPS = 3
 KV_TOLERANCES = {"f16": 0.05, "bf16": 0.3, "q8_0": 0.6}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matrices: thread hand-offs would cost far more than the arithmetic (as in test_random_models).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Zoo:
@@ -260,7 +254,7 @@ def memory_state(ctx: Context, seqs=range(8)) -> tuple:
     return mem.n_used, [(mem.seq_pos_min(s), mem.seq_pos_max(s)) for s in seqs]
 
 
-def test_failure_in_micro_batch_two_of_three_rolls_everything_back(gguf_model, monkeypatch):
+def test_failure_in_micro_batch_two_of_three_rolls_everything_back(gguf_model, monkeypatch, fail_forward_at):
     prompts = context_prompts(gguf_model)
     first, failing, after = prompts[1], prompts[0][:40], prompts[2][:5]
 
@@ -275,15 +269,7 @@ def test_failure_in_micro_batch_two_of_three_rolls_everything_back(gguf_model, m
     ctx = new_context(gguf_model, n_ubatch=16)
     decode_ok(ctx, Batch.for_sequence(first, seq_id=0))
     before = memory_state(ctx)
-    forward, calls = gguf_model.decoder.forward, {"n": 0}
-
-    def failing_forward(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise RuntimeError("injected failure")
-        return forward(*args, **kwargs)
-
-    monkeypatch.setattr(gguf_model.decoder, "forward", failing_forward)
+    fail_forward_at(gguf_model.decoder, 2)
     assert ctx.decode(Batch.for_sequence(failing, seq_id=1)) == DecodeStatus.COMPUTE_FAILED
     assert "micro-batch 2 of 3" in ctx.last_error
     monkeypatch.undo()

@@ -21,15 +21,6 @@ def qwen(qwen_gguf_path):
     return load_model(str(qwen_gguf_path), "float32")
 
 
-@pytest.fixture(scope="module")
-def hf_qwen(qwen_gguf_path):
-    transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        qwen_gguf_path.parent, gguf_file=qwen_gguf_path.name, dtype=torch.float32
-    )
-    return model.eval()
-
-
 def hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return hf_model(torch.tensor([ids])).logits[0].float()

@@ -35,14 +35,7 @@ LAYOUTS = {
 QUANTS = (GGMLQuantizationType.F32, GGMLQuantizationType.Q8_0)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # These matrices are tiny: thread hand-offs would cost far more than the arithmetic, and on a busy
-    # machine made the module many times slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))

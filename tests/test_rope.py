@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from family_factory import llama3_rope_factors
 from kvlm.errors import UnsupportedModelError
 from kvlm.model.ops import apply_rope
 from kvlm.model.rope import KINDS, Rope, RopeScaling, rope_from_gguf, rope_from_hf_config
@@ -232,34 +233,11 @@ def test_bad_configs(raw, error, words):
 
 # --- GGUF ---
 
-def llama_cpp_rope_freqs(params: dict, head_dim: int, hparams: dict) -> list[float]:
-    """rope_freqs.weight as llama.cpp's convert_hf_to_gguf.py (LlamaModel.generate_extra_tensors) makes it."""
-    base = params.get("rope_theta", 10000.0)
-    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    factor = params.get("factor", 8.0)
-    low_freq_factor = params.get("low_freq_factor", 1.0)
-    high_freq_factor = params.get("high_freq_factor", 4.0)
-    old_context_len = hparams.get("original_max_position_embeddings", 8192)  # sic: the top level, not the dict
-    low_freq_wavelen = old_context_len / low_freq_factor
-    high_freq_wavelen = old_context_len / high_freq_factor
-    rope_factors = []
-    for freq in freqs:
-        wavelen = 2 * math.pi / freq
-        if wavelen < high_freq_wavelen:
-            rope_factors.append(1)
-        elif wavelen > low_freq_wavelen:
-            rope_factors.append(factor)
-        else:
-            smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-            rope_factors.append(1 / ((1 - smooth) / factor + smooth))
-    return torch.tensor(rope_factors, dtype=torch.float32).tolist()  # stored as F32
-
-
 @pytest.mark.parametrize("name", ["llama3.1", "llama3.2"])
 def test_gguf_llama3_rope_freqs_give_transformers_llama3_frequencies(name):
     _, head_dim, max_positions, params = CASES[name]
     metadata = {"llama.rope.freq_base": params["rope_theta"], "llama.context_length": max_positions}
-    scaling = rope_from_gguf(metadata, "llama", llama_cpp_rope_freqs(params, head_dim, {}))
+    scaling = rope_from_gguf(metadata, "llama", llama3_rope_factors(params, head_dim).tolist())
     assert scaling.kind == "default" and len(scaling.freq_factors) == head_dim // 2
     rope = Rope(scaling, head_dim)
     inv_freq, _ = hf_init(hf_config(name))
