@@ -8,7 +8,7 @@ from kvlm.fetch import DEFAULT_MODEL, resolve_model
 from kvlm.loader.config import ModelConfig
 from kvlm.loader.gguf_file import load_gguf, read_gguf_config
 from kvlm.loader.hf_folder import config_from_hf, load_hf_folder
-from kvlm.model.decoder import Decoder
+from kvlm.model.decoder import Decoder, check_settings
 from kvlm.tokenizer import Tokenizer
 
 
@@ -29,6 +29,7 @@ def load_model(
     `quant` ("int8" or "int4", with dtype "bfloat16") keeps the layer weights quantized for speed;
     `batch_invariant` (float32) makes logits independent of the batch (see `Decoder`).
     """
+    check_settings(dtype, quant, batch_invariant)
     source = resolve_model(spec, fetch=fetch, progress=progress)
     if source.is_dir():
         config, weights = load_hf_folder(source)

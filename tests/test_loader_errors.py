@@ -276,17 +276,48 @@ def test_config_options_kvlm_does_not_implement_are_refused(tmp_path, hf_config,
 def test_an_unknown_rope_type_is_named(tmp_path, hf_config, hf_tensors, gguf_path, metadata, tensors):
     hf_config.pop("rope_parameters", None)
     hf_config.update(rope_theta=10000.0, rope_scaling={"rope_type": "xpos", "factor": 2.0})
-    with pytest.raises(UnsupportedModelError, match="'xpos'"):
-        load_hf_folder(write_hf_folder(tmp_path, hf_config, hf_tensors))
+    folder = write_hf_folder(tmp_path, hf_config, hf_tensors)
+    with pytest.raises(UnsupportedModelError, match=f"{folder / 'config.json'}: .*'xpos'"):
+        load_hf_folder(folder)
     metadata["llama.rope.scaling.type"] = "xpos"
-    with pytest.raises(UnsupportedModelError, match="'xpos'"):
+    with pytest.raises(UnsupportedModelError, match=f"{gguf_path}: .*'xpos'"):
         load_gguf(write_gguf(gguf_path, metadata, tensors))
+
+
+def test_rope_scaling_that_is_not_an_object_is_named(tmp_path, hf_config, hf_tensors):
+    hf_config.pop("rope_parameters", None)
+    hf_config.update(rope_theta=10000.0, rope_scaling="linear")
+    assert_file_error(load_hf_folder, write_hf_folder(tmp_path, hf_config, hf_tensors), "rope_scaling", "'linear'")
+
+
+def test_a_qwen3_config_without_head_dim_gets_transformers_default(tmp_path):
+    from kvlm.loader.hf_folder import config_from_hf
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_hidden_layers": 2, "hidden_size": 64,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100}))
+    assert config_from_hf(tmp_path).head_dim == 128  # Qwen3Config's default, not 64 / 4
+
+
+def test_bad_compute_settings_fail_before_the_model_is_looked_up():
+    for settings, message in [({"dtype": "bfloat16", "batch_invariant": True}, "batch_invariant needs dtype float32"),
+                              ({"dtype": "float32", "quant": "int4"}, "with dtype bfloat16"),
+                              ({"dtype": "float16"}, "dtype must be one of")]:
+        with pytest.raises(ValueError, match=message):
+            load_model("no-such-model", **settings)  # a lookup would raise ModelFetchError instead
 
 
 def test_partial_rotary_embeddings_are_refused(gguf_path, metadata, tensors):
     metadata["llama.rope.dimension_count"] = 8
     with pytest.raises(UnsupportedModelError, match="dimension_count=8 rotates part of each 16-dim head"):
         read_gguf_config(write_gguf(gguf_path, metadata, tensors))
+
+
+def test_model_config_checks_the_number_of_rope_frequency_factors():
+    from kvlm.model.rope import RopeScaling
+
+    with pytest.raises(ValueError, match="3 frequency factors; head_dim 16 needs 8"):
+        replace(VALID, rope=RopeScaling(freq_factors=(1.0, 2.0, 4.0)))
 
 
 def test_model_config_layer_kinds_are_checked():

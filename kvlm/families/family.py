@@ -22,6 +22,7 @@ class Family:
     qkv_bias: bool = False      # biases on the Q, K and V projections (not on the output)
     qk_norm: bool = False       # RMSNorm over head_dim on each Q and K head, before RoPE
     permuted_qk: bool = False   # llama.cpp stores Q/K rows of this architecture permuted for its RoPE
+    default_head_dim: int | None = None  # config.json's head_dim when absent (transformers' default), else d / heads
 
     def layer_kinds(self, n_layer: int) -> tuple[str, ...]:
         return (ATTENTION,) * n_layer

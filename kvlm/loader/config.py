@@ -25,18 +25,21 @@ class ModelConfig:
     rope: RopeScaling = field(default_factory=RopeScaling)
     layer_kinds: tuple[str, ...] = ()  # one per layer; empty means the family's own list
 
-
     def __post_init__(self) -> None:
-        for field in ("n_layer", "n_embd", "n_ff", "n_head", "n_head_kv", "head_dim", "vocab_size", "n_ctx_train"):
-            value = getattr(self, field)
+        for name in ("n_layer", "n_embd", "n_ff", "n_head", "n_head_kv", "head_dim", "vocab_size", "n_ctx_train"):
+            value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"ModelConfig.{field} must be a positive integer, got {value!r}")
+                raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
         if self.n_head % self.n_head_kv:
             raise ValueError(
                 f"ModelConfig.n_head ({self.n_head}) must be a multiple of n_head_kv ({self.n_head_kv})"
             )
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
+        factors = self.rope.freq_factors
+        if factors is not None and len(factors) != self.head_dim // 2:
+            raise ValueError(f"ModelConfig.rope has {len(factors)} frequency factors; head_dim {self.head_dim} "
+                             f"needs {self.head_dim // 2}")
         if not self.layer_kinds:
             object.__setattr__(self, "layer_kinds", self.family.layer_kinds(self.n_layer))
         self._check_layer_kinds()
@@ -63,7 +66,10 @@ class ModelConfig:
         values = dict(self.__dict__)
         family = self.family
         values["architecture"] = " ".join([self.architecture, *(p for p in ("qkv_bias", "qk_norm") if getattr(family, p))])
-        values["rope"] = " ".join(f"{f.name}={getattr(self.rope, f.name)}" for f in fields(self.rope)
-                                  if f.name in ("theta", "kind") or getattr(self.rope, f.name) != f.default)
+        rope = {f.name: getattr(self.rope, f.name) for f in fields(self.rope)
+                if f.name in ("theta", "kind") or getattr(self.rope, f.name) != f.default}
+        if self.rope.freq_factors is not None:
+            rope["freq_factors"] = f"{len(self.rope.freq_factors)} from rope_freqs.weight"
+        values["rope"] = " ".join(f"{name}={value}" for name, value in rope.items())
         values["layer_kinds"] = ", ".join(f"{len(list(run))} x {kind}" for kind, run in groupby(self.layer_kinds))
         return values

@@ -43,6 +43,8 @@ def read_gguf_config(path: str | Path) -> ModelConfig:
 def _config_of(reader: GGUFReader, metadata: dict[str, Any], path: str | Path) -> ModelConfig:
     tensors = {t.name: t for t in reader.tensors}
     freqs = tensors.get(ROPE_FREQS)
+    if freqs is not None:
+        _check_tensor(path, freqs, ROPE_FREQS, (int(np.prod(freqs.shape.tolist())),))  # complete, any length
     freq_factors = None if freqs is None else _dequantize(path, freqs).reshape(-1).tolist()
     return config_from_metadata(metadata, path, tied="output.weight" not in tensors, freq_factors=freq_factors)
 
@@ -78,6 +80,8 @@ def config_from_metadata(
             tie_word_embeddings=tied,
             rope=rope.rope_from_gguf(metadata, arch, freq_factors),
         )
+    except UnsupportedModelError as exc:
+        raise UnsupportedModelError(f"{path}: {exc}") from None
     except (TypeError, ValueError) as exc:  # values of the wrong type, or ones ModelConfig rejects
         raise ModelFileError(f"{path}: the metadata describes an invalid model: {exc}") from exc
     _check_full_rotary(metadata, config, path)

@@ -65,13 +65,15 @@ def config_from_hf(folder: Path) -> ModelConfig:
             n_ff=raw["intermediate_size"],
             n_head=n_head,
             n_head_kv=raw.get("num_key_value_heads") or n_head,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // max(n_head, 1),
+            head_dim=raw.get("head_dim") or family.default_head_dim or raw["hidden_size"] // max(n_head, 1),
             vocab_size=raw["vocab_size"],
             n_ctx_train=raw.get("max_position_embeddings", 2048),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             rope=rope.rope_from_hf_config(raw),
         )
+    except UnsupportedModelError as exc:
+        raise UnsupportedModelError(f"{path}: {exc}") from None
     except KeyError as exc:
         raise ModelFileError(f"{path}: the config has no {exc.args[0]!r}") from None
     except (TypeError, ValueError) as exc:  # values of the wrong type, or ones ModelConfig rejects

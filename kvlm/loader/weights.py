@@ -31,9 +31,6 @@ class ModelWeights:
     def layer(self, index: int, part: str, kind: str = "weight") -> torch.Tensor:
         return self.tensors[f"blk.{index}.{part}.{kind}"]
 
-    def has(self, index: int, part: str, kind: str = "weight") -> bool:
-        return f"blk.{index}.{part}.{kind}" in self.tensors
-
     @property
     def output(self) -> torch.Tensor:
         return self.tensors.get("output.weight", self.tensors["token_embd.weight"])

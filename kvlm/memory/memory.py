@@ -51,16 +51,23 @@ def _same_sequences(seq_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _per_token_rows_group(visible: np.ndarray, cell_pos: np.ndarray, tokens: np.ndarray, longest: int):
     """Per token, its visible cells by position (padded to `longest`) and the mask hiding the padding."""
-    seen = visible[tokens]
-    order = np.argsort(np.where(seen, cell_pos, np.iinfo(cell_pos.dtype).max), axis=1, kind="stable")[:, :longest]
-    return AttentionGroup(torch.from_numpy(tokens), torch.from_numpy(order),
-                          _additive(np.take_along_axis(seen, order, axis=1)))
+    token, cell = np.nonzero(visible[tokens])
+    order = np.lexsort((cell_pos[cell], token))  # by token, then by position: sorts only the visible cells
+    token, cell = token[order], cell[order]
+    counts = np.bincount(token, minlength=len(tokens))
+    column = np.arange(len(token)) - np.repeat(np.cumsum(counts) - counts, counts)
+    index = np.zeros((len(tokens), longest), dtype=np.int64)  # padding reads cell 0, masked out
+    real = np.zeros((len(tokens), longest), dtype=bool)
+    index[token, column], real[token, column] = cell, True
+    return AttentionGroup(torch.from_numpy(tokens), torch.from_numpy(index), _additive(real))
 
 
 def _shared_rows_group(visible: np.ndarray, cell_pos: np.ndarray, tokens: np.ndarray) -> AttentionGroup:
-    cells = np.flatnonzero(visible[tokens].any(axis=0))
+    seen = visible if len(tokens) == len(visible) else visible[tokens]  # a prompt chunk alone: no copy
+    cells = np.flatnonzero(seen.any(axis=0))
     cells = cells[np.argsort(cell_pos[cells], kind="stable")]
-    seen = visible[np.ix_(tokens, cells)]
+    if len(cells) != seen.shape[1] or np.any(cells != np.arange(len(cells))):
+        seen = seen[:, cells]
     return AttentionGroup(torch.from_numpy(tokens), torch.from_numpy(cells), None if seen.all() else _additive(seen))
 
 

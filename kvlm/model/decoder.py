@@ -21,6 +21,16 @@ from kvlm.model.rope import Rope
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def check_settings(dtype: str, quant: str | None, batch_invariant: bool) -> None:
+    """The compute settings a decoder accepts; checked before any weight is read."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if quant is not None and (quant not in QUANTS or dtype != "bfloat16"):
+        raise ValueError(f"quant must be one of {', '.join(QUANTS)} with dtype bfloat16, got {quant!r} with {dtype}")
+    if batch_invariant and dtype != "float32":
+        raise ValueError(f"batch_invariant needs dtype float32, got {dtype}")
+
+
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor
@@ -45,12 +55,7 @@ class Decoder:
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, dtype: str = "float32",
                  quant: str | None = None, batch_invariant: bool = False) -> None:
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        if quant is not None and (quant not in QUANTS or dtype != "bfloat16"):
-            raise ValueError(f"quant must be one of {', '.join(QUANTS)} with dtype bfloat16, got {quant!r} with {dtype}")
-        if batch_invariant and dtype != "float32":
-            raise ValueError(f"batch_invariant needs dtype float32, got {dtype}")
+        check_settings(dtype, quant, batch_invariant)
         self.config = config
         self.dtype = DTYPES[dtype]
         self.quant = quant
@@ -60,7 +65,7 @@ class Decoder:
         self.output_norm = weights.tensors["output_norm.weight"].to(self.dtype)
         # The output head is the largest matrix; int8 keeps it close to the file's Q8_0/F16 precision.
         head = self.token_embd if config.tie_word_embeddings else weights.output
-        self.output = make_linear(head, self.dtype, quant and "int8")
+        self.output = make_linear(head, self.dtype, quant and "int8", batch_invariant)
         self.rope = Rope(config.rope, config.head_dim)
         self._blocks = {ATTENTION: self._attention_block}  # one entry per layer kind the config may list
 

@@ -228,6 +228,8 @@ def rope_from_hf_config(raw: Mapping[str, Any]) -> RopeScaling:
     """The RoPE of a config.json: `rope_theta` + `rope_scaling` (old) or `rope_parameters` (transformers 5)."""
     # transformers takes rope_scaling over rope_parameters, and the dict's rope_theta over the top-level one.
     params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    if not isinstance(params, Mapping):
+        raise ValueError(f"rope_scaling must be an object, got {params!r}")
     nested = sorted(key for key, value in params.items() if isinstance(value, Mapping))
     if nested:
         raise UnsupportedModelError(
