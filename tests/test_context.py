@@ -38,6 +38,16 @@ def greedy_alone(model, ids: list[int], steps: int) -> tuple[list[int], list[tor
     return tokens, logits
 
 
+def one_batch(prompts: list[list[int]]) -> Batch:
+    """Prompt s as sequence s, all in one batch, each with its last token's logits."""
+    tokens, seq_ids, flags = [], [], []
+    for s, ids in enumerate(prompts):
+        tokens += ids
+        seq_ids += [s] * len(ids)
+        flags += [False] * (len(ids) - 1) + [True]
+    return Batch(tokens=tokens, seq_ids=seq_ids, logits=flags)
+
+
 def memory_state(ctx: Context, seqs=range(8)) -> tuple:
     mem = ctx.memory
     return mem.n_used, [(mem.seq_pos_min(s), mem.seq_pos_max(s)) for s in seqs]
@@ -47,12 +57,7 @@ def test_sequences_in_one_batch_match_each_alone_and_transformers(smollm2, hf_sm
     steps = 6
     alone = [greedy_alone(smollm2, ids, steps) for ids in prompts]
     ctx = new_context(smollm2)
-    tokens, seq_ids, flags = [], [], []
-    for s, ids in enumerate(prompts):
-        tokens += ids
-        seq_ids += [s] * len(ids)
-        flags += [False] * (len(ids) - 1) + [True]
-    decode_ok(ctx, Batch(tokens=tokens, seq_ids=seq_ids, logits=flags))
+    decode_ok(ctx, one_batch(prompts))
     generated = [[] for _ in prompts]
     for step in range(steps + 1):
         for s in range(len(prompts)):

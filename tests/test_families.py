@@ -16,6 +16,7 @@ import transformers
 from family_factory import ORIGINAL_POSITIONS, SOURCES, SPECS, head_dim_of, random_model, save_model
 from kvlm import LLM, Batch, Context, DecodeStatus, SamplingParams, load_model
 from kvlm.model.rope import Rope
+from test_context import memory_state, one_batch
 from test_random_models import full_sequence_logits, max_diff, prefill_then_decode_logits, reference_logits, token_ids
 
 TOLERANCE = 1e-4
@@ -185,12 +186,7 @@ def run_together(model, prompts, fed: list[list[int]] | None, kv_dtype: str = "f
     own argmax. Returns the tokens fed and logits[s][step].
     """
     ctx = new_context(model, kv_dtype=kv_dtype)
-    tokens, seq_ids, flags = [], [], []
-    for s, ids in enumerate(prompts):
-        tokens += ids
-        seq_ids += [s] * len(ids)
-        flags += [False] * (len(ids) - 1) + [True]
-    decode_ok(ctx, Batch(tokens=tokens, seq_ids=seq_ids, logits=flags))
+    decode_ok(ctx, one_batch(prompts))
     logits = [[ctx.get_logits_ith(s).clone()] for s in range(len(prompts))]
     fed_now = [[] for _ in prompts]
     for step in range(CONTEXT_STEPS):
@@ -247,11 +243,6 @@ def test_shifted_sequence_equals_one_computed_at_the_shifted_positions(ours, del
     fresh = new_context(ours)
     decode_ok(fresh, Batch.for_sequence(tokens + [42], start_pos=start + delta))
     assert max_diff(ctx.get_logits_ith(-1), fresh.get_logits_ith(-1)) <= TOLERANCE
-
-
-def memory_state(ctx: Context, seqs=range(8)) -> tuple:
-    mem = ctx.memory
-    return mem.n_used, [(mem.seq_pos_min(s), mem.seq_pos_max(s)) for s in seqs]
 
 
 def test_failure_in_micro_batch_two_of_three_rolls_everything_back(gguf_model, monkeypatch, fail_forward_at):

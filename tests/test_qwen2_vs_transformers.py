@@ -7,7 +7,7 @@ import torch
 
 from kvlm import LLM, SamplingParams
 from kvlm.load import load_model
-from kvlm.memory.sequence_cache import SequenceCache
+from test_random_models import full_sequence_logits, reference_logits
 
 TOLERANCE = 1e-4
 N_GREEDY = 24
@@ -19,16 +19,6 @@ LONG_CODE = "".join(f"def f{i}(x):\n    return x * {i} + {i * i}  # 第{i}个\n\
 @pytest.fixture(scope="module")
 def qwen(qwen_gguf_path):
     return load_model(str(qwen_gguf_path), "float32")
-
-
-def hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf_model(torch.tensor([ids])).logits[0].float()
-
-
-def full_sequence_logits(model, ids: list[int]) -> torch.Tensor:
-    cache = SequenceCache(model.config, len(ids))
-    return model.decoder.forward(torch.tensor(ids), torch.arange(len(ids)), cache.prefill_view(len(ids)))
 
 
 def chat_ids(hf_tokenizer, message: str) -> list[int]:
@@ -49,7 +39,7 @@ def test_full_sequence_logits_match_transformers(qwen, hf_qwen, hf_qwen_tokenize
     ids = hf_qwen_tokenizer(prompt).input_ids
     if prompt is LONG_CODE:
         assert len(ids) > 500
-    assert (full_sequence_logits(qwen, ids) - hf_logits(hf_qwen, ids)).abs().max().item() <= TOLERANCE
+    assert (full_sequence_logits(qwen, ids) - reference_logits(hf_qwen, ids)).abs().max().item() <= TOLERANCE
 
 
 def test_greedy_continuations_equal_transformers_generate(qwen_gguf_path, hf_qwen, hf_qwen_tokenizer):
