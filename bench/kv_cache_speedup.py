@@ -9,19 +9,37 @@ import argparse
 from bench.common import (
     add_model_option, machine_line, markdown_table, median_seconds, model_gguf, model_label, plot_path,
 )
-from kvlm.generate import decode, prefill, recompute
+from kvlm import Batch, Context, DecodeStatus
 from kvlm.load import load_model
-from kvlm.memory.sequence_cache import SequenceCache
+
+
+def single_sequence(model, n_ctx: int) -> Context:
+    """As kvlm.generate sizes it: one sequence, any batch up to n_ctx tokens in one micro-batch."""
+    return Context(model, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_seq_max=1)
+
+
+def decode_ok(ctx: Context, tokens: list[int]) -> None:
+    status = ctx.decode(Batch.for_sequence(tokens))
+    if status != DecodeStatus.OK:
+        raise RuntimeError(f"decode failed with {status.name}: {ctx.last_error}")
 
 
 def step_times(model, context: int, repeats: int) -> tuple[float, float]:
-    """Seconds for one new token after `context` tokens: cached decode, and full recomputation."""
+    """Seconds for one new token after `context` tokens: cached decode, and full recomputation.
+
+    The two steps of kvlm.generate: one token per batch, and (--no-cache) clear the memory, decode it all.
+    """
     tokens = [(7 * i) % 1000 + 100 for i in range(context)]
-    cache = SequenceCache(model.config, context + repeats + 1)
-    prefill(model.decoder, cache, tokens)
-    cached = median_seconds(lambda: decode(model.decoder, cache, 42), repeats)
-    scratch = SequenceCache(model.config, context + 1)
-    uncached = median_seconds(lambda: recompute(model.decoder, scratch, tokens + [42]), max(2, repeats // 8))
+    cached_ctx = single_sequence(model, context + repeats + 1)
+    decode_ok(cached_ctx, tokens)
+    cached = median_seconds(lambda: decode_ok(cached_ctx, [42]), repeats)
+    scratch = single_sequence(model, context + 1)
+
+    def recompute() -> None:
+        scratch.memory.clear()
+        decode_ok(scratch, tokens + [42])
+
+    uncached = median_seconds(recompute, max(2, repeats // 8))
     return cached, uncached
 
 

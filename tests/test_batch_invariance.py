@@ -16,7 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlm import Batch, Context, DecodeStatus
+from conftest import decode_ok, full_sequence_logits, max_diff, reference_logits
+from kvlm import Batch, Context
 from kvlm.memory.kv_store import DENSE_DTYPES, DensePlane, Q8Plane
 
 TOLERANCE = 1e-4
@@ -30,10 +31,6 @@ NEIGHBOUR_LAYOUTS = {"beside_one": {"n_others": 1}, "beside_two": {"n_others": 2
 BATCH_LAYOUTS = {"same_batch": {"n_others": 2, "together": True},
                  "decode_with_others": {"n_others": 2, "decode_with_others": True},
                  "ubatch_1": {"n_ubatch": 1}, "ubatch_7": {"n_ubatch": 7}}
-
-
-def decode_ok(ctx: Context, batch: Batch) -> None:
-    assert ctx.decode(batch) == DecodeStatus.OK, ctx.last_error
 
 
 def run(model, kv_dtype: str, n_others: int = 0, together: bool = False, decode_with_others: bool = False,
@@ -73,10 +70,6 @@ def invariant_model(smollm2_gguf_path):
 @pytest.fixture(scope="module")
 def invariant_alone(invariant_model):
     return {kv_dtype: run(invariant_model, kv_dtype) for kv_dtype in KV_DTYPES}
-
-
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a - b).abs().max().item()
 
 
 def rounded_like(kv_dtype: str):
@@ -130,11 +123,5 @@ def test_batch_invariant_mode_holds_every_layout_to_a_tenth_of_the_dtype(invaria
 def test_batch_invariant_mode_stays_close_to_transformers(invariant_model, hf_smollm2):
     # Its products round differently from transformers' MKL ones: about as far as transformers' own float32
     # is from float64 (measured 1.5e-4 at most on SmolLM2), so a looser bound than the default mode's 1e-4.
-    from kvlm.memory.sequence_cache import SequenceCache
-
     ids = invariant_model.tokenizer.encode("Once upon a time, in a land far away, there lived a")
-    cache = SequenceCache(invariant_model.config, len(ids))
-    ours = invariant_model.decoder.forward(torch.tensor(ids), torch.arange(len(ids)), cache.prefill_view(len(ids)))
-    with torch.no_grad():
-        expected = hf_smollm2(torch.tensor([ids])).logits[0]
-    assert max_diff(ours, expected) <= 5e-4
+    assert max_diff(full_sequence_logits(invariant_model, ids), reference_logits(hf_smollm2, ids)) <= 5e-4

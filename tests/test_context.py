@@ -6,6 +6,7 @@ import re
 import pytest
 import torch
 
+from conftest import decode_ok, memory_state, one_batch, single_sequence_context
 from kvlm import Batch, Context, DecodeStatus
 from kvlm.errors import CacheError
 
@@ -22,11 +23,6 @@ def new_context(model, **kwargs) -> Context:
     return Context(model, **{"n_ctx": 256, "n_batch": 256, "n_ubatch": 64, "n_seq_max": 8, **kwargs})
 
 
-def decode_ok(ctx: Context, batch: Batch) -> None:
-    status = ctx.decode(batch)
-    assert status == DecodeStatus.OK, ctx.last_error
-
-
 def greedy_alone(model, ids: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
     ctx = new_context(model)
     decode_ok(ctx, Batch.for_sequence(ids))
@@ -36,21 +32,6 @@ def greedy_alone(model, ids: list[int], steps: int) -> tuple[list[int], list[tor
         decode_ok(ctx, Batch.for_sequence([tokens[-1]]))
         logits.append(ctx.get_logits_ith(-1).clone())
     return tokens, logits
-
-
-def one_batch(prompts: list[list[int]]) -> Batch:
-    """Prompt s as sequence s, all in one batch, each with its last token's logits."""
-    tokens, seq_ids, flags = [], [], []
-    for s, ids in enumerate(prompts):
-        tokens += ids
-        seq_ids += [s] * len(ids)
-        flags += [False] * (len(ids) - 1) + [True]
-    return Batch(tokens=tokens, seq_ids=seq_ids, logits=flags)
-
-
-def memory_state(ctx: Context, seqs=range(8)) -> tuple:
-    mem = ctx.memory
-    return mem.n_used, [(mem.seq_pos_min(s), mem.seq_pos_max(s)) for s in seqs]
 
 
 def test_sequences_in_one_batch_match_each_alone_and_transformers(smollm2, hf_smollm2, prompts):
@@ -157,6 +138,46 @@ def test_a_batch_that_does_not_fit_gets_no_slot_and_changes_nothing(smollm2, pro
     assert "13 cells" in ctx.last_error and "12 of 32" in ctx.last_error
     assert memory_state(ctx) == before
     decode_ok(ctx, Batch.for_sequence([2] * 12, seq_id=1))  # exactly what is free still fits
+
+
+def test_one_sequence_past_n_ctx_gets_no_slot_before_any_row_is_written(smollm2):
+    ctx = single_sequence_context(smollm2, 6)
+    decode_ok(ctx, Batch.for_sequence([1, 2, 3, 4, 5]))
+    before, stored = memory_state(ctx, [0]), (ctx.memory.store.k.data.clone(), ctx.memory.store.v.data.clone())
+    assert ctx.decode(Batch.for_sequence([6, 7])) == DecodeStatus.NO_SLOT
+    assert "2 cells" in ctx.last_error and "1 of 6" in ctx.last_error
+    assert memory_state(ctx, [0]) == before
+    assert torch.equal(ctx.memory.store.k.data, stored[0]) and torch.equal(ctx.memory.store.v.data, stored[1])
+    decode_ok(ctx, Batch.for_sequence([6]))
+    assert ctx.decode(Batch.for_sequence([7])) == DecodeStatus.NO_SLOT
+    assert memory_state(ctx, [0]) == (6, [(0, 5)])
+
+
+def test_rows_written_before_a_failure_stay_unseen_and_the_retry_equals_a_clean_run(smollm2, monkeypatch):
+    prompt = [1, 504, 3458, 314]
+    clean = single_sequence_context(smollm2, 32)
+    decode_ok(clean, Batch.for_sequence(prompt))
+    decode_ok(clean, Batch.for_sequence([42]))
+    expected = clean.get_logits_ith(-1).clone()
+
+    ctx = single_sequence_context(smollm2, 32)
+    decode_ok(ctx, Batch.for_sequence(prompt))
+    before, write = memory_state(ctx, [0]), ctx.memory.store.write
+    middle = smollm2.config.n_layer // 2
+
+    def write_then_fail(layer, rows, k, v):
+        write(layer, rows, k, v)
+        if layer == middle:
+            raise RuntimeError(f"injected at layer {layer}")
+
+    monkeypatch.setattr(ctx.memory.store, "write", write_then_fail)
+    assert ctx.decode(Batch.for_sequence([42])) == DecodeStatus.COMPUTE_FAILED
+    assert f"injected at layer {middle}" in ctx.last_error
+    assert memory_state(ctx, [0]) == before
+    monkeypatch.undo()
+    # Layers 0..middle wrote the new row into a cell the rollback freed: unseen, then overwritten.
+    decode_ok(ctx, Batch.for_sequence([42]))
+    assert torch.equal(ctx.get_logits_ith(-1), expected)
 
 
 def test_decode_uses_scattered_free_cells_and_compaction_changes_nothing(smollm2, prompts):

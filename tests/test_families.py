@@ -13,11 +13,13 @@ import pytest
 import torch
 import transformers
 
+from conftest import (
+    decode_ok, full_sequence_logits, max_diff, memory_state, one_batch, prefill_then_decode_logits, reference_logits,
+)
 from family_factory import ORIGINAL_POSITIONS, SOURCES, SPECS, head_dim_of, random_model, save_model
 from kvlm import LLM, Batch, Context, DecodeStatus, SamplingParams, load_model
 from kvlm.model.rope import Rope
-from test_context import memory_state, one_batch
-from test_random_models import full_sequence_logits, max_diff, prefill_then_decode_logits, reference_logits, token_ids
+from test_random_models import token_ids
 
 TOLERANCE = 1e-4
 N_GREEDY = 16
@@ -156,11 +158,6 @@ def test_greedy_llm_generate_equals_transformers_generate(zoo, name, source, ref
 
 def new_context(model, **kwargs) -> Context:
     return Context(model, **{"n_ctx": 256, "n_batch": 256, "n_ubatch": 64, "n_seq_max": 8, **kwargs})
-
-
-def decode_ok(ctx: Context, batch: Batch) -> None:
-    status = ctx.decode(batch)
-    assert status == DecodeStatus.OK, ctx.last_error
 
 
 def context_prompts(model) -> list[list[int]]:

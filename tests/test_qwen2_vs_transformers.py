@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import full_sequence_logits, reference_logits
 from kvlm import LLM, SamplingParams
 from kvlm.load import load_model
-from test_random_models import full_sequence_logits, reference_logits
 
 TOLERANCE = 1e-4
 N_GREEDY = 24

@@ -14,13 +14,13 @@ import torch
 import transformers
 from gguf import GGMLQuantizationType
 
+from conftest import full_sequence_logits, max_diff, prefill_then_decode_logits, reference_logits
 from gguf_factory import llama_config, random_llama, save_hf_folder, write_model_gguf
-from kvlm.generate import GenerationSettings, decode, generate, prefill
+from kvlm.generate import GenerationSettings, generate
 from kvlm.load import load_model
 from kvlm.loader.gguf_file import load_gguf
 from kvlm.loader.hf_folder import load_hf_folder
-from kvlm.memory.sequence_cache import SequenceCache
-from kvlm.model.ops import causal_mask, grouped_attention
+from kvlm.model.ops import grouped_attention
 
 TOLERANCE = 1e-4
 N_PROMPT, N_DECODE, N_GREEDY = 10, 8, 16
@@ -55,33 +55,11 @@ def hf_folder(reference, layout, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ours_from_folder(hf_folder):
-    return load_model(str(hf_folder))
+    return load_model(str(hf_folder), "float32")
 
 
 def token_ids(vocab_size: int, n: int, seed: int = 0) -> list[int]:
     return torch.randint(0, vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def reference_logits(hf_model, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf_model(torch.tensor([ids])).logits[0].float()
-
-
-def full_sequence_logits(model, ids: list[int]) -> torch.Tensor:
-    cache = SequenceCache(model.config, len(ids))
-    return model.decoder.forward(torch.tensor(ids), torch.arange(len(ids)), cache.prefill_view(len(ids)))
-
-
-def prefill_then_decode_logits(model, ids: list[int], n_prompt: int) -> torch.Tensor:
-    """Logits of the prompt's last token, then of each later token fed one at a time through the cache."""
-    cache = SequenceCache(model.config, len(ids))
-    rows = [prefill(model.decoder, cache, ids[:n_prompt])]
-    rows += [decode(model.decoder, cache, token) for token in ids[n_prompt:]]
-    return torch.stack(rows)
-
-
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a - b).abs().max().item()
 
 
 def assert_logits_match(ours, hf_model) -> None:
@@ -145,11 +123,11 @@ def hf_from_gguf(gguf_path):
 
 
 def test_gguf_logits_match_transformers_reading_the_same_file(gguf_path, hf_from_gguf):
-    assert_logits_match(load_model(str(gguf_path)), hf_from_gguf)
+    assert_logits_match(load_model(str(gguf_path), "float32"), hf_from_gguf)
 
 
 def test_gguf_greedy_equals_transformers_generate(gguf_path, hf_from_gguf):
-    assert_greedy_matches(load_model(str(gguf_path)), hf_from_gguf)
+    assert_greedy_matches(load_model(str(gguf_path), "float32"), hf_from_gguf)
 
 
 def test_gguf_weights_are_the_folder_weights(gguf_path, quant, hf_folder):
@@ -169,7 +147,7 @@ def test_gguf_weights_are_the_folder_weights(gguf_path, quant, hf_folder):
 
 def test_gguf_and_folder_tokenizers_agree(gguf_path, ours_from_folder):
     text = "Hello world, this is a tiny random model"
-    assert load_model(str(gguf_path)).tokenizer.encode(text) == ours_from_folder.tokenizer.encode(text)
+    assert load_model(str(gguf_path), "float32").tokenizer.encode(text) == ours_from_folder.tokenizer.encode(text)
 
 
 # grouped_attention at the op level
@@ -183,9 +161,16 @@ def heads(request) -> tuple[int, int]:
     return HEAD_LAYOUTS[request.param]
 
 
+def causal_mask(n_tokens: int, n_past: int) -> torch.Tensor:
+    """Additive mask letting token i (at row n_past + i) see rows 0 .. n_past + i."""
+    rows = torch.arange(n_tokens)[:, None] + n_past
+    cols = torch.arange(n_past + n_tokens)[None, :]
+    return torch.zeros(rows.shape[0], cols.shape[1]).masked_fill_(cols > rows, float("-inf"))
+
+
 @pytest.fixture(params=["causal", "no_mask"])
 def mask(request) -> torch.Tensor | None:
-    return causal_mask(N_QUERIES, N_ROWS - N_QUERIES, torch.float32) if request.param == "causal" else None
+    return causal_mask(N_QUERIES, N_ROWS - N_QUERIES) if request.param == "causal" else None
 
 
 def naive_attention(q, k, v, mask) -> torch.Tensor:

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlm.generate import GenerationSettings, decode, generate, prefill, recompute
-from kvlm.memory.sequence_cache import SequenceCache
+from conftest import full_sequence_logits, generation_logits, max_diff, prefill_then_decode_logits, reference_logits
+from kvlm.generate import GenerationSettings, generate
 
 TOLERANCE = 1e-4
 
@@ -18,17 +18,6 @@ RAW_PROMPTS = [
 CHAT_MESSAGES = ["What is the boiling point of water?", "Write a haiku about the sea."]
 
 
-def hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf_model(torch.tensor([ids])).logits[0].float()
-
-
-def full_sequence_logits(model, ids: list[int]) -> torch.Tensor:
-    cache = SequenceCache(model.config, len(ids))
-    view = cache.prefill_view(len(ids))
-    return model.decoder.forward(torch.tensor(ids), torch.arange(len(ids)), view)
-
-
 def chat_ids(hf_tokenizer, message: str) -> list[int]:
     text = hf_tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
                                             add_generation_prompt=True)
@@ -38,16 +27,14 @@ def chat_ids(hf_tokenizer, message: str) -> list[int]:
 @pytest.mark.parametrize("prompt", RAW_PROMPTS)
 def test_full_sequence_logits_match_transformers(smollm2, hf_smollm2, hf_smollm2_tokenizer, prompt):
     ids = hf_smollm2_tokenizer(prompt).input_ids
-    ours = full_sequence_logits(smollm2, ids)
-    assert (ours - hf_logits(hf_smollm2, ids)).abs().max().item() <= TOLERANCE
+    assert max_diff(full_sequence_logits(smollm2, ids), reference_logits(hf_smollm2, ids)) <= TOLERANCE
 
 
 @pytest.mark.parametrize("message", CHAT_MESSAGES)
 def test_last_position_logits_match_transformers(smollm2, hf_smollm2, hf_smollm2_tokenizer, message):
     ids = chat_ids(hf_smollm2_tokenizer, message)
-    cache = SequenceCache(smollm2.config, len(ids))
-    last = prefill(smollm2.decoder, cache, ids)
-    assert (last - hf_logits(hf_smollm2, ids)[-1]).abs().max().item() <= TOLERANCE
+    last = prefill_then_decode_logits(smollm2, ids, len(ids))[0]
+    assert max_diff(last, reference_logits(hf_smollm2, ids)[-1]) <= TOLERANCE
 
 
 def _prompts(hf_tokenizer) -> list[list[int]]:
@@ -64,26 +51,25 @@ def test_greedy_continuations_equal_transformers_generate(smollm2, hf_smollm2, h
         assert generate(smollm2, ids, settings).token_ids == expected
 
 
-def test_cached_decode_equals_recomputation_at_every_step(smollm2, hf_smollm2_tokenizer):
+def test_cached_generation_equals_recomputation_and_transformers_at_every_step(smollm2, hf_smollm2,
+                                                                               hf_smollm2_tokenizer):
+    # generate's two paths: one token per batch over the cache, and the --no-cache baseline that clears the
+    # memory and decodes the whole sequence each step. Step i samples from the logits of the sequence's
+    # token len(ids) - 1 + i, row len(ids) - 1 + i of transformers' forward over the whole sequence.
     ids = hf_smollm2_tokenizer("The quick brown fox").input_ids
-    cached = SequenceCache(smollm2.config, 64)
-    scratch = SequenceCache(smollm2.config, 64)
-    logits = prefill(smollm2.decoder, cached, ids)
-    sequence = list(ids)
-    for _ in range(12):
-        token = int(logits.argmax())
-        sequence.append(token)
-        logits = decode(smollm2.decoder, cached, token)
-        baseline = recompute(smollm2.decoder, scratch, sequence)
-        assert (logits - baseline).abs().max().item() <= TOLERANCE
+    runs = {use_cache: generation_logits(smollm2, ids, GenerationSettings(max_tokens=12, use_cache=use_cache))
+            for use_cache in (True, False)}
+    (cached, cached_logits), (scratch, scratch_logits) = runs[True], runs[False]
+    assert cached.token_ids == scratch.token_ids
+    assert max_diff(cached_logits, scratch_logits) <= TOLERANCE
+    expected = reference_logits(hf_smollm2, ids + cached.token_ids[:-1])[len(ids) - 1 :]
+    assert max_diff(cached_logits, expected) <= TOLERANCE
 
 
 def test_decode_logits_match_transformers(smollm2, hf_smollm2, hf_smollm2_tokenizer):
     ids = hf_smollm2_tokenizer("Water boils at").input_ids
-    cache = SequenceCache(smollm2.config, 32)
-    logits = prefill(smollm2.decoder, cache, ids[:-1] or ids)
-    logits = decode(smollm2.decoder, cache, ids[-1])
-    assert (logits - hf_logits(hf_smollm2, ids)[-1]).abs().max().item() <= TOLERANCE
+    logits = prefill_then_decode_logits(smollm2, ids, len(ids) - 1)
+    assert max_diff(logits, reference_logits(hf_smollm2, ids)[-2:]) <= TOLERANCE
 
 
 def test_changing_the_last_prompt_token_leaves_earlier_rows_bit_identical(smollm2, hf_smollm2_tokenizer):
