@@ -11,8 +11,9 @@ sequences x steps / elapsed, the batch building and the argmax included, for bot
 Prefill: one 512-token prompt, one batch, only the last token an output; a fresh context each repeat (made
 outside the timing), median of `--repeats`, after one untimed warm-up.
 
-kvlm runs bfloat16 (the throughput setting) and float32, and bfloat16 + int4 / int8 weights (the batch-1
-settings) for one sequence and for prefill. llama.cpp runs through llama-cpp-python's low-level C API
+kvlm runs its defaults (what `load_model(path)` picks for this CPU: bfloat16 with the file's own quantization
+where the CPU has native bf16, see kvlm.model.settings), bfloat16 with dense weights, and float32 (the reference).
+Its KV cache is the one a user gets (--kv-dtype auto: bf16 for a bfloat16 model, f32 for float32). llama.cpp runs through llama-cpp-python's low-level C API
 (llama_batch_init, llama_decode, llama_get_logits_ith) on the same GGUF, with the weights as stored (quantized),
 its default F16 KV cache and flash-attention setting (auto), n_batch = n_ubatch = 512, and as many threads as
 torch uses. Its default KV layout for several sequences is one stream per sequence (kv_unified = false); the
@@ -46,6 +47,7 @@ from bench.common import (  # noqa: E402
 )
 from bench.llama_cpp_driver import N_BATCH, N_UBATCH  # noqa: E402
 from kvlm import Batch, Context, DecodeStatus, load_model  # noqa: E402
+from kvlm.memory.kv_store import AUTO, resolve_kv_dtype  # noqa: E402
 
 PROMPT_LENGTHS = (28, 29, 30, 31, 32)
 PROMPT_STRIDE = 7  # sequence i's prompt starts at token 7 * i of the paragraph
@@ -197,7 +199,7 @@ def plot(sequences: list[int], decode: dict[str, dict[int, float]], title_model:
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    styles = {"kvlm bf16": "o-", "kvlm f32": "s-", "kvlm bf16+int4": "D", "kvlm bf16+int8": "P", "llama.cpp": "^-",
+    styles = {"kvlm defaults": "o-", "kvlm bf16 dense": "D--", "kvlm f32": "s-", "llama.cpp": "^-",
               "llama.cpp unified KV": "v--"}
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for label, rates in decode.items():
@@ -223,8 +225,8 @@ def plot(sequences: list[int], decode: dict[str, dict[int, float]], title_model:
 
 def print_agreement(sequences: list[int], tokens: dict[str, dict[int, list[list[int]]]]) -> None:
     """How many of the first CHECK_TOKENS greedy tokens of sequences 0 and 1 agree between engines."""
-    pairs = [("llama.cpp", "kvlm bf16"), ("llama.cpp", "kvlm f32"), ("kvlm f32", "kvlm bf16"),
-             ("llama.cpp", "kvlm bf16+int4"), ("llama.cpp", "kvlm bf16+int8")]
+    pairs = [("llama.cpp", "kvlm defaults"), ("llama.cpp", "kvlm f32"), ("kvlm f32", "kvlm defaults"),
+             ("kvlm f32", "kvlm bf16 dense")]
     print(f"\nSanity check: of the first {CHECK_TOKENS} greedy tokens, how many match (sequence 0; sequence 1)")
     for n_seq in sequences:
         parts = []
@@ -253,8 +255,7 @@ def kvlm_over_llama(decode: dict[str, dict[int, float]], prefill: dict[str, floa
 
 # --- main --------------------------------------------------------------------------------------------------------
 
-KVLM_SETUPS = [("kvlm bf16", "bfloat16", None), ("kvlm f32", "float32", None), ("kvlm bf16+int4", "bfloat16", "int4"),
-               ("kvlm bf16+int8", "bfloat16", "int8")]
+KVLM_SETUPS = [("kvlm defaults", "auto", "auto"), ("kvlm bf16 dense", "bfloat16", None), ("kvlm f32", "float32", None)]
 KVLM_LABELS = [label for label, _, _ in KVLM_SETUPS]
 
 
@@ -267,7 +268,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="prefill repeats (median)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help="torch threads and llama.cpp n_threads / n_threads_batch (default: torch's count)")
-    parser.add_argument("--kv-dtype", default="f32", help="kvlm's KV cache dtype (llama.cpp keeps its default, f16)")
+    parser.add_argument("--kv-dtype", default=AUTO,
+                        help="kvlm's KV cache dtype (auto: the model's, as users get it; llama.cpp keeps its f16)")
     parser.add_argument("--llama-kv", default="both", choices=("split", "unified", "both"),
                         help="llama.cpp KV layout: one stream per sequence (its default), one unified pool, or both")
     llama.add_extra_bufts_option(parser)
@@ -283,14 +285,17 @@ def main() -> None:
     decode: dict[str, dict[int, float]] = {}
     tokens: dict[str, dict[int, list[list[int]]]] = {}
     prefill: dict[str, float] = {}
+    kv_dtypes: dict[str, str] = {}
     paragraph_ids: list[int] = []
     for label, dtype, quant in KVLM_SETUPS:
         model = load_model(str(path), dtype, quant=quant)
+        print(f"{label}: {model.decoder.describe()}", flush=True)
         if not paragraph_ids:
             paragraph_ids = model.tokenizer.encode(PARAGRAPH)
-        make = lambda n_ctx, n_seq, model=model: KvlmContext(model, n_ctx, n_seq, args.kv_dtype)  # noqa: E731
+        kv_dtype = kv_dtypes[label] = resolve_kv_dtype(args.kv_dtype, model.decoder.dtype)
+        make = lambda n_ctx, n_seq, model=model, kv=kv_dtype: KvlmContext(model, n_ctx, n_seq, kv)  # noqa: E731
         decode[label], tokens[label] = {}, {}
-        for n_seq in sequences if quant is None else [n for n in sequences if n == 1]:
+        for n_seq in sequences:
             rate, generated = decode_throughput(make, make_prompts(paragraph_ids, n_seq), args.steps)
             decode[label][n_seq], tokens[label][n_seq] = rate, generated
             print(f"{label}: {n_seq} sequences, decode {rate:.1f} tok/s", flush=True)
@@ -322,26 +327,27 @@ def main() -> None:
     print_agreement(sequences, tokens)
     print(f"\n{machine_line()}; {threads} threads for both engines (torch.set_num_threads, llama.cpp n_threads and "
           f"n_threads_batch); OMP_PROC_BIND={os.environ.get('OMP_PROC_BIND')}")
-    print(f"GGUF: {path.name}; kvlm KV cache {args.kv_dtype}; {llama_note}")
+    print(f"GGUF: {path.name}; kvlm KV cache " + ", ".join(f"{label} {kv}" for label, kv in kv_dtypes.items())
+          + f"; {llama_note}")
     print(f"decode: {args.steps} timed steps after {WARMUP_STEPS} warm-up steps, prompts of "
           f"{min(PROMPT_LENGTHS)}-{max(PROMPT_LENGTHS)} tokens, greedy\n")
     extra = "llama.cpp unified KV" in decode
     header = ["decode, aggregate tok/s", *KVLM_LABELS, "llama.cpp"]
     header += ["llama.cpp unified KV"] if extra else []
-    header += ["kvlm bf16 / llama.cpp"]
+    header += ["kvlm defaults / llama.cpp"]
     rows = []
     for n_seq in sequences:
         get = lambda label: decode.get(label, {}).get(n_seq)  # noqa: E731
         row = [f"{n_seq} sequence{'s' if n_seq > 1 else ''}", *(fmt(get(label)) for label in KVLM_LABELS),
                fmt(get("llama.cpp"))]
         row += [fmt(get("llama.cpp unified KV"))] if extra else []
-        rows.append(row + [ratio(get("kvlm bf16"), get("llama.cpp"))])
+        rows.append(row + [ratio(get("kvlm defaults"), get("llama.cpp"))])
     print(markdown_table(header, rows))
     print()
-    header = ["prefill, tok/s", *KVLM_LABELS, "llama.cpp", "kvlm bf16 / llama.cpp"]
+    header = ["prefill, tok/s", *KVLM_LABELS, "llama.cpp", "kvlm defaults / llama.cpp"]
     print(markdown_table(header, [[f"{args.prefill_tokens}-token prompt, 1 sequence",
                                    *(fmt(prefill.get(label)) for label in KVLM_LABELS), fmt(prefill.get("llama.cpp")),
-                                   ratio(prefill.get("kvlm bf16"), prefill.get("llama.cpp"))]]))
+                                   ratio(prefill.get("kvlm defaults"), prefill.get("llama.cpp"))]]))
     print()
     print(kvlm_over_llama(decode, prefill, sequences, args.prefill_tokens))
     if can_plot():

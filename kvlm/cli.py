@@ -1,8 +1,9 @@
-"""The `kvlm` command: generate, chat, serve, pull, inspect."""
+"""The `kvlm` command: generate, chat, serve, pull, inspect, perplexity."""
 from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
 import sys
 
 from kvlm.engine.chat_session import ChatSession
@@ -12,9 +13,9 @@ from kvlm.engine.sampling_params import SamplingParams
 from kvlm.errors import KvlmError
 from kvlm.fetch import DEFAULT_MODEL, KNOWN_MODELS, pull
 from kvlm.generate import GenerationSettings, generate
-from kvlm.load import load_config, load_model
-from kvlm.memory.kv_store import AUTO, KV_DTYPES, kv_bytes_for
-from kvlm.model.linear import QUANTS
+from kvlm.load import load_model, load_summary
+from kvlm.memory.kv_store import KV_DTYPES, kv_bytes_for
+from kvlm.model.settings import AUTO, DTYPES, QUANTS, resolve_settings
 from kvlm.tokenizer import StreamDecoder, checked_template_kwargs
 
 
@@ -52,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     chat.set_defaults(handler=_chat)
 
     srv = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    _model_arguments(srv, dtype="bfloat16", n_ctx=8192)
+    _model_arguments(srv, n_ctx=8192)
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--max-num-seqs", type=int, default=32, help="requests running at once")
@@ -73,17 +74,36 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("model", nargs="?", default=DEFAULT_MODEL)
     inspect.add_argument("--ctx", type=int, default=None, help="context length (default: the model's)")
     inspect.set_defaults(handler=_inspect)
+
+    ppl = commands.add_parser("perplexity", help="perplexity of a text file, as llama.cpp's llama-perplexity")
+    ppl.add_argument("file", help="a UTF-8 text file (at least 2 x --ctx tokens)")
+    _model_arguments(ppl)
+    ppl.add_argument("--ctx", "-c", type=int, dest="n_ctx", help="tokens per chunk, the same as --n-ctx (default 512)")
+    ppl.set_defaults(n_ctx=512)  # also the default of --n-ctx, which sets the same value
+    ppl.add_argument("--chunks", type=int, default=None, help="evaluate only the first N chunks (default: all)")
+    ppl.add_argument("--kv-dtype", choices=(AUTO, *KV_DTYPES), default=AUTO,
+                     help="KV cache dtype (default: the model's, bf16 for bfloat16)")
+    ppl.add_argument("--json", action="store_true", help="print one JSON object instead of the progress lines")
+    ppl.set_defaults(handler=_perplexity)
     return parser
 
 
-def _model_arguments(parser: argparse.ArgumentParser, dtype: str = "float32", n_ctx: int = 4096) -> None:
+def _model_arguments(parser: argparse.ArgumentParser, n_ctx: int = 4096) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="known name, .gguf path or Hugging Face folder")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=dtype)
-    parser.add_argument("--quant", choices=QUANTS, default=None,
-                        help="keep layer weights int8/int4 (needs --dtype bfloat16): faster decode")
+    parser.add_argument("--dtype", choices=(AUTO, *DTYPES), default=AUTO,
+                        help="activations; auto: bfloat16 where the CPU has bf16 instructions, else float32 "
+                             "(float32 is the reference mode)")
+    parser.add_argument("--quant", choices=(AUTO, None, *QUANTS), default=AUTO, type=_quant,
+                        metavar="{auto,none,int8,int4}",
+                        help="weights; auto: each matrix as precise as the file stores it (Q4 as int4, Q5-Q8 as "
+                             "int8) with bfloat16; none: dense; int8/int4: every layer matrix")
     parser.add_argument("--n-ctx", type=int, default=n_ctx, help="KV cache cells (tokens of context)")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="float32 logits that do not depend on the batch (oneDNN products, float64 attention)")
+
+
+def _quant(text: str) -> str | None:
+    return None if text == "none" else text
 
 
 def _template_arguments(parser: argparse.ArgumentParser) -> None:
@@ -204,11 +224,36 @@ def _pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def _perplexity(args: argparse.Namespace) -> int:
+    from kvlm.perplexity import ChunkReport, check_chunks, check_n_ctx, format_final, format_running, iter_perplexity
+
+    check_n_ctx(args.n_ctx)  # before the model loads
+    check_chunks(args.chunks)
+    try:
+        with open(args.file, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read {args.file}: {exc}") from None
+    model = load_model(args.model, args.dtype, quant=args.quant, batch_invariant=args.batch_invariant)
+    for item in iter_perplexity(model, text, args.n_ctx, args.chunks, args.kv_dtype):
+        if isinstance(item, ChunkReport):
+            if not args.json:
+                _write(format_running(item))
+        elif args.json:
+            print(json.dumps({"file": args.file, "model": str(model.source), **item.to_json()}))
+        else:
+            print(f"\n{format_final(item)}")
+    return 0
+
+
 def _inspect(args: argparse.Namespace) -> int:
-    config = load_config(args.model)
+    config, file_types = load_summary(args.model)
     n_ctx = args.ctx or config.n_ctx_train
     for key, value in config.describe().items():
         print(f"{key:20} {value}")
+    stored = Counter(file_types.values())
+    print(f"{'stored as':20} {', '.join(f'{n} {t}' for t, n in stored.most_common()) or 'float tensors'}")
+    print(f"{'compute (defaults)':20} {resolve_settings().describe()}")
     print(f"{'n_ctx':20} {n_ctx}")
     for dtype in KV_DTYPES:
         size = kv_bytes_for(config, n_ctx, dtype)

@@ -4,11 +4,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvlm import pack_cache
 from kvlm.fetch import DEFAULT_MODEL, resolve_model
 from kvlm.loader.config import ModelConfig
-from kvlm.loader.gguf_file import load_gguf, read_gguf_config
+from kvlm.loader.gguf_file import load_gguf, read_gguf_summary
 from kvlm.loader.hf_folder import config_from_hf, load_hf_folder
-from kvlm.model.decoder import Decoder, check_settings
+from kvlm.model.decoder import Decoder
+from kvlm.model.settings import AUTO, resolve_settings
 from kvlm.tokenizer import Tokenizer
 
 
@@ -21,26 +23,39 @@ class Model:
 
 
 def load_model(
-    spec: str = DEFAULT_MODEL, dtype: str = "float32", *, quant: str | None = None, fetch: bool = True,
+    spec: str = DEFAULT_MODEL, dtype: str = AUTO, *, quant: str | None = AUTO, fetch: bool = True,
     progress: bool = True, batch_invariant: bool = False,
 ) -> Model:
     """`spec` is a known model name (fetched on first use), a .gguf file or a Hugging Face folder.
 
-    `quant` ("int8" or "int4", with dtype "bfloat16") keeps the layer weights quantized for speed;
-    `batch_invariant` (float32) makes logits independent of the batch (see `Decoder`).
+    The defaults are the fast setting for this CPU (see kvlm.model.settings): bfloat16 where it has native
+    bf16 instructions, each matrix as precise as its file stores it. `dtype="float32"` is the reference
+    mode; `quant` ("int8" or "int4") quantizes every layer matrix; `batch_invariant` (float32) makes logits
+    independent of the batch (see `Decoder`).
     """
-    check_settings(dtype, quant, batch_invariant)
+    settings = resolve_settings(dtype, quant, batch_invariant)
     source = resolve_model(spec, fetch=fetch, progress=progress)
+    cached = pack_cache.load(source, settings)
+    if cached is not None:
+        return Model(**cached, source=source)
     if source.is_dir():
         config, weights = load_hf_folder(source)
         tokenizer = Tokenizer.from_hf_folder(source)
     else:
         config, weights, metadata = load_gguf(source)
         tokenizer = Tokenizer.from_gguf_metadata(metadata)
-    return Model(config, Decoder(config, weights, dtype, quant, batch_invariant), tokenizer, source)
+    model = Model(config, Decoder(config, weights, settings), tokenizer, source)
+    pack_cache.save(source, settings, {"config": config, "decoder": model.decoder, "tokenizer": tokenizer})
+    return model
 
 
 def load_config(spec: str = DEFAULT_MODEL, *, fetch: bool = True, progress: bool = True) -> ModelConfig:
     """The config alone, without reading any weights."""
+    return load_summary(spec, fetch=fetch, progress=progress)[0]
+
+
+def load_summary(spec: str = DEFAULT_MODEL, *, fetch: bool = True,
+                 progress: bool = True) -> tuple[ModelConfig, dict[str, str]]:
+    """The config and how the file stores each tensor (GGUF type names; empty for a Hugging Face folder)."""
     source = resolve_model(spec, fetch=fetch, progress=progress)
-    return config_from_hf(source) if source.is_dir() else read_gguf_config(source)
+    return (config_from_hf(source), {}) if source.is_dir() else read_gguf_summary(source)

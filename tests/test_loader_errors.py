@@ -300,8 +300,8 @@ def test_a_qwen3_config_without_head_dim_gets_transformers_default(tmp_path):
 
 
 def test_bad_compute_settings_fail_before_the_model_is_looked_up():
-    for settings, message in [({"dtype": "bfloat16", "batch_invariant": True}, "batch_invariant needs dtype float32"),
-                              ({"dtype": "float32", "quant": "int4"}, "with dtype bfloat16"),
+    for settings, message in [({"dtype": "bfloat16", "batch_invariant": True}, "batch_invariant needs dense float32 weights"),
+                              ({"dtype": "float32", "quant": "int4"}, "needs dtype bfloat16"),
                               ({"dtype": "float16"}, "dtype must be one of")]:
         with pytest.raises(ValueError, match=message):
             load_model("no-such-model", **settings)  # a lookup would raise ModelFetchError instead

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvlm.generate import GenerationSettings, generate
-from kvlm.model.decoder import Decoder
+from kvlm.model.settings import resolve_settings
 from kvlm.model.linear import Int4Linear, Int8Linear
 
 
@@ -39,9 +39,9 @@ def test_int4_needs_whole_groups():
         Int4Linear(torch.randn(8, 40))
 
 
-def test_quant_needs_bfloat16(smollm2):
-    with pytest.raises(ValueError, match="'int4' with float32"):
-        Decoder(smollm2.config, None, "float32", "int4")
+def test_quant_needs_bfloat16():
+    with pytest.raises(ValueError, match="quant 'int4' needs dtype bfloat16"):
+        resolve_settings("float32", "int4")
 
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])

@@ -30,7 +30,7 @@ class StreamChunk:
 
 
 class LLM:
-    def __init__(self, model: str | Model = DEFAULT_MODEL, dtype: str = "float32", *, quant: str | None = None,
+    def __init__(self, model: str | Model = DEFAULT_MODEL, dtype: str = AUTO, *, quant: str | None = AUTO,
                  batch_invariant: bool = False, n_ctx: int = 4096, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 512, kv_dtype: str = AUTO, enable_prefix_caching: bool = True) -> None:
         if not isinstance(model, Model):

@@ -32,12 +32,19 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, ModelWeights, dict[str, An
     for name, shape in shapes.items():
         _check_tensor(path, tensors.get(name), name, shape)
     weights = {name: _read_tensor(path, tensors[name], shape, config) for name, shape in shapes.items()}
-    return config, ModelWeights(config, weights), metadata
+    types = {name: GGMLQuantizationType(tensors[name].tensor_type).name for name in shapes}
+    return config, ModelWeights(config, weights, types), metadata
 
 
 def read_gguf_config(path: str | Path) -> ModelConfig:
+    return read_gguf_summary(path)[0]
+
+
+def read_gguf_summary(path: str | Path) -> tuple[ModelConfig, dict[str, str]]:
+    """The config and each tensor's stored type (e.g. "Q4_K"), without reading any weights."""
     reader = open_gguf(path)
-    return _config_of(reader, metadata_of(reader), path)
+    types = {t.name: GGMLQuantizationType(t.tensor_type).name for t in reader.tensors}
+    return _config_of(reader, metadata_of(reader), path), types
 
 
 def _config_of(reader: GGUFReader, metadata: dict[str, Any], path: str | Path) -> ModelConfig:

@@ -1,7 +1,7 @@
 """The named tensors of a decoder, checked against the config, in GGUF naming."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,14 +23,30 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 @dataclass
 class ModelWeights:
-    """float32 tensors by GGUF name; `output.weight` absent when tied to the embedding."""
+    """float32 tensors by GGUF name; `output.weight` absent when tied to the embedding.
+
+    `file_types` names how the file stored each tensor (GGUF type names such as "Q4_K"; absent for float
+    tensors of a Hugging Face folder), so a quantized file's precision can be kept.
+    """
 
     config: ModelConfig
     tensors: dict[str, torch.Tensor]
+    file_types: dict[str, str] = field(default_factory=dict)
 
     def layer(self, index: int, part: str, kind: str = "weight") -> torch.Tensor:
-        return self.tensors[f"blk.{index}.{part}.{kind}"]
+        return self.tensors[self.layer_name(index, part, kind)]
+
+    @staticmethod
+    def layer_name(index: int, part: str, kind: str = "weight") -> str:
+        return f"blk.{index}.{part}.{kind}"
+
+    def file_type(self, name: str) -> str:
+        return self.file_types.get(name, "float")
+
+    @property
+    def output_name(self) -> str:
+        return "output.weight" if "output.weight" in self.tensors else "token_embd.weight"
 
     @property
     def output(self) -> torch.Tensor:
-        return self.tensors.get("output.weight", self.tensors["token_embd.weight"])
+        return self.tensors[self.output_name]

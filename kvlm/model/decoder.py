@@ -4,6 +4,8 @@ What differs between families (biases, QK-norm, RoPE scaling) is data in the con
 """
 from __future__ import annotations
 
+import os
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -13,22 +15,11 @@ from kvlm.families import ATTENTION
 from kvlm.loader.config import ModelConfig
 from kvlm.loader.weights import ModelWeights
 from kvlm.memory.view import KVView
-from kvlm.model.linear import QUANTS, Linear, make_linear
+from kvlm.model.linear import Linear, linear_kind, make_linear
 from kvlm.model.attention import attend
 from kvlm.model.ops import apply_rope, rms_norm, swiglu
 from kvlm.model.rope import Rope
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def check_settings(dtype: str, quant: str | None, batch_invariant: bool) -> None:
-    """The compute settings a decoder accepts; checked before any weight is read."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if quant is not None and (quant not in QUANTS or dtype != "bfloat16"):
-        raise ValueError(f"quant must be one of {', '.join(QUANTS)} with dtype bfloat16, got {quant!r} with {dtype}")
-    if batch_invariant and dtype != "float32":
-        raise ValueError(f"batch_invariant needs dtype float32, got {dtype}")
+from kvlm.model.settings import ComputeSettings, resolve_settings
 
 
 @dataclass
@@ -44,44 +35,62 @@ class LayerWeights:
 
 
 class Decoder:
-    """`quant` ("int8" or "int4") stores the layer matrices weight-only quantized; it needs bfloat16.
+    """`settings` say the activation dtype and how each matrix is stored (see kvlm.model.settings).
 
-    `batch_invariant` (float32 only, as vLLM's VLLM_BATCH_INVARIANT) makes a token's logits independent of
+    A weight-only quantized matrix keeps a packed bf16 copy for many rows at once (prefill, large batches)
+    while the dense copies of all matrices take at most a quarter of the machine's memory.
+
+    `settings.batch_invariant` (float32 only, as vLLM's VLLM_BATCH_INVARIANT) makes a token's logits independent of
     what else is in its batch and of how the batch is cut into micro-batches, bit for bit on one machine:
     oneDNN products and float64 attention. The default float32 instead uses the same MKL products as
     transformers, whose logits it then matches to ~1e-5; the batch-invariant products round differently
     (up to ~1.5e-4 from transformers on SmolLM2, about as far as transformers' own float32 is from float64).
     """
 
-    def __init__(self, config: ModelConfig, weights: ModelWeights, dtype: str = "float32",
-                 quant: str | None = None, batch_invariant: bool = False) -> None:
-        check_settings(dtype, quant, batch_invariant)
+    def __init__(self, config: ModelConfig, weights: ModelWeights,
+                 settings: ComputeSettings | None = None) -> None:
+        self.settings = settings or resolve_settings("float32", None)
         self.config = config
-        self.dtype = DTYPES[dtype]
-        self.quant = quant
-        self.batch_invariant = batch_invariant
+        self.dtype = self.settings.torch_dtype
+        self.batch_invariant = self.settings.batch_invariant
+        self._dense_copy = _dense_copies_fit(weights)
         self.layers = [self._layer(weights, i) for i in range(config.n_layer)]
         self.token_embd = weights.tensors["token_embd.weight"].to(self.dtype)
         self.output_norm = weights.tensors["output_norm.weight"].to(self.dtype)
-        # The output head is the largest matrix; int8 keeps it close to the file's Q8_0/F16 precision.
-        head = self.token_embd if config.tie_word_embeddings else weights.output
-        self.output = make_linear(head, self.dtype, quant and "int8", batch_invariant)
+        # The output head is the largest matrix; never below int8, which keeps it close to Q8_0/F16 precision.
+        head_quant = self.settings.matrix_quant([weights.file_type(weights.output_name)])
+        self.output = self._linear(weights.output, "int8" if head_quant == "int4" else head_quant)
         self.rope = Rope(config.rope, config.head_dim)
         self._blocks = {ATTENTION: self._attention_block}  # one entry per layer kind the config may list
 
+    def describe(self) -> str:
+        """The chosen settings and how many matrices each kernel got, for logs and `kvlm inspect`."""
+        linears = [self.output] + [m for layer in self.layers for m in (layer.qkv, layer.attn_output, layer.gate_up,
+                                                                       layer.down)]
+        counts = Counter(linear_kind(m) for m in linears)
+        kinds = ", ".join(f"{n} {kind}" for kind, n in counts.most_common())
+        return f"{self.settings.describe()}; matrices: {kinds}"
+
+    def _linear(self, weight: torch.Tensor, quant: str | None) -> Linear:
+        return make_linear(weight, self.dtype, quant, self.batch_invariant, self._dense_copy)
+
+    def _stacked(self, weights: ModelWeights, i: int, parts: tuple[str, ...]) -> Linear:
+        """One matrix from several stacked by rows, stored as precisely as its most precise part."""
+        types = [weights.file_type(weights.layer_name(i, p)) for p in parts]
+        return self._linear(torch.cat([weights.layer(i, p) for p in parts]), self.settings.matrix_quant(types))
+
     def _layer(self, weights: ModelWeights, i: int) -> LayerWeights:
-        linear = lambda w: make_linear(w, self.dtype, self.quant, self.batch_invariant)  # noqa: E731
         qkv = ("attn_q", "attn_k", "attn_v")
         return LayerWeights(
             attn_norm=weights.layer(i, "attn_norm").to(self.dtype),
-            qkv=linear(torch.cat([weights.layer(i, p) for p in qkv])),
+            qkv=self._stacked(weights, i, qkv),
             qkv_bias=torch.cat([weights.layer(i, p, "bias") for p in qkv]).to(self.dtype)
             if self.config.family.qkv_bias else None,
             qk_norm=self._qk_norm(weights, i) if self.config.family.qk_norm else None,
-            attn_output=linear(weights.layer(i, "attn_output")),
+            attn_output=self._stacked(weights, i, ("attn_output",)),
             ffn_norm=weights.layer(i, "ffn_norm").to(self.dtype),
-            gate_up=linear(torch.cat([weights.layer(i, "ffn_gate"), weights.layer(i, "ffn_up")])),
-            down=linear(weights.layer(i, "ffn_down")),
+            gate_up=self._stacked(weights, i, ("ffn_gate", "ffn_up")),
+            down=self._stacked(weights, i, ("ffn_down",)),
         )
 
     def _qk_norm(self, weights: ModelWeights, i: int) -> torch.Tensor:
@@ -127,3 +136,16 @@ class Decoder:
         q, k = apply_rope(qk, cos, sin).split((c.n_head, c.n_head_kv), dim=1)
         kv.write(index, k, v.view(n_tokens, c.n_head_kv, c.head_dim))
         return layer.attn_output(attend(q, index, kv, self.batch_invariant))
+
+
+def _dense_copies_fit(weights: ModelWeights) -> bool:
+    """Whether bf16 copies of every matrix take at most a quarter of physical memory."""
+    dense_bytes = 2 * sum(t.numel() for t in weights.tensors.values() if t.dim() == 2)
+    return dense_bytes <= _physical_memory() // 4
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return 0

@@ -2,14 +2,17 @@
 
 Decode at small batch is bound by reading weights from memory, so storing them in 8 or 4 bits makes it
 faster. The int kernels take bfloat16 activations. Group-wise int4 with a min/max per 32 weights
-reproduces GGUF Q4_1 blocks exactly (their levels are min + q * (max - min) / 15).
+reproduces GGUF Q4_0, Q4_1 and Q4_K blocks exactly (their levels are min + q * step).
+Many rows at once (prefill, large batches) are bound by arithmetic instead, where oneDNN's bf16 GEMM is 2-3x
+faster than the int kernels: a quantized matrix keeps a packed bf16 copy for those when memory allows.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-QUANTS = ("int8", "int4")
+from kvlm.model.cpu import onednn_packs
+
 INT4_GROUP = 32
 
 
@@ -35,6 +38,14 @@ class PackedLinear:
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), self.PACK_FOR_BATCH)
         self.pad_single_row = dtype == torch.float32
+
+    def __getstate__(self) -> dict:
+        """Saved in the plain layout (oneDNN's blocked tensors cannot be serialised) and repacked on load."""
+        return {"weight": self.weight.to_dense(), "pad_single_row": self.pad_single_row}
+
+    def __setstate__(self, state: dict) -> None:
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(state["weight"], self.PACK_FOR_BATCH)
+        self.pad_single_row = state["pad_single_row"]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.pad_single_row and x.shape[0] == 1:
@@ -78,16 +89,45 @@ class Int4Linear:
         return torch._weight_int4pack_mm_for_cpu(x, self.weight, INT4_GROUP, self.scales_and_zeros)
 
 
-Linear = DenseLinear | PackedLinear | Int8Linear | Int4Linear
+class RowAdaptiveLinear:
+    """A weight-only quantized matrix for a few rows (memory-bound), its packed bf16 copy for more."""
+
+    MAX_QUANTIZED_ROWS = 4  # bench: [B,576]x[576,3072] int4 beats packed bf16 at B=1, loses by B=8
+
+    def __init__(self, quantized: Int8Linear | Int4Linear, dense: PackedLinear) -> None:
+        self.quantized, self.dense = quantized, dense
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quantized(x) if x.shape[0] <= self.MAX_QUANTIZED_ROWS else self.dense(x)
 
 
-def make_linear(weight: torch.Tensor, dtype: torch.dtype, quant: str | None, batch_invariant: bool = False) -> Linear:
+Linear = DenseLinear | PackedLinear | Int8Linear | Int4Linear | RowAdaptiveLinear
+QUANTIZED = {"int8": Int8Linear, "int4": Int4Linear}
+
+
+def _dequantized(linear: Int8Linear | Int4Linear, in_features: int) -> torch.Tensor:
+    """The weights the kernel multiplies by, as bf16 [out, in]: its product with the identity."""
+    return linear(torch.eye(in_features, dtype=torch.bfloat16)).t()
+
+
+def linear_kind(linear: Linear) -> str:
+    """How a matrix is stored and multiplied, in words."""
+    if isinstance(linear, RowAdaptiveLinear):
+        return f"{linear_kind(linear.quantized)} (bf16 above {linear.MAX_QUANTIZED_ROWS} rows)"
+    names = {DenseLinear: "dense", PackedLinear: "dense packed", Int8Linear: "int8", Int4Linear: "int4"}
+    return names[type(linear)]
+
+
+def make_linear(weight: torch.Tensor, dtype: torch.dtype, quant: str | None, batch_invariant: bool = False,
+                dense_copy: bool = False) -> Linear:
     """float32 stays on MKL (what transformers uses, so logits match it) unless `batch_invariant` asks for
-    a product whose rows do not depend on the batch."""
-    if quant == "int8":
-        return Int8Linear(weight)
-    if quant == "int4":
-        return Int4Linear(weight)
-    if torch.backends.mkldnn.is_available() and (dtype == torch.bfloat16 or batch_invariant):
+    a product whose rows do not depend on the batch. `dense_copy` adds bf16 for many rows to a quantized one."""
+    packs = onednn_packs(dtype)
+    if quant is not None:
+        quantized = QUANTIZED[quant](weight)
+        if not (dense_copy and packs):
+            return quantized
+        return RowAdaptiveLinear(quantized, PackedLinear(_dequantized(quantized, weight.shape[1]), dtype))
+    if packs and (dtype == torch.bfloat16 or batch_invariant):
         return PackedLinear(weight, dtype)
     return DenseLinear(weight, dtype)

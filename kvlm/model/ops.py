@@ -64,13 +64,6 @@ def _in_dtype(mask: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return mask if mask.dtype == q.dtype else mask.to(q.dtype)
 
 
-def causal_mask(n_tokens: int, n_past: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask letting token i (at row n_past + i) see rows 0 .. n_past + i."""
-    rows = torch.arange(n_tokens)[:, None] + n_past
-    cols = torch.arange(n_past + n_tokens)[None, :]
-    return torch.zeros(rows.shape[0], cols.shape[1], dtype=dtype).masked_fill_(cols > rows, float("-inf"))
-
-
 def swiglu(x: torch.Tensor, gate_up, down) -> torch.Tensor:
     """`gate_up` and `down` are linear maps (callables); gate and up are stacked in one."""
     gate, up = gate_up(x).chunk(2, dim=-1)

@@ -21,8 +21,8 @@ class ServeSettings:
     model: str
     host: str = "127.0.0.1"
     port: int = 8000
-    dtype: str = "bfloat16"
-    quant: str | None = None
+    dtype: str = AUTO
+    quant: str | None = AUTO
     batch_invariant: bool = False
     n_ctx: int = 8192
     max_num_seqs: int = 32
@@ -46,8 +46,8 @@ def serve(settings: ServeSettings) -> int:
                     max_num_batched_tokens=settings.max_num_batched_tokens, kv_dtype=settings.kv_dtype)
     name = settings.served_model_name or served_name(settings.model)
     kv_bytes = engine.context.memory.kv_bytes
-    log.info("model %s (%s, %s%s) from %s", name, model.config.architecture, settings.dtype,
-             f", {settings.quant}" if settings.quant else "", model.source)
+    log.info("model %s (%s) from %s", name, model.config.architecture, model.source)
+    log.info("compute: %s", model.decoder.describe())
     log.info("KV cache: %d cells x %d layers, %s: %d bytes (%.1f MiB); up to %d sequences", settings.n_ctx,
              model.config.n_layer, engine.context.kv_dtype, kv_bytes, kv_bytes / 2**20, settings.max_num_seqs)
     app = create_app(engine, name, settings.api_key)
