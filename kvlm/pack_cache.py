@@ -25,11 +25,11 @@ from kvlm.model.settings import ComputeSettings
 log = logging.getLogger("kvlm")
 
 KEEP_ENTRIES = 3
-DISABLE_VARIABLE = "KVLM_PACK_CACHE"  # "0" turns the cache off
+SWITCH_VARIABLE = "KVLM_PACK_CACHE"  # "0" turns the cache off
 
 
 def enabled() -> bool:
-    return os.environ.get(DISABLE_VARIABLE, "1") != "0"
+    return os.environ.get(SWITCH_VARIABLE, "1") != "0"
 
 
 def cache_dir() -> Path:

@@ -14,7 +14,7 @@ from kvlm.model.settings import resolve_settings
 
 @pytest.fixture
 def cache_in_tmp(tmp_path, monkeypatch):
-    monkeypatch.setenv(pack_cache.DISABLE_VARIABLE, "1")
+    monkeypatch.setenv(pack_cache.SWITCH_VARIABLE, "1")
     monkeypatch.setattr(pack_cache, "cache_dir", lambda: tmp_path / "packed")
     return tmp_path / "packed"
 
@@ -73,7 +73,7 @@ def test_the_cache_keeps_only_the_newest_entries(cache_in_tmp, tmp_path):
 def test_an_unwritable_cache_only_logs(smollm2_gguf_path, tmp_path, monkeypatch, caplog):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    monkeypatch.setenv(pack_cache.DISABLE_VARIABLE, "1")
+    monkeypatch.setenv(pack_cache.SWITCH_VARIABLE, "1")
     monkeypatch.setattr(pack_cache, "cache_dir", lambda: blocker / "packed")  # a directory under a file
     pack_cache.save(smollm2_gguf_path, resolve_settings("float32", None), {"x": 1})
     assert "could not write the packed-model cache" in caplog.text

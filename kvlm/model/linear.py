@@ -2,7 +2,8 @@
 
 Decode at small batch is bound by reading weights from memory, so storing them in 8 or 4 bits makes it
 faster. The int kernels take bfloat16 activations. Group-wise int4 with a min/max per 32 weights
-reproduces GGUF Q4_0, Q4_1 and Q4_K blocks exactly (their levels are min + q * step).
+reproduces GGUF Q4_1 blocks exactly (their extremes are levels by construction); Q4_0 and Q4_K blocks, whose
+levels are also min + q * step but whose extremes need not occur, come back within half of the file's step.
 Many rows at once (prefill, large batches) are bound by arithmetic instead, where oneDNN's bf16 GEMM is 2-3x
 faster than the int kernels: a quantized matrix keeps a packed bf16 copy for those when memory allows.
 """

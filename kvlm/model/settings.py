@@ -18,7 +18,7 @@ QUANTS = ("int8", "int4")
 FROM_FILE = "file"  # each matrix quantized as its file stores it
 
 # GGUF tensor types by the weight-only kernel that keeps their precision: 4-bit blocks (and coarser) as
-# int4 in groups of 32, which reproduces Q4_0, Q4_1 and Q4_K exactly; 5- to 8-bit blocks as int8 per row.
+# int4 in groups of 32 (Q4_1 exactly, Q4_0 and Q4_K within half their step); 5- to 8-bit blocks as int8 per row.
 INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS",
                         "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0"})
 INT8_TYPES = frozenset({"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"})
