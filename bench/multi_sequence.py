@@ -255,8 +255,10 @@ def kvlm_over_llama(decode: dict[str, dict[int, float]], prefill: dict[str, floa
 
 # --- main --------------------------------------------------------------------------------------------------------
 
-KVLM_SETUPS = [("kvlm defaults", "auto", "auto"), ("kvlm bf16 dense", "bfloat16", None), ("kvlm f32", "float32", None)]
-KVLM_LABELS = [label for label, _, _ in KVLM_SETUPS]
+# label, dtype, quant, compiled graphs; the last runs only with --compile (each batch size costs a compile).
+KVLM_SETUPS = [("kvlm defaults", "auto", "auto", False), ("kvlm bf16 dense", "bfloat16", None, False),
+               ("kvlm f32", "float32", None, False), ("kvlm defaults, compiled", "auto", "auto", True)]
+KVLM_LABELS = [label for label, *_ in KVLM_SETUPS]
 
 
 def main() -> None:
@@ -274,6 +276,8 @@ def main() -> None:
                         help="llama.cpp KV layout: one stream per sequence (its default), one unified pool, or both")
     llama.add_extra_bufts_option(parser)
     parser.add_argument("--no-llama", action="store_true", help="run kvlm only")
+    parser.add_argument("--compile", action="store_true",
+                        help="also run kvlm's defaults through compiled graphs (load_model(compile=True))")
     args = parser.parse_args()
     if args.prefill_tokens > N_BATCH:
         parser.error(f"--prefill-tokens must be at most n_batch ({N_BATCH})")
@@ -287,8 +291,10 @@ def main() -> None:
     prefill: dict[str, float] = {}
     kv_dtypes: dict[str, str] = {}
     paragraph_ids: list[int] = []
-    for label, dtype, quant in KVLM_SETUPS:
-        model = load_model(str(path), dtype, quant=quant)
+    for label, dtype, quant, compiled in KVLM_SETUPS:
+        if compiled and not args.compile:
+            continue
+        model = load_model(str(path), dtype, quant=quant, compile=compiled)
         print(f"{label}: {model.decoder.describe()}", flush=True)
         if not paragraph_ids:
             paragraph_ids = model.tokenizer.encode(PARAGRAPH)

@@ -100,6 +100,9 @@ def _model_arguments(parser: argparse.ArgumentParser, n_ctx: int = 4096) -> None
     parser.add_argument("--n-ctx", type=int, default=n_ctx, help="KV cache cells (tokens of context)")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="float32 logits that do not depend on the batch (oneDNN products, float64 attention)")
+    parser.add_argument("--compile", action="store_true",
+                        help="run decode steps and prompt chunks through graphs compiled by torch.compile "
+                             "(about a minute per batch size the first time, cached in $KVLM_HOME/inductor)")
 
 
 def _quant(text: str) -> str | None:
@@ -139,7 +142,8 @@ def _generate(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
     if args.prompt is not None and args.chat_template_kwargs:
         raise ValueError("--chat-template-kwargs applies to --chat only; a --prompt is tokenized as is")
-    model = load_model(args.model, args.dtype, quant=args.quant, batch_invariant=args.batch_invariant)
+    model = load_model(args.model, args.dtype, quant=args.quant, batch_invariant=args.batch_invariant,
+                       compile=args.compile)
     prompt_ids = model.tokenizer.encode(args.prompt) if args.prompt is not None else model.tokenizer.encode_chat(
         [{"role": "user", "content": args.chat}], **args.chat_template_kwargs)
     output = _recompute_every_step(model, prompt_ids, args) if args.no_cache else _stream(
@@ -189,7 +193,7 @@ def _print_timings(output: RequestOutput) -> None:
 
 def _chat(args: argparse.Namespace) -> int:
     llm = LLM(args.model, args.dtype, quant=args.quant, batch_invariant=args.batch_invariant, n_ctx=args.n_ctx,
-              max_num_seqs=1)
+              max_num_seqs=1, compile=args.compile)
     session = ChatSession(llm, _sampling_params(args), system=args.system,
                           chat_template_kwargs=args.chat_template_kwargs)
     interactive = sys.stdin.isatty()
@@ -214,7 +218,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     return serve(ServeSettings(
         model=args.model, host=args.host, port=args.port, dtype=args.dtype, quant=args.quant, n_ctx=args.n_ctx,
-        batch_invariant=args.batch_invariant, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        batch_invariant=args.batch_invariant, compile=args.compile, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         kv_dtype=args.kv_dtype, api_key=args.api_key, served_model_name=args.served_model_name,
         shutdown_timeout=args.shutdown_timeout))
 
@@ -234,7 +239,8 @@ def _perplexity(args: argparse.Namespace) -> int:
             text = f.read()
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"cannot read {args.file}: {exc}") from None
-    model = load_model(args.model, args.dtype, quant=args.quant, batch_invariant=args.batch_invariant)
+    model = load_model(args.model, args.dtype, quant=args.quant, batch_invariant=args.batch_invariant,
+                       compile=args.compile)
     for item in iter_perplexity(model, text, args.n_ctx, args.chunks, args.kv_dtype):
         if isinstance(item, ChunkReport):
             if not args.json:

@@ -81,7 +81,12 @@ class Context:
     def _compute(self, ubatch, slot) -> torch.Tensor:
         view = self.memory.place(ubatch, slot)
         output_rows = torch.tensor(ubatch.output.nonzero()[0], dtype=torch.long)
-        return self.model.decoder.forward(torch.tensor(ubatch.tokens), torch.tensor(ubatch.pos), view, output_rows)
+        tokens, positions = torch.tensor(ubatch.tokens), torch.tensor(ubatch.pos)
+        if self.model.graphs is not None:
+            logits = self.model.graphs.run(tokens, positions, view, output_rows)
+            if logits is not None:
+                return logits
+        return self.model.decoder.forward(tokens, positions, view, output_rows)
 
     def _roll_back(self, snapshot, status: DecodeStatus, message: str) -> DecodeStatus:
         self.memory.cells.restore(snapshot)

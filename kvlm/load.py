@@ -10,6 +10,7 @@ from kvlm.loader.config import ModelConfig
 from kvlm.loader.gguf_file import load_gguf, read_gguf_summary
 from kvlm.loader.hf_folder import config_from_hf, load_hf_folder
 from kvlm.model.decoder import Decoder
+from kvlm.model.graphs import StepGraphs
 from kvlm.model.settings import AUTO, resolve_settings
 from kvlm.tokenizer import Tokenizer
 
@@ -20,20 +21,31 @@ class Model:
     decoder: Decoder
     tokenizer: Tokenizer
     source: Path
+    graphs: StepGraphs | None = None  # compiled decode and prefill steps, when loaded with compile=True
 
 
 def load_model(
     spec: str = DEFAULT_MODEL, dtype: str = AUTO, *, quant: str | None = AUTO, fetch: bool = True,
-    progress: bool = True, batch_invariant: bool = False,
+    progress: bool = True, batch_invariant: bool = False, compile: bool = False,
 ) -> Model:
     """`spec` is a known model name (fetched on first use), a .gguf file or a Hugging Face folder.
 
     The defaults are the fast setting for this CPU (see kvlm.model.settings): bfloat16 where it has native
     bf16 instructions, each matrix as precise as its file stores it. `dtype="float32"` is the reference
     mode; `quant` ("int8" or "int4") quantizes every layer matrix; `batch_invariant` (float32) makes logits
-    independent of the batch (see `Decoder`).
+    independent of the batch (see `Decoder`). `compile` runs decode steps and prompt chunks through graphs
+    compiled by torch.compile (see kvlm.model.graphs).
     """
-    settings = resolve_settings(dtype, quant, batch_invariant)
+    if compile and batch_invariant:
+        raise ValueError("compile and batch_invariant exclude each other: compiled graphs sum in the order their "
+                         "shapes suit, so a batch-invariant model runs eagerly")
+    model = _load(spec, resolve_settings(dtype, quant, batch_invariant), fetch, progress)
+    if compile:
+        model.graphs = StepGraphs(model.decoder)
+    return model
+
+
+def _load(spec: str, settings, fetch: bool, progress: bool) -> Model:
     source = resolve_model(spec, fetch=fetch, progress=progress)
     cached = pack_cache.load(source, settings)
     if cached is not None:

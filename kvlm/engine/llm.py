@@ -32,9 +32,10 @@ class StreamChunk:
 class LLM:
     def __init__(self, model: str | Model = DEFAULT_MODEL, dtype: str = AUTO, *, quant: str | None = AUTO,
                  batch_invariant: bool = False, n_ctx: int = 4096, max_num_seqs: int = 16,
-                 max_num_batched_tokens: int = 512, kv_dtype: str = AUTO, enable_prefix_caching: bool = True) -> None:
+                 max_num_batched_tokens: int = 512, kv_dtype: str = AUTO, enable_prefix_caching: bool = True,
+                 compile: bool = False) -> None:
         if not isinstance(model, Model):
-            model = load_model(model, dtype, quant=quant, batch_invariant=batch_invariant)
+            model = load_model(model, dtype, quant=quant, batch_invariant=batch_invariant, compile=compile)
         self.model = model
         self.tokenizer = self.model.tokenizer
         self.engine = Engine(self.model, n_ctx=n_ctx, max_num_seqs=max_num_seqs,

@@ -42,6 +42,10 @@ class DensePlane:
     def read(self, layer: int, n_rows: int) -> torch.Tensor:
         return self.data[layer, :n_rows]
 
+    def write_layers(self, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """values [n_layer, n_rows, kv_head, head_dim]: the rows of every layer in one copy."""
+        self.data.index_copy_(1, rows, values.to(self.data.dtype))
+
     def gather(self, rows: torch.Tensor) -> list[torch.Tensor]:
         """The stored form of some rows, every layer: what a saved state holds."""
         return [self.data[:, rows].clone()]
@@ -114,6 +118,16 @@ class KVStore:
     def write(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k.write(layer, rows, k)
         self.v.write(layer, rows, v)
+
+    @property
+    def dense(self) -> bool:
+        """Whether K and V are plain float tensors (`k.data`, `v.data`), as compiled graphs read them."""
+        return isinstance(self.k, DensePlane)
+
+    def write_layers(self, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Rows of every layer at once, k and v [n_layer, n_rows, kv_head, head_dim]; dense stores only."""
+        self.k.write_layers(rows, k)
+        self.v.write_layers(rows, v)
 
     def read(self, layer: int, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows 0 .. n_rows-1 of one layer, [n_rows, kv_head, head_dim] (a view for float dtypes)."""

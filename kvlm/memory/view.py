@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlm.memory.kv_store import KVStore
+from kvlm.model.attention import attend
 
 
 @dataclass
@@ -35,3 +36,9 @@ class KVView:
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.store.read(layer, self.n_visible)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               batch_invariant: bool = False) -> torch.Tensor:
+        """Write the step's K/V [n_tokens, n_kv, d] of `layer`, then attend q over the visible rows."""
+        self.write(layer, k, v)
+        return attend(q, layer, self, batch_invariant)

@@ -1,10 +1,14 @@
 """Attention of a forward pass's queries over the K/V rows its view lets them read, as the cache stores them."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from kvlm.memory.view import KVView
 from kvlm.model.ops import gathered_attention, grouped_attention
+
+if TYPE_CHECKING:
+    from kvlm.memory.view import KVView
 
 
 def attend(q: torch.Tensor, layer: int, kv: KVView, batch_invariant: bool = False) -> torch.Tensor:

@@ -16,7 +16,6 @@ from kvlm.loader.config import ModelConfig
 from kvlm.loader.weights import ModelWeights
 from kvlm.memory.view import KVView
 from kvlm.model.linear import Linear, linear_kind, make_linear
-from kvlm.model.attention import attend
 from kvlm.model.ops import apply_rope, rms_norm, swiglu
 from kvlm.model.rope import Rope
 from kvlm.model.settings import ComputeSettings
@@ -106,6 +105,11 @@ class Decoder:
         Each layer writes the K/V of `tokens` through `kv` before attending over the visible rows;
         nothing here makes those rows visible to later calls: the cache's commit does that.
         """
+        return self.logits(tokens, positions, kv, output_rows)
+
+    def logits(self, tokens: torch.Tensor, positions: torch.Tensor, kv,
+               output_rows: torch.Tensor | None) -> torch.Tensor:
+        """`forward` without its inference mode, for graphs to trace; `kv` is anything with KVView's `attend`."""
         x = self.token_embd[tokens]
         cos, sin = self.rope.cos_sin(positions, self.dtype)
         for index, (kind, layer) in enumerate(zip(self.config.layer_kinds, self.layers)):
@@ -133,8 +137,8 @@ class Decoder:
         if layer.qk_norm is not None:
             qk = F.rms_norm(qk, (c.head_dim,), eps=c.rms_norm_eps) * layer.qk_norm
         q, k = apply_rope(qk, cos, sin).split((c.n_head, c.n_head_kv), dim=1)
-        kv.write(index, k, v.view(n_tokens, c.n_head_kv, c.head_dim))
-        return layer.attn_output(attend(q, index, kv, self.batch_invariant))
+        v = v.view(n_tokens, c.n_head_kv, c.head_dim)
+        return layer.attn_output(kv.attend(index, q, k, v, self.batch_invariant))
 
 
 def _dense_copies_fit(weights: ModelWeights) -> bool:

@@ -9,6 +9,8 @@ faster than the int kernels: a quantized matrix keeps a packed bf16 copy for tho
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -39,6 +41,11 @@ class PackedLinear:
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), self.PACK_FOR_BATCH)
         self.pad_single_row = dtype == torch.float32
+        self._register()
+
+    def _register(self) -> None:
+        self.out_features = self.weight.shape[0]
+        _PACKED[id(self)] = self
 
     def __getstate__(self) -> dict:
         """Saved in the plain layout (oneDNN's blocked tensors cannot be serialised) and repacked on load."""
@@ -47,14 +54,32 @@ class PackedLinear:
     def __setstate__(self, state: dict) -> None:
         self.weight = torch.ops.mkldnn._reorder_linear_weight(state["weight"], self.PACK_FOR_BATCH)
         self.pad_single_row = state["pad_single_row"]
+        self._register()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return _packed_product(x, id(self))
         if self.pad_single_row and x.shape[0] == 1:
             return self._product(x.expand(2, -1))[:1]
         return self._product(x)
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
+
+
+# Packed products by handle, for graphs: inductor cannot lower oneDNN's blocked weights, so a compiled graph
+# calls the product as one opaque op that finds its weights here.
+_PACKED: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("kvlm::packed_product", mutates_args=())
+def _packed_product(x: torch.Tensor, handle: int) -> torch.Tensor:
+    return _PACKED[handle]._product(x)
+
+
+@_packed_product.register_fake
+def _(x: torch.Tensor, handle: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], _PACKED[handle].out_features)
 
 
 class Int8Linear:

@@ -59,6 +59,25 @@ def gathered_attention(
     return out.reshape(n_tokens, n_head * dim)
 
 
+def attention_with_own_rows(
+    q: torch.Tensor, old_k: torch.Tensor, old_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Attention of B sequences' T new tokens each over L cached rows per sequence and their own K/V.
+
+    q [B, T, n_head, d]; old_k, old_v [B, L, n_kv, d]; k, v [B, T, n_kv, d]; mask additive [B, T, L + T] in
+    q's dtype. Returns [B * T, n_head * d]. A pure function of its inputs: what a compiled graph can hold.
+    """
+    batch, n_new, n_head, dim = q.shape
+    n_kv = k.shape[2]
+    group = n_head // n_kv
+    keys = torch.cat((old_k, k), dim=1).transpose(1, 2)  # [B, n_kv, L + T, d]
+    values = torch.cat((old_v, v), dim=1).transpose(1, 2)
+    # The heads of a group stacked as query rows over their shared KV head, as in grouped_attention.
+    q_grouped = q.view(batch, n_new, n_kv, group, dim).permute(0, 2, 3, 1, 4).reshape(batch, n_kv, group * n_new, dim)
+    out = F.scaled_dot_product_attention(q_grouped, keys, values, attn_mask=mask.repeat(1, group, 1)[:, None])
+    return out.view(batch, n_kv, group, n_new, dim).permute(0, 3, 1, 2, 4).reshape(batch * n_new, n_head * dim)
+
+
 def _in_dtype(mask: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """The fused kernel wants an additive mask in the query's dtype (0 and -inf survive any float dtype)."""
     return mask if mask.dtype == q.dtype else mask.to(q.dtype)

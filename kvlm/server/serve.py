@@ -24,6 +24,7 @@ class ServeSettings:
     dtype: str = AUTO
     quant: str | None = AUTO
     batch_invariant: bool = False
+    compile: bool = False  # compiled decode and prefill graphs (kvlm.model.graphs)
     n_ctx: int = 8192
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
@@ -41,7 +42,8 @@ def served_name(model: str) -> str:
 
 def serve(settings: ServeSettings) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    model = load_model(settings.model, settings.dtype, quant=settings.quant, batch_invariant=settings.batch_invariant)
+    model = load_model(settings.model, settings.dtype, quant=settings.quant, batch_invariant=settings.batch_invariant,
+                       compile=settings.compile)
     engine = Engine(model, n_ctx=settings.n_ctx, max_num_seqs=settings.max_num_seqs,
                     max_num_batched_tokens=settings.max_num_batched_tokens, kv_dtype=settings.kv_dtype)
     name = settings.served_model_name or served_name(settings.model)

@@ -1,0 +1,176 @@
+"""The two compiled graphs: decode (one new token for each of B sequences) and prefill (one sequence's chunk).
+
+Both trace the decoder's own layer code, but over `StepKV` instead of the cache: the graph gathers the
+cached rows it reads and returns the step's K/V, which are written into the cache after it in one copy per
+plane (writing into the cache inside a graph makes inductor copy the whole cache every step). So the graph
+is a pure function of its inputs: tokens and positions [B, T], the rows each sequence reads [B, L] with an
+additive mask [B, T, L], and the cache tensors. Shapes are static where a new one would cost a compile (B,
+bucketed to a power of two; the cache's size) and dynamic where they change every step (L, and T for a
+prompt chunk).
+
+Compiling costs about a minute per decode bucket on two cores the first time (inductor keeps its results in
+$KVLM_HOME/inductor, after which a start takes seconds), so graphs are opt-in (`load_model(compile=True)`,
+`--compile`); batches of other shapes (several sequences' prompt chunks at once, shared cells, a q8_0 cache,
+chunks of fewer than PREFILL_MIN_TOKENS tokens) take the eager path, which computes the same function.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kvlm.fetch import kvlm_home
+from kvlm.memory.view import KVView
+from kvlm.model.attention import attention_dtype
+from kvlm.model.ops import attention_with_own_rows
+
+# Prompt chunks shorter than this run eagerly: the row-adaptive products change kernel at 4 rows, and a
+# dynamic T must stay on one side of that to share one graph.
+PREFILL_MIN_TOKENS = 8
+MIN_ROWS = 2  # a dynamic size of 0 or 1 would be specialised by the tracer: at least 2 (masked) rows are read
+BUCKET_LIMIT = 64  # compiled graphs per step function (the tracer's default of 8 is too few for the buckets)
+
+
+class StepKV:
+    """What a graph's step reads instead of the cache, and what it hands back to be written after it."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, old_mask: torch.Tensor,
+                 positions: torch.Tensor) -> None:
+        self.keys, self.values, self.index = keys, values, index
+        # A new token sees the cached rows its view allows and the sequence's new tokens up to its position.
+        causal = positions[:, None, :] <= positions[:, :, None]
+        own = torch.zeros(causal.shape, dtype=old_mask.dtype).masked_fill(~causal, float("-inf"))
+        self.mask = torch.cat((old_mask, own), dim=-1)
+        self.new_k: list[torch.Tensor] = []
+        self.new_v: list[torch.Tensor] = []
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               batch_invariant: bool = False) -> torch.Tensor:
+        self.new_k.append(k)
+        self.new_v.append(v)
+        batch, n_old = self.index.shape
+        stored = self.keys.dtype
+        dtype = attention_dtype(q.dtype, stored, batch_invariant)
+        rows = (batch, n_old) + tuple(self.keys.shape[2:])
+        old_k = self.keys[layer].index_select(0, self.index.flatten()).view(rows).to(dtype)
+        old_v = self.values[layer].index_select(0, self.index.flatten()).view(rows).to(dtype)
+        # The step's own K/V rounded as the cache will store them: the same values eager attention reads back.
+        new = lambda t: t.to(stored).to(dtype).view(batch, -1, *t.shape[1:])  # noqa: E731
+        queries = q.to(dtype).view(batch, -1, *q.shape[1:])
+        out = attention_with_own_rows(queries, old_k, old_v, new(k), new(v), self.mask.to(dtype))
+        return out.to(q.dtype)
+
+
+class StepGraphs:
+    """The compiled decode and prefill steps of one decoder; `run` takes a micro-batch if it fits one.
+
+    Not for a batch-invariant decoder: compiled graphs group their sums as the shapes suit them."""
+
+    def __init__(self, decoder, backend: str = "inductor") -> None:
+        """`backend` is torch.compile's: "eager" traces the same graphs without compiling them (for tests)."""
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(kvlm_home() / "inductor"))
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, BUCKET_LIMIT)
+        self.decoder = decoder
+        # Two functions, so each keeps its own compiled graphs; the C++ wrapper calls the kernels without Python.
+        options = {"cpp_wrapper": True} if backend == "inductor" else None
+        self._decode = torch.compile(self._decode_step, fullgraph=True, backend=backend, options=options)
+        self._prefill = torch.compile(self._prefill_step, fullgraph=True, backend=backend, options=options)
+
+    def _step(self, tokens, positions, index, old_mask, keys, values, output_rows):
+        kv = StepKV(keys, values, index, old_mask, positions)
+        logits = self.decoder.logits(tokens.flatten(), positions.flatten(), kv, output_rows)
+        return logits, torch.stack(kv.new_k), torch.stack(kv.new_v)
+
+    def _decode_step(self, *inputs):
+        return self._step(*inputs)
+
+    def _prefill_step(self, *inputs):
+        return self._step(*inputs)
+
+    @torch.inference_mode()
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, view: KVView,
+            output_rows: torch.Tensor) -> torch.Tensor | None:
+        """Logits of `output_rows` with the step's K/V written through `view`; None (nothing done) when the
+        micro-batch is not one of the graphs' shapes."""
+        if not view.store.dense:
+            return None
+        decode = decode_inputs(tokens, positions, view)
+        if decode is not None:
+            logits, k, v = self._decode(*decode, view.store.k.data, view.store.v.data, None)
+            n_tokens = len(tokens)
+            view.store.write_layers(view.rows, k[:, :n_tokens], v[:, :n_tokens])
+            return logits[output_rows]
+        prefill = prefill_inputs(tokens, positions, view)
+        if prefill is None:
+            return None
+        logits, k, v = self._prefill(*prefill, view.store.k.data, view.store.v.data, output_rows)
+        view.store.write_layers(view.rows, k, v)
+        return logits
+
+
+def decode_inputs(tokens: torch.Tensor, positions: torch.Tensor, view: KVView):
+    """[B, 1] tokens of B sequences (B padded to a power of two), each reading its own rows; None otherwise."""
+    rows = _single_group(view, len(tokens))
+    if rows is None:
+        return None
+    index, mask = rows
+    if index.dim() == 1:
+        if len(tokens) != 1:
+            return None
+        index = index[None]
+    mask = mask.masked_fill(index == view.rows[:, None], float("-inf"))[:, None, :]
+    index, mask = _at_least_rows(index, mask)
+    pad = _bucket(len(tokens)) - len(tokens)
+    tokens, positions = _padded(tokens, pad, 0), _padded(positions, pad, 0)
+    index, mask = _padded(index, pad, 0), _padded(mask, pad, float("-inf"))  # padding rows see only themselves
+    torch._dynamo.mark_static(tokens, 0)
+    torch._dynamo.mark_dynamic(index, 1)
+    torch._dynamo.mark_dynamic(mask, 2)
+    return tokens[:, None], positions[:, None], index, mask
+
+
+def prefill_inputs(tokens: torch.Tensor, positions: torch.Tensor, view: KVView):
+    """One sequence's chunk of at least PREFILL_MIN_TOKENS tokens as [1, T]; None otherwise."""
+    rows = _single_group(view, len(tokens)) if len(tokens) >= PREFILL_MIN_TOKENS else None
+    if rows is None or rows[0].dim() != 1:
+        return None
+    index, mask = rows
+    mask = mask.masked_fill(torch.isin(index, view.rows), float("-inf"))
+    index, mask = _at_least_rows(index[None], mask[None])
+    tokens, positions = tokens[None], positions[None]
+    for tensor, dims in ((tokens, (1,)), (positions, (1,)), (index, (1,)), (mask, (1, 2))):
+        for dim in dims:
+            torch._dynamo.mark_dynamic(tensor, dim)
+    return tokens, positions, index, mask
+
+
+def _single_group(view: KVView, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The cells [L] (shared) or [n, L] (per token) the step reads and its mask [n, L], if one group reads all."""
+    if view.groups is None:
+        index, mask = torch.arange(view.n_visible), view.mask
+    elif len(view.groups) == 1:
+        index, mask = view.groups[0].index, view.groups[0].mask
+    else:
+        return None
+    if mask is None:
+        mask = torch.zeros(n_tokens, index.shape[-1])
+    return index, mask
+
+
+def _at_least_rows(index: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    short = MIN_ROWS - index.shape[1]
+    if short <= 0:
+        return index, mask
+    index = torch.cat((index, index.new_zeros(index.shape[0], short)), dim=1)
+    hidden = mask.new_full(mask.shape[:-1] + (short,), float("-inf"))
+    return index, torch.cat((mask, hidden), dim=-1)
+
+
+def _bucket(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _padded(t: torch.Tensor, pad: int, value: float) -> torch.Tensor:
+    if pad == 0:
+        return t
+    return torch.cat((t, t.new_full((pad,) + tuple(t.shape[1:]), value)))
