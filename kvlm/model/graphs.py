@@ -27,7 +27,9 @@ from kvlm.model.ops import attention_with_own_rows
 # Prompt chunks shorter than this run eagerly: the row-adaptive products change kernel at 4 rows, and a
 # dynamic T must stay on one side of that to share one graph.
 PREFILL_MIN_TOKENS = 8
-MIN_ROWS = 2  # a dynamic size of 0 or 1 would be specialised by the tracer: at least 2 (masked) rows are read
+# The tracer specialises a dynamic size of 0 or 1. Reading no cached rows (a prompt's first chunk) keeps its own
+# graph, with nothing to pad; a single row gets a masked second one.
+MIN_ROWS = 2
 BUCKET_LIMIT = 64  # compiled graphs per step function (the tracer's default of 8 is too few for the buckets)
 
 
@@ -94,16 +96,18 @@ class StepGraphs:
         micro-batch is not one of the graphs' shapes."""
         if not view.store.dense:
             return None
+        cache = (view.store.k.data, view.store.v.data)
         decode = decode_inputs(tokens, positions, view)
         if decode is not None:
-            logits, k, v = self._decode(*decode, view.store.k.data, view.store.v.data, None)
-            n_tokens = len(tokens)
-            view.store.write_layers(view.rows, k[:, :n_tokens], v[:, :n_tokens])
+            logits, k, v = self._decode(*decode, *cache, None)
+            view.store.write_layers(view.rows, k[:, :len(tokens)], v[:, :len(tokens)])
             return logits[output_rows]
         prefill = prefill_inputs(tokens, positions, view)
         if prefill is None:
             return None
-        logits, k, v = self._prefill(*prefill, view.store.k.data, view.store.v.data, output_rows)
+        if len(output_rows) > 1:
+            torch._dynamo.mark_dynamic(output_rows, 0)
+        logits, k, v = self._prefill(*prefill, *cache, output_rows)
         view.store.write_layers(view.rows, k, v)
         return logits
 
@@ -135,12 +139,14 @@ def prefill_inputs(tokens: torch.Tensor, positions: torch.Tensor, view: KVView):
     if rows is None or rows[0].dim() != 1:
         return None
     index, mask = rows
-    mask = mask.masked_fill(torch.isin(index, view.rows), float("-inf"))
-    index, mask = _at_least_rows(index[None], mask[None])
+    cached = ~torch.isin(index, view.rows)  # the chunk's own cells come from the graph's inputs
+    index, mask = _at_least_rows(index[cached][None], mask[:, cached][None])
     tokens, positions = tokens[None], positions[None]
-    for tensor, dims in ((tokens, (1,)), (positions, (1,)), (index, (1,)), (mask, (1, 2))):
-        for dim in dims:
-            torch._dynamo.mark_dynamic(tensor, dim)
+    dynamic = [(tokens, 1), (positions, 1), (mask, 1)]
+    if index.shape[1]:
+        dynamic += [(index, 1), (mask, 2)]
+    for tensor, dim in dynamic:
+        torch._dynamo.mark_dynamic(tensor, dim)
     return tokens, positions, index, mask
 
 
@@ -159,7 +165,7 @@ def _single_group(view: KVView, n_tokens: int) -> tuple[torch.Tensor, torch.Tens
 
 def _at_least_rows(index: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     short = MIN_ROWS - index.shape[1]
-    if short <= 0:
+    if short <= 0 or index.shape[1] == 0:
         return index, mask
     index = torch.cat((index, index.new_zeros(index.shape[0], short)), dim=1)
     hidden = mask.new_full(mask.shape[:-1] + (short,), float("-inf"))
