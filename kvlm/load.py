@@ -10,7 +10,7 @@ from kvlm.loader.config import ModelConfig
 from kvlm.loader.gguf_file import load_gguf, read_gguf_summary
 from kvlm.loader.hf_folder import config_from_hf, load_hf_folder
 from kvlm.model.decoder import Decoder
-from kvlm.model.graphs import StepGraphs
+from kvlm.model.graphs import StepGraphs, check_compiler
 from kvlm.model.settings import AUTO, resolve_settings
 from kvlm.tokenizer import Tokenizer
 
@@ -39,6 +39,8 @@ def load_model(
     if compile and batch_invariant:
         raise ValueError("compile and batch_invariant exclude each other: compiled graphs sum in the order their "
                          "shapes suit, so a batch-invariant model runs eagerly")
+    if compile:
+        check_compiler()
     model = _load(spec, resolve_settings(dtype, quant, batch_invariant), fetch, progress)
     if compile:
         model.graphs = StepGraphs(model.decoder)

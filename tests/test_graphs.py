@@ -12,7 +12,7 @@ import torch
 from conftest import decode_ok, max_diff, reference_logits
 from family_factory import SPECS, random_model, save_model
 from kvlm import Batch, Context, load_model
-from kvlm.model.graphs import PREFILL_MIN_TOKENS, StepGraphs
+from kvlm.model.graphs import PREFILL_MIN_TOKENS, StepGraphs, check_compiler
 from test_random_models import token_ids
 
 TOLERANCE = 1e-4
@@ -137,6 +137,10 @@ def test_a_failed_graph_step_leaves_the_cache_as_it_was(family, monkeypatch):
 
 def test_compiled_graphs_equal_the_eager_path(tmp_path):
     """inductor's graphs on a tiny model: every logit within float32 tolerance of the eager path's."""
+    try:
+        check_compiler()
+    except RuntimeError as error:
+        pytest.skip(str(error))
     spec = SPECS["llama-linear"]
     reference = random_model(spec)
     model = load_model(str(save_model(reference, spec, "gguf", tmp_path)), "float32")
@@ -152,3 +156,14 @@ def test_compiled_graphs_equal_the_eager_path(tmp_path):
 def test_compile_with_batch_invariance_is_refused_before_loading(tmp_path):
     with pytest.raises(ValueError, match="compile and batch_invariant exclude each other"):
         load_model(str(tmp_path / "not-read.gguf"), "float32", batch_invariant=True, compile=True)
+
+
+def test_compile_without_a_cpp_compiler_is_refused_before_loading(tmp_path, monkeypatch):
+    from torch._inductor import cpp_builder, exc
+
+    def no_compiler():
+        raise exc.InvalidCxxCompiler
+
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", no_compiler)
+    with pytest.raises(RuntimeError, match="needs a C\\+\\+ compiler"):
+        load_model(str(tmp_path / "not-read.gguf"), compile=True)

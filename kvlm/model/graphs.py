@@ -33,6 +33,17 @@ MIN_ROWS = 2
 BUCKET_LIMIT = 64  # compiled graphs per step function (the tracer's default of 8 is too few for the buckets)
 
 
+def check_compiler() -> None:
+    """Inductor turns graphs into C++: without a compiler, say so before any model is loaded."""
+    from torch._inductor import cpp_builder, exc
+
+    try:
+        cpp_builder.get_cpp_compiler()
+    except exc.InvalidCxxCompiler as error:
+        raise RuntimeError("compile=True needs a C++ compiler for torch.compile's inductor (g++ or clang++ on the "
+                           "PATH, or named by $CXX); none was found. Install one or run without --compile") from error
+
+
 class StepKV:
     """What a graph's step reads instead of the cache, and what it hands back to be written after it."""
 
