@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 from datetime import datetime
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jinja2
 import jinja2.ext
@@ -20,6 +20,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as Backend
 
 from kvlm.errors import ModelFileError
+from kvlm.spm_tokenizer import piece_bytes, sentencepiece_bpe
 
 _CONTROL = 3  # llama.cpp token types
 _USER_DEFINED = 4
@@ -107,6 +108,7 @@ class Tokenizer:
         stop_ids: frozenset[int],
         chat_template: str | None,
         named_tokens: dict[str, str],
+        spelled_bytes: Callable[[str], bytes | None],
     ) -> None:
         self._backend = backend
         self.bos_id = bos_id
@@ -114,26 +116,26 @@ class Tokenizer:
         self.stop_ids = stop_ids
         self.chat_template = chat_template
         self._named_tokens = named_tokens  # bos_token, eos_token, ... as chat templates see them
+        self._spelled_bytes = spelled_bytes  # a vocabulary token's bytes, None for a token spelled as plain text
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
 
     @classmethod
     def from_gguf_metadata(cls, metadata: dict[str, Any]) -> Tokenizer:
         model_type = metadata.get("tokenizer.ggml.model")
-        if model_type != "gpt2":
+        if model_type not in _GGUF_VOCABULARIES:
             raise ModelFileError(
-                f"tokenizer.ggml.model={model_type!r} is not supported; "
-                "only 'gpt2' (byte-level BPE) tokenizers can be built so far"
+                f"tokenizer.ggml.model={model_type!r} is not supported; supported: "
+                + ", ".join(f"{name!r} ({kind.description})" for name, kind in _GGUF_VOCABULARIES.items())
             )
+        kind = _GGUF_VOCABULARIES[model_type]
         tokens: list[str] = _required(metadata, "tokenizer.ggml.tokens")
-        backend = Backend(_byte_level_bpe(tokens, _required(metadata, "tokenizer.ggml.merges")))
-        backend.pre_tokenizer = _pre_tokenizer(metadata.get("tokenizer.ggml.pre", "default"))
-        backend.decoder = decoders.ByteLevel()
-
         ids = _named_token_ids(metadata, len(tokens))
         named_tokens = {name: tokens[i] for name, i in ids.items() if i is not None}
+        backend = kind.backend(metadata, tokens, named_tokens)
         _add_gguf_special_tokens(backend, tokens, metadata.get("tokenizer.ggml.token_type", []), named_tokens)
+        add_bos = metadata.get("tokenizer.ggml.add_bos_token", kind.adds_bos)
         backend.post_processor = _boundary_tokens(
-            _wanted(metadata.get("tokenizer.ggml.add_bos_token"), named_tokens.get("bos_token"), ids["bos_token"]),
+            _wanted(add_bos, named_tokens.get("bos_token"), ids["bos_token"]),
             _wanted(metadata.get("tokenizer.ggml.add_eos_token"), named_tokens.get("eos_token"), ids["eos_token"]),
         )
         stop_ids = {metadata.get(key) for key in ("tokenizer.ggml.eos_token_id", *_END_OF_TURN_KEYS)}
@@ -145,6 +147,7 @@ class Tokenizer:
             stop_ids=frozenset(i for i in stop_ids if i is not None),
             chat_template=metadata.get("tokenizer.chat_template"),
             named_tokens=named_tokens,
+            spelled_bytes=kind.spelled_bytes,
         )
 
     @classmethod
@@ -173,6 +176,7 @@ class Tokenizer:
             stop_ids=frozenset(i for i in stop_ids if i is not None),
             chat_template=_hf_chat_template(folder, config),
             named_tokens=named_tokens,
+            spelled_bytes=_byte_level_bytes,
         )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -183,14 +187,12 @@ class Tokenizer:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The bytes one token stands for: part of a character, for a byte-level token that splits one."""
+        """The bytes one token stands for: part of a character, for a byte-level or <0xNN> token that splits one."""
         token = self._backend.id_to_token(token_id)
         if token is None:
             raise ValueError(f"token id {token_id} is outside the vocabulary [0, {self.vocab_size})")
-        byte_of = _byte_alphabet_inverse()
-        if token_id in self._backend.get_added_tokens_decoder() or not set(token) <= byte_of.keys():
-            return self.decode([token_id]).encode("utf-8")
-        return bytes(byte_of[char] for char in token)
+        spelled = None if token_id in self._backend.get_added_tokens_decoder() else self._spelled_bytes(token)
+        return self.decode([token_id]).encode("utf-8") if spelled is None else spelled
 
     def apply_chat_template(
         self,
@@ -267,7 +269,8 @@ class StreamDecoder:
 
 def _required(metadata: dict[str, Any], key: str) -> Any:
     if key not in metadata:
-        raise ModelFileError(f"the GGUF metadata has no {key}, which its tokenizer needs")
+        model_type = metadata.get("tokenizer.ggml.model")
+        raise ModelFileError(f"the GGUF metadata has no {key}, which its {model_type!r} tokenizer needs")
     return metadata[key]
 
 
@@ -300,6 +303,12 @@ def _byte_alphabet_inverse() -> dict[str, int]:
     return {char: byte for byte, char in _byte_alphabet().items()}
 
 
+def _byte_level_bytes(token: str) -> bytes | None:
+    """The bytes a byte-level token is spelled in; None for one spelled as plain text."""
+    byte_of = _byte_alphabet_inverse()
+    return bytes(byte_of[char] for char in token) if set(token) <= byte_of.keys() else None
+
+
 def _byte_level_bpe(tokens: list[str], merges: list[str]) -> models.BPE:
     alphabet = _byte_alphabet()
     spelled = set(alphabet.values())
@@ -315,17 +324,56 @@ def _byte_level_bpe(tokens: list[str], merges: list[str]) -> models.BPE:
     )
 
 
+def _byte_level_backend(metadata: dict[str, Any], tokens: list[str], named_tokens: dict[str, str]) -> Backend:
+    backend = Backend(_byte_level_bpe(tokens, _required(metadata, "tokenizer.ggml.merges")))
+    backend.pre_tokenizer = _pre_tokenizer(metadata.get("tokenizer.ggml.pre", "default"))
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+# transformers joins a Gemma vocabulary's pieces in file order rather than by score. The two agree on ordinary
+# pieces, but Gemma's runs of spaces carry llama.cpp's placeholder score for user-defined pieces (-1000) while
+# SentencePiece matches them before anything else; in file order they come first.
+_POSITION_RANKED_ARCHITECTURES = frozenset({"gemma", "gemma2", "gemma3"})
+
+
+def _sentencepiece_backend(metadata: dict[str, Any], tokens: list[str], named_tokens: dict[str, str]) -> Backend:
+    scores: list[float] = _required(metadata, "tokenizer.ggml.scores")
+    if len(scores) != len(tokens):
+        raise ModelFileError(f"the GGUF metadata has {len(scores)} tokenizer.ggml.scores for {len(tokens)} tokens")
+    by_position = metadata.get("general.architecture") in _POSITION_RANKED_ARCHITECTURES
+    return sentencepiece_bpe(
+        tokens,
+        [-index for index in range(len(tokens))] if by_position else scores,
+        unk_token=named_tokens.get("unk_token"),
+        add_space_prefix=metadata.get("tokenizer.ggml.add_space_prefix", True),
+    )
+
+
+class _GgufVocabulary(NamedTuple):
+    description: str
+    backend: Callable[[dict[str, Any], list[str], dict[str, str]], Backend]
+    spelled_bytes: Callable[[str], bytes | None]
+    adds_bos: bool  # when the file has no tokenizer.ggml.add_bos_token, as in llama.cpp
+
+
+# Keyed by `tokenizer.ggml.model`.
+_GGUF_VOCABULARIES = {
+    "gpt2": _GgufVocabulary("byte-level BPE", _byte_level_backend, _byte_level_bytes, adds_bos=False),
+    "llama": _GgufVocabulary("SentencePiece", _sentencepiece_backend, piece_bytes, adds_bos=True),
+}
+
+
 def _add_gguf_special_tokens(
     backend: Backend, tokens: list[str], token_types: list[int], named_tokens: dict[str, str]
 ) -> None:
     """Make control and user-defined tokens match whole in text, as transformers' GGUF loader does.
 
-    A token marked control but spelled outside the byte alphabet is a llama.cpp mislabel, so it is left
-    alone rather than given a new id past the vocabulary.
+    A token the vocabulary spells otherwise is left alone rather than given a new id past the vocabulary: in a
+    byte-level one, a token marked control but spelled outside the byte alphabet is a llama.cpp mislabel.
     """
-    spelled = set(_byte_alphabet().values())
     vocab = backend.get_vocab()
-    control = [t for t, kind in zip(tokens, token_types) if kind == _CONTROL and set(t) <= spelled]
+    control = [t for t, kind in zip(tokens, token_types) if kind == _CONTROL and t in vocab]
     user_defined = [t for t, kind in zip(tokens, token_types) if kind == _USER_DEFINED and t in vocab]
     backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
     backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in user_defined])

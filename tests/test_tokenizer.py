@@ -311,9 +311,9 @@ def test_stream_decoder_flush_gives_an_incomplete_character(tokenizer):
     assert decoder.feed(tokenizer.encode("a")[0]) == "a"
 
 
-def test_unsupported_tokenizer_model_is_named(metadata):
-    with pytest.raises(ModelFileError, match="'llama'"):
-        Tokenizer.from_gguf_metadata({**metadata, "tokenizer.ggml.model": "llama"})
+def test_unsupported_tokenizer_model_is_named_with_the_supported_ones(metadata):
+    with pytest.raises(ModelFileError, match="'bert' is not supported; supported: 'gpt2'.*'llama'"):
+        Tokenizer.from_gguf_metadata({**metadata, "tokenizer.ggml.model": "bert"})
 
 
 def test_unknown_pre_tokenizer_is_named_with_the_supported_ones(metadata):
