@@ -41,7 +41,8 @@ class Context:
         self.n_ctx, self.n_batch, self.n_ubatch, self.n_seq_max = n_ctx, n_batch, n_ubatch, n_seq_max
         self.kv_dtype = kv_dtype
         self.abort_callback = abort_callback
-        self.memory = KVMemory(model.config, n_ctx, n_seq_max, kv_dtype, model.decoder.rope)
+        layer_ropes = [model.decoder.layer_rope(kind) for kind in model.config.layer_kinds]
+        self.memory = KVMemory(model.config, n_ctx, n_seq_max, kv_dtype, layer_ropes)
         self.last_error = ""
         self._logits: torch.Tensor | None = None
         half = self.memory.kv_bytes / 2 / 2**20

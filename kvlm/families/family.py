@@ -1,10 +1,13 @@
 """What sets one decoder architecture apart from another: data, not a fork of the decoder."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
-ATTENTION = "attention"  # the layer kinds the decoder knows; sliding-window and recurrent kinds plug in here
-LAYER_KINDS = (ATTENTION,)
+ATTENTION = "attention"  # the layer kinds the decoder knows; recurrent kinds plug in here
+SLIDING = "sliding_attention"  # attention over only the last `sliding_window` positions (Gemma 3's local layers)
+LAYER_KINDS = (ATTENTION, SLIDING)
+ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @dataclass(frozen=True)
@@ -23,9 +26,21 @@ class Family:
     qk_norm: bool = False       # RMSNorm over head_dim on each Q and K head, before RoPE
     permuted_qk: bool = False   # llama.cpp stores Q/K rows of this architecture permuted for its RoPE
     default_head_dim: int | None = None  # config.json's head_dim when absent (transformers' default), else d / heads
+    sandwich_norms: bool = False  # RMSNorm on the attention and MLP outputs too, before each residual add
+    activation: str = "silu"      # of the gated MLP's gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    scaled_embedding: bool = False  # embeddings multiplied by sqrt(n_embd)
+    hf_norm_offset: float = 0.0   # config.json norms hold w - offset (the forward multiplies by offset + w)
+    sliding_period: int = 0       # with a sliding window, every n-th layer attends fully, the others slide
+    hf_layer_names: tuple[tuple[str, str], ...] = ()  # Hugging Face layer parts named otherwise than Llama's
+    # GGUF files do not store the query scale; llama.cpp derives it: (n_layer, n_embd, n_head, head_dim) -> scale
+    gguf_query_scale: Callable[[int, int, int, int], float] | None = None
 
-    def layer_kinds(self, n_layer: int) -> tuple[str, ...]:
-        return (ATTENTION,) * n_layer
+    def layer_kinds(self, n_layer: int, sliding: bool = False) -> tuple[str, ...]:
+        """llama.cpp's pattern: with a window, layer i slides unless i % period == period - 1."""
+        if not (sliding and self.sliding_period):
+            return (ATTENTION,) * n_layer
+        return tuple(ATTENTION if i % self.sliding_period == self.sliding_period - 1 else SLIDING
+                     for i in range(n_layer))
 
     def layer_shapes(self, n_embd: int, n_ff: int, n_head: int, n_head_kv: int, head_dim: int) -> dict[str, tuple]:
         """Shape of every tensor of one layer by GGUF suffix, [out, in] for matrices as torch's linear expects."""
@@ -39,4 +54,6 @@ class Family:
             shapes.update({"attn_q.bias": (q_rows,), "attn_k.bias": (kv_rows,), "attn_v.bias": (kv_rows,)})
         if self.qk_norm:
             shapes.update({"attn_q_norm.weight": (head_dim,), "attn_k_norm.weight": (head_dim,)})
+        if self.sandwich_norms:
+            shapes.update({"post_attention_norm.weight": (n_embd,), "post_ffw_norm.weight": (n_embd,)})
         return shapes

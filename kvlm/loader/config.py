@@ -4,8 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from itertools import groupby
 
-from kvlm.families import LAYER_KINDS, family_named
+from kvlm.families import LAYER_KINDS, SLIDING, family_named
 from kvlm.model.rope import RopeScaling
+
+
+_SHOWN_WHEN_SET = {"sliding_window": 0, "rope_local": None, "query_scale": 1.0, "final_logit_softcap": 0.0}
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,10 @@ class ModelConfig:
     tie_word_embeddings: bool
     rope: RopeScaling = field(default_factory=RopeScaling)
     layer_kinds: tuple[str, ...] = ()  # one per layer; empty means the family's own list
+    sliding_window: int = 0  # positions a sliding layer sees, its own included; 0 when there are none
+    rope_local: RopeScaling | None = None  # the sliding layers' RoPE, when it differs from `rope`
+    query_scale: float = 1.0  # Q is multiplied by it: attention scores are scaled by query_scale / sqrt(head_dim)
+    final_logit_softcap: float = 0.0  # logits become cap * tanh(logits / cap); 0 for none
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_embd", "n_ff", "n_head", "n_head_kv", "head_dim", "vocab_size", "n_ctx_train"):
@@ -41,7 +48,7 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.rope has {len(factors)} frequency factors; head_dim {self.head_dim} "
                              f"needs {self.head_dim // 2}")
         if not self.layer_kinds:
-            object.__setattr__(self, "layer_kinds", self.family.layer_kinds(self.n_layer))
+            object.__setattr__(self, "layer_kinds", self.family.layer_kinds(self.n_layer, self.sliding_window > 0))
         self._check_layer_kinds()
 
     def _check_layer_kinds(self) -> None:
@@ -50,6 +57,9 @@ class ModelConfig:
         unknown = sorted(set(self.layer_kinds) - set(LAYER_KINDS))
         if unknown:
             raise ValueError(f"ModelConfig.layer_kinds has unknown kinds {unknown} (known: {', '.join(LAYER_KINDS)})")
+        if SLIDING in self.layer_kinds and (not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
+            raise ValueError(f"ModelConfig.sliding_window must be a positive integer for {SLIDING} layers, "
+                             f"got {self.sliding_window!r}")
 
     @property
     def family(self):
@@ -66,10 +76,20 @@ class ModelConfig:
         values = dict(self.__dict__)
         family = self.family
         values["architecture"] = " ".join([self.architecture, *(p for p in ("qkv_bias", "qk_norm") if getattr(family, p))])
-        rope = {f.name: getattr(self.rope, f.name) for f in fields(self.rope)
-                if f.name in ("theta", "kind") or getattr(self.rope, f.name) != f.default}
-        if self.rope.freq_factors is not None:
-            rope["freq_factors"] = f"{len(self.rope.freq_factors)} from rope_freqs.weight"
-        values["rope"] = " ".join(f"{name}={value}" for name, value in rope.items())
+        values["rope"] = _rope_text(self.rope)
+        for name, default in _SHOWN_WHEN_SET.items():  # parts only some families have
+            if values[name] == default:
+                del values[name]
+        if self.rope_local is not None:
+            values["rope_local"] = _rope_text(self.rope_local)
         values["layer_kinds"] = ", ".join(f"{len(list(run))} x {kind}" for kind, run in groupby(self.layer_kinds))
         return values
+
+
+def _rope_text(scaling: RopeScaling) -> str:
+    """A RoPE by what differs from the plain form."""
+    rope = {f.name: getattr(scaling, f.name) for f in fields(scaling)
+            if f.name in ("theta", "kind") or getattr(scaling, f.name) != f.default}
+    if scaling.freq_factors is not None:
+        rope["freq_factors"] = f"{len(scaling.freq_factors)} from rope_freqs.weight"
+    return " ".join(f"{name}={value}" for name, value in rope.items())

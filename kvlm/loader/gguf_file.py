@@ -60,7 +60,7 @@ def config_from_metadata(
     metadata: dict[str, Any], path: str | Path, *, tied: bool, freq_factors: list[float] | None = None
 ) -> ModelConfig:
     arch = metadata.get("general.architecture")
-    family_named(arch, path)
+    family = family_named(arch, path)
 
     def key(suffix: str, default: Any = None) -> Any:
         value = metadata.get(f"{arch}.{suffix}", default)
@@ -71,21 +71,27 @@ def config_from_metadata(
     try:
         n_embd = int(key("embedding_length"))
         n_head = int(key("attention.head_count"))
+        n_layer = int(key("block_count"))
+        head_dim = int(key("attention.key_length", n_embd // max(n_head, 1)))
         vocab = metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens", []))
+        query_scale = family.gguf_query_scale(n_layer, n_embd, n_head, head_dim) if family.gguf_query_scale else 1.0
         config = ModelConfig(
             architecture=arch,
             name=str(metadata.get("general.name", Path(path).stem)),
-            n_layer=int(key("block_count")),
+            n_layer=n_layer,
             n_embd=n_embd,
             n_ff=int(key("feed_forward_length")),
             n_head=n_head,
             n_head_kv=int(key("attention.head_count_kv", n_head)),
-            head_dim=int(key("attention.key_length", n_embd // max(n_head, 1))),
+            head_dim=head_dim,
             vocab_size=int(vocab),
             n_ctx_train=int(key("context_length")),
             rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
             tie_word_embeddings=tied,
             rope=rope.rope_from_gguf(metadata, arch, freq_factors),
+            query_scale=query_scale,
+            final_logit_softcap=float(metadata.get(f"{arch}.final_logit_softcapping") or 0.0),
+            **_sliding_options(metadata, arch, family),
         )
     except UnsupportedModelError as exc:
         raise UnsupportedModelError(f"{path}: {exc}") from None
@@ -93,6 +99,16 @@ def config_from_metadata(
         raise ModelFileError(f"{path}: the metadata describes an invalid model: {exc}") from exc
     _check_full_rotary(metadata, config, path)
     return config
+
+
+def _sliding_options(metadata: dict[str, Any], arch: str, family) -> dict[str, Any]:
+    """The window and the sliding layers' RoPE as llama.cpp reads them: only when the file gives a window, with
+    the file's rope.freq_base_swa or else the 10000 llama.cpp sets for Gemma 3's local layers."""
+    window = int(metadata.get(f"{arch}.attention.sliding_window") or 0)
+    if not (family.sliding_period and window > 0):
+        return {}
+    theta = float(metadata.get(f"{arch}.rope.freq_base_swa") or 10000.0)
+    return {"sliding_window": window, "rope_local": rope.RopeScaling(theta=theta)}
 
 
 def _check_full_rotary(metadata: dict[str, Any], config: ModelConfig, path) -> None:

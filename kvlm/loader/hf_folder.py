@@ -9,7 +9,7 @@ from safetensors import SafetensorError
 from safetensors import safe_open
 
 from kvlm.errors import ModelFileError, UnsupportedModelError
-from kvlm.families import family_for_hf
+from kvlm.families import ATTENTION, SLIDING, family_for_hf
 from kvlm.loader.config import ModelConfig
 from kvlm.model import rope
 from kvlm.loader.weights import ModelWeights, expected_shapes
@@ -21,9 +21,11 @@ _LAYER_NAMES = {
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
 }
 # Options of config.json that change the architecture in ways kvlm does not implement: refused, not ignored.
-_UNSUPPORTED_OPTIONS = ("attention_bias", "mlp_bias", "use_sliding_window")
+_UNSUPPORTED_OPTIONS = ("attention_bias", "mlp_bias", "use_sliding_window", "attn_logit_softcapping",
+                        "use_bidirectional_attention")
+_HF_LAYER_KINDS = {"full_attention": ATTENTION, "sliding_attention": SLIDING}
+_HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 _GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-_HF_LAYER_NAMES = {gguf: hf for hf, gguf in _LAYER_NAMES.items()}
 _HF_GLOBAL_NAMES = {gguf: hf for hf, gguf in _GLOBAL_NAMES.items()}
 
 
@@ -31,15 +33,19 @@ def load_hf_folder(folder: str | Path) -> tuple[ModelConfig, ModelWeights]:
     """Config and float32 weights; every tensor's presence and shape is checked before any is read."""
     folder = Path(folder)
     config = config_from_hf(folder)
+    family = config.family
     files = sorted(folder.glob("*.safetensors"))
     shapes = expected_shapes(config)
-    found = {gguf_name(name): (file, name, shape) for file in files for name, shape in _tensor_shapes(file)}
+    found = {gguf_name(name, family): (file, name, shape) for file in files for name, shape in _tensor_shapes(file)}
     for name, shape in shapes.items():
-        _check_shape(folder, found.get(name), name, shape)
+        _check_shape(folder, found.get(name), name, shape, family)
     weights = {}
     for file in files:
         wanted = {hf: name for name, (f, hf, _) in found.items() if f == file and name in shapes}
         weights.update({wanted[hf]: tensor.float() for hf, tensor in _read_tensors(file, wanted).items()})
+    if family.hf_norm_offset:  # stored as w - offset, multiplied as offset + w: GGUF files store the sum
+        offset = family.hf_norm_offset
+        weights = {name: w + offset if name.endswith("norm.weight") else w for name, w in weights.items()}
     return config, ModelWeights(config, weights)
 
 
@@ -57,6 +63,7 @@ def config_from_hf(folder: Path) -> ModelConfig:
             raise UnsupportedModelError(f"{path}: {option}={raw[option]!r} is not supported for {family.name} models")
     try:
         n_head = raw["num_attention_heads"]
+        head_dim = raw.get("head_dim") or family.default_head_dim or raw["hidden_size"] // max(n_head, 1)
         return ModelConfig(
             architecture=family.name,
             name=raw.get("_name_or_path") or folder.name,
@@ -65,12 +72,12 @@ def config_from_hf(folder: Path) -> ModelConfig:
             n_ff=raw["intermediate_size"],
             n_head=n_head,
             n_head_kv=raw.get("num_key_value_heads") or n_head,
-            head_dim=raw.get("head_dim") or family.default_head_dim or raw["hidden_size"] // max(n_head, 1),
+            head_dim=head_dim,
             vocab_size=raw["vocab_size"],
             n_ctx_train=raw.get("max_position_embeddings", 2048),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            rope=rope.rope_from_hf_config(raw),
+            **_attention_options(raw, family, head_dim),
         )
     except UnsupportedModelError as exc:
         raise UnsupportedModelError(f"{path}: {exc}") from None
@@ -80,25 +87,59 @@ def config_from_hf(folder: Path) -> ModelConfig:
         raise ModelFileError(f"{path}: the config describes an invalid model: {exc}") from exc
 
 
-def gguf_name(hf_name: str) -> str:
+def _attention_options(raw: dict, family, head_dim: int) -> dict:
+    """RoPE, sliding windows, query scale and logit cap, as transformers reads them for the family."""
+    activation = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
+    if _HF_ACTIVATIONS.get(activation) != family.activation:
+        raise UnsupportedModelError(f"hidden activation {activation!r} is not supported for {family.name} models "
+                                    f"(it uses {family.activation})")
+    options = {"final_logit_softcap": float(raw.get("final_logit_softcapping") or 0.0)}
+    if raw.get("query_pre_attn_scalar") is not None:
+        options["query_scale"] = (head_dim / raw["query_pre_attn_scalar"]) ** 0.5
+    layer_types = raw.get("layer_types") or []
+    unknown = sorted(set(layer_types) - _HF_LAYER_KINDS.keys())
+    if unknown:
+        raise UnsupportedModelError(
+            f"layer types {unknown} are not supported (supported: {', '.join(_HF_LAYER_KINDS)})")
+    if "sliding_attention" not in layer_types:  # Qwen's configs list their layers too, all full
+        return {**options, "rope": rope.rope_from_hf_config(raw)}
+    per_kind = raw.get("rope_parameters") or {}
+    if all(isinstance(per_kind.get(kind), dict) for kind in _HF_LAYER_KINDS):  # transformers 5: one dict per kind
+        full, local = (rope.rope_from_hf_config({**raw, "rope_parameters": per_kind[kind], "rope_scaling": None})
+                       for kind in _HF_LAYER_KINDS)
+    else:  # older: rope_theta and rope_scaling for full layers, rope_local_base_freq for sliding ones
+        full = rope.rope_from_hf_config(raw)
+        local = rope.RopeScaling(theta=raw.get("rope_local_base_freq", 10000.0))
+    return {**options, "rope": full, "rope_local": local, "sliding_window": raw.get("sliding_window") or 0,
+            "layer_kinds": tuple(_HF_LAYER_KINDS[kind] for kind in layer_types)}
+
+
+def gguf_name(hf_name: str, family=None) -> str:
     stem, _, kind = hf_name.rpartition(".")
     if stem in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[stem]}.{kind}"
     parts = stem.split(".", 3)  # model, layers, N, rest
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _LAYER_NAMES:
-        return f"blk.{parts[2]}.{_LAYER_NAMES[parts[3]]}.{kind}"
+    names = _layer_names(family)
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in names:
+        return f"blk.{parts[2]}.{names[parts[3]]}.{kind}"
     return hf_name
 
 
-def hf_name(name: str) -> str:
+def hf_name(name: str, family=None) -> str:
     """The Hugging Face name of a GGUF tensor name: what errors about a folder should say."""
     stem, _, kind = name.rpartition(".")
     if stem in _HF_GLOBAL_NAMES:
         return f"{_HF_GLOBAL_NAMES[stem]}.{kind}"
     parts = stem.split(".")  # blk, N, part
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _HF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_HF_LAYER_NAMES[parts[2]]}.{kind}"
+    names = {gguf: hf for hf, gguf in _layer_names(family).items()}
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{kind}"
     return name
+
+
+def _layer_names(family) -> dict[str, str]:
+    """Hugging Face layer parts to GGUF ones: Llama's, with the family's own where they differ."""
+    return _LAYER_NAMES if family is None else {**_LAYER_NAMES, **dict(family.hf_layer_names)}
 
 
 def _tensor_shapes(file: Path) -> list[tuple[str, tuple[int, ...]]]:
@@ -118,8 +159,9 @@ def _read_tensors(file: Path, names) -> dict[str, torch.Tensor]:
         raise ModelFileError(f"{file}: not a readable safetensors file ({exc})") from exc
 
 
-def _check_shape(folder: Path, found, name: str, shape: tuple[int, ...]) -> None:
+def _check_shape(folder: Path, found, name: str, shape: tuple[int, ...], family) -> None:
     if found is None:
-        raise ModelFileError(f"{folder}: tensor {hf_name(name)} is missing (expected shape {list(shape)})")
+        raise ModelFileError(f"{folder}: tensor {hf_name(name, family)} is missing (expected shape {list(shape)})")
     if found[2] != shape:
-        raise ModelFileError(f"{folder}: tensor {hf_name(name)} has shape {list(found[2])}, expected {list(shape)}")
+        raise ModelFileError(
+            f"{folder}: tensor {hf_name(name, family)} has shape {list(found[2])}, expected {list(shape)}")

@@ -170,8 +170,9 @@ class Cells:
         self.shift.fill(0)
         self.head = 0
 
-    def visibility(self, positions: np.ndarray, seq_mask: np.ndarray, n_kv: int) -> np.ndarray:
-        """bool [n_tokens, n_kv]: token i sees cell j iff they share a sequence and pos[j] <= positions[i].
+    def visibility(self, positions: np.ndarray, seq_mask: np.ndarray, n_kv: int, window: int = 0) -> np.ndarray:
+        """bool [n_tokens, n_kv]: token i sees cell j iff they share a sequence and pos[j] <= positions[i], and
+        with a sliding `window`, positions[i] - pos[j] < window (the token's own position counts as one).
 
         Empty cells have no sequence, so sharing one also means the cell is used. The shared-sequence
         test is a float32 matrix product, which BLAS does faster than NumPy's bool matmul.
@@ -180,7 +181,10 @@ class Cells:
             raise ValueError(f"n_kv {n_kv} is outside [0, {self.n_cells}]")
         positions, seq_mask = self._check_batch(positions, seq_mask)
         shared = seq_mask.astype(np.float32) @ self.seqs[:n_kv].T.astype(np.float32) > 0
-        return shared & (self.pos[None, :n_kv] <= positions[:, None])
+        visible = shared & (self.pos[None, :n_kv] <= positions[:, None])
+        if window:
+            visible &= positions[:, None] - self.pos[None, :n_kv] < window
+        return visible
 
     def compaction_moves(self) -> list[tuple[int, int]]:
         """(src, dst) moves that, applied in order, pack the used cells into [0, n_used) in their order.

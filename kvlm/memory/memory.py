@@ -7,7 +7,8 @@ import torch
 from kvlm.loader.config import ModelConfig
 from kvlm.memory.cells import Cells
 from kvlm.memory.kv_store import KVStore
-from kvlm.memory.view import AttentionGroup, KVView
+from kvlm.families import ATTENTION, SLIDING
+from kvlm.memory.view import AttentionGroup, KVView, LayerViews
 from kvlm.model.ops import apply_rope
 from kvlm.model.rope import Rope
 
@@ -78,10 +79,11 @@ class KVMemory:
     pending shift that `apply_shifts` turns into a rotation of the cached K before the next compute.
     """
 
-    def __init__(self, config: ModelConfig, n_cells: int, n_seq_max: int, kv_dtype: str, rope: Rope):
+    def __init__(self, config: ModelConfig, n_cells: int, n_seq_max: int, kv_dtype: str, layer_ropes: list[Rope]):
+        """`layer_ropes`: each layer's RoPE, which the K-shift re-applies."""
         self.cells = Cells(n_cells, n_seq_max)
         self.store = KVStore(config, n_cells, kv_dtype)
-        self.rope = rope
+        self.layer_ropes = layer_ropes
         self.config = config
 
     # --- the llama.cpp memory API ---
@@ -135,10 +137,10 @@ class KVMemory:
             return
         cells, deltas = self.cells.take_shifts()
         rows = torch.from_numpy(cells)
-        cos, sin = self.rope.shift_cos_sin(torch.from_numpy(deltas))
-        for layer in range(self.store.n_layer):
+        rotations = {id(rope): rope.shift_cos_sin(torch.from_numpy(deltas)) for rope in self.layer_ropes}
+        for layer, rope in enumerate(self.layer_ropes):
             keys = self.store.k.read(layer, self.n_cells)[rows].float()
-            self.store.k.write(layer, rows, apply_rope(keys, cos, sin))
+            self.store.k.write(layer, rows, apply_rope(keys, *rotations[id(rope)]))
 
     def plan(self, ubatches) -> list[np.ndarray] | None:
         """Cells for every micro-batch, found as a dry run on a copy; None if any does not fit."""
@@ -152,13 +154,21 @@ class KVMemory:
             slots.append(slot)
         return slots
 
-    def place(self, ubatch, slot: np.ndarray) -> KVView:
-        """Claim the planned cells for a micro-batch and describe what its forward pass may touch."""
+    def place(self, ubatch, slot: np.ndarray) -> KVView | LayerViews:
+        """Claim the planned cells for a micro-batch and describe what its forward pass may touch: one view, or
+        one per layer kind when sliding-window layers see fewer cells than full ones."""
         self.cells.apply(slot, ubatch.pos, ubatch.seq_mask)
-        n_kv = self.cells.used_max
-        visible = self.cells.visibility(ubatch.pos, ubatch.seq_mask, n_kv)
-        groups = attention_groups(visible, ubatch.seq_mask, self.cells.pos[:n_kv])
         rows = torch.from_numpy(slot)
+        if SLIDING not in self.config.layer_kinds:
+            return self._view(ubatch, rows, window=0)
+        views = {ATTENTION: self._view(ubatch, rows, window=0),
+                 SLIDING: self._view(ubatch, rows, window=self.config.sliding_window)}
+        return LayerViews(views, self.config.layer_kinds)
+
+    def _view(self, ubatch, rows: torch.Tensor, window: int) -> KVView:
+        n_kv = self.cells.used_max
+        visible = self.cells.visibility(ubatch.pos, ubatch.seq_mask, n_kv, window)
+        groups = attention_groups(visible, ubatch.seq_mask, self.cells.pos[:n_kv])
         if len(groups) == 1 and torch.equal(groups[0].index, torch.arange(n_kv)):
             return KVView(self.store, rows, n_kv, groups[0].mask)  # every cell in cell order: no gather needed
         return KVView(self.store, rows, n_kv, None, groups)

@@ -42,3 +42,16 @@ class KVView:
         """Write the step's K/V [n_tokens, n_kv, d] of `layer`, then attend q over the visible rows."""
         self.write(layer, k, v)
         return attend(q, layer, self, batch_invariant)
+
+
+@dataclass
+class LayerViews:
+    """A view per layer kind, for models whose kinds see different cells (sliding-window and full attention);
+    each layer attends through its own kind's. Rows written are the same in all."""
+
+    views: dict[str, KVView]
+    layer_kinds: tuple[str, ...]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               batch_invariant: bool = False) -> torch.Tensor:
+        return self.views[self.layer_kinds[layer]].attend(layer, q, k, v, batch_invariant)

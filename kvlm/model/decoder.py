@@ -11,12 +11,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvlm.families import ATTENTION
+from kvlm.families import ATTENTION, SLIDING
 from kvlm.loader.config import ModelConfig
 from kvlm.loader.weights import ModelWeights
 from kvlm.memory.view import KVView
 from kvlm.model.linear import Linear, linear_kind, make_linear
-from kvlm.model.ops import apply_rope, rms_norm, swiglu
+from kvlm.model.ops import apply_rope, gated_mlp, rms_norm
 from kvlm.model.rope import Rope
 from kvlm.model.settings import ComputeSettings
 
@@ -31,6 +31,8 @@ class LayerWeights:
     ffn_norm: torch.Tensor
     gate_up: Linear         # gate and up projections stacked
     down: Linear
+    post_attention_norm: torch.Tensor | None = None  # sandwich norms (Gemma): on each output, before its add
+    post_ffw_norm: torch.Tensor | None = None
 
 
 class Decoder:
@@ -59,7 +61,10 @@ class Decoder:
         head_quant = self.settings.matrix_quant([weights.file_type(weights.output_name)])
         self.output = self._linear(weights.output, "int8" if head_quant == "int4" else head_quant)
         self.rope = Rope(config.rope, config.head_dim)
-        self._blocks = {ATTENTION: self._attention_block}  # one entry per layer kind the config may list
+        self.rope_local = Rope(config.rope_local, config.head_dim) if config.rope_local else self.rope
+        self.embedding_scale = torch.tensor(config.n_embd ** 0.5).to(self.dtype) if config.family.scaled_embedding \
+            else None
+        self._blocks = {ATTENTION: self._attention_block, SLIDING: self._attention_block}  # by layer kind
 
     def describe(self) -> str:
         """The chosen settings and how many matrices each kernel got, for logs and `kvlm inspect`."""
@@ -89,6 +94,8 @@ class Decoder:
             ffn_norm=weights.layer(i, "ffn_norm").to(self.dtype),
             gate_up=self._stacked(weights, i, ("ffn_gate", "ffn_up")),
             down=self._stacked(weights, i, ("ffn_down",)),
+            **({name: weights.layer(i, name).to(self.dtype) for name in ("post_attention_norm", "post_ffw_norm")}
+               if self.config.family.sandwich_norms else {}),
         )
 
     def _qk_norm(self, weights: ModelWeights, i: int) -> torch.Tensor:
@@ -111,18 +118,30 @@ class Decoder:
                output_rows: torch.Tensor | None) -> torch.Tensor:
         """`forward` without its inference mode, for graphs to trace; `kv` is anything with KVView's `attend`."""
         x = self.token_embd[tokens]
-        cos, sin = self.rope.cos_sin(positions, self.dtype)
+        if self.embedding_scale is not None:
+            x = x * self.embedding_scale
+        kinds = set(self.config.layer_kinds)
+        rotations = {kind: self.layer_rope(kind).cos_sin(positions, self.dtype) for kind in kinds}
         for index, (kind, layer) in enumerate(zip(self.config.layer_kinds, self.layers)):
-            x = self._blocks[kind](index, layer, x, cos, sin, kv)
+            x = self._blocks[kind](index, layer, x, *rotations[kind], kv)
         if output_rows is not None:
             x = x[output_rows]
-        return self.output(rms_norm(x, self.output_norm, self.config.rms_norm_eps)).float()
+        logits = self.output(rms_norm(x, self.output_norm, self.config.rms_norm_eps)).float()
+        cap = self.config.final_logit_softcap
+        return cap * torch.tanh(logits / cap) if cap else logits
+
+    def layer_rope(self, kind: str) -> Rope:
+        """The RoPE of a layer kind: sliding layers may have their own base (Gemma 3's local layers)."""
+        return self.rope_local if kind == SLIDING else self.rope
 
     def _attention_block(self, index: int, layer: LayerWeights, x, cos, sin, kv: KVView) -> torch.Tensor:
-        """Pre-norm attention then pre-norm SwiGLU, each added to the residual stream."""
+        """Pre-norm attention then a pre-norm gated MLP, each added to the residual stream (each output normed
+        once more first, for sandwich-norm families)."""
         eps = self.config.rms_norm_eps
-        x = x + self._attention(index, layer, rms_norm(x, layer.attn_norm, eps), cos, sin, kv)
-        return x + swiglu(rms_norm(x, layer.ffn_norm, eps), layer.gate_up, layer.down)
+        h = self._attention(index, layer, rms_norm(x, layer.attn_norm, eps), cos, sin, kv)
+        x = x + (h if layer.post_attention_norm is None else rms_norm(h, layer.post_attention_norm, eps))
+        h = gated_mlp(rms_norm(x, layer.ffn_norm, eps), layer.gate_up, layer.down, self.config.family.activation)
+        return x + (h if layer.post_ffw_norm is None else rms_norm(h, layer.post_ffw_norm, eps))
 
     def _attention(self, index: int, layer: LayerWeights, h, cos, sin, kv: KVView) -> torch.Tensor:
         c = self.config
@@ -137,6 +156,8 @@ class Decoder:
         if layer.qk_norm is not None:
             qk = F.rms_norm(qk, (c.head_dim,), eps=c.rms_norm_eps) * layer.qk_norm
         q, k = apply_rope(qk, cos, sin).split((c.n_head, c.n_head_kv), dim=1)
+        if c.query_scale != 1.0:
+            q = q * c.query_scale
         v = v.view(n_tokens, c.n_head_kv, c.head_dim)
         return layer.attn_output(kv.attend(index, q, k, v, self.batch_invariant))
 

@@ -11,7 +11,8 @@ prompt chunk).
 Compiling costs about a minute per decode bucket on two cores the first time (inductor keeps its results in
 $KVLM_HOME/inductor, after which a start takes seconds), so graphs are opt-in (`load_model(compile=True)`,
 `--compile`); batches of other shapes (several sequences' prompt chunks at once, shared cells, a q8_0 cache,
-chunks of fewer than PREFILL_MIN_TOKENS tokens) take the eager path, which computes the same function.
+chunks of fewer than PREFILL_MIN_TOKENS tokens, models with sliding-window layers) take the eager path, which
+computes the same function.
 """
 from __future__ import annotations
 
@@ -105,7 +106,7 @@ class StepGraphs:
             output_rows: torch.Tensor) -> torch.Tensor | None:
         """Logits of `output_rows` with the step's K/V written through `view`; None (nothing done) when the
         micro-batch is not one of the graphs' shapes."""
-        if not view.store.dense:
+        if not isinstance(view, KVView) or not view.store.dense:  # a view per layer kind: sliding windows
             return None
         cache = (view.store.k.data, view.store.v.data)
         decode = decode_inputs(tokens, positions, view)

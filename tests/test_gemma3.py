@@ -1,0 +1,194 @@
+"""Gemma 3 against transformers on random-weight models it builds: a window of 8 positions, crossed many times.
+
+The model has MQA (4 query heads, 1 KV head), QK-norm, sandwich norms, GeGLU, scaled embeddings, a query scale
+from query_pre_attn_scalar, linear RoPE scaling on its full layer and another base on its sliding ones (layer 5
+of 7 is full), read from a transformers 5 folder (norms stored as w - 1) and from a GGUF written as llama.cpp's
+converter writes it (norms + 1, the window in gemma3.attention.sliding_window, no query scale: llama.cpp's rule).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+from conftest import (
+    decode_ok, full_sequence_logits, hf_model_of, max_diff, one_batch, prefill_then_decode_logits, reference_logits,
+)
+from family_factory import rope_scaling_metadata
+from gguf_factory import BOS_ID, EOS_ID, gguf_metadata, save_hf_folder, write_gguf
+from kvlm import Batch, Context, load_model
+from kvlm.families import SLIDING, gemma3
+from kvlm.loader.config import ModelConfig
+from kvlm.loader.hf_folder import gguf_name
+from test_random_models import token_ids
+
+TOLERANCE = 1e-4
+WINDOW = 8
+FULL_ROPE = {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}
+LOCAL_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def random_gemma3(query_pre_attn_scalar: int = 32) -> Gemma3ForCausalLM:
+    config = Gemma3TextConfig(
+        vocab_size=1000, hidden_size=128, intermediate_size=192, num_hidden_layers=7, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=32, sliding_window=WINDOW, query_pre_attn_scalar=query_pre_attn_scalar,
+        rope_parameters={"full_attention": FULL_ROPE, "sliding_attention": LOCAL_ROPE},
+        max_position_embeddings=256, initializer_range=0.15, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+    )
+    torch.manual_seed(7)
+    model = Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(-0.5, 0.5)  # multiplied as 1 + w
+    return model
+
+
+def gguf_of(model: Gemma3ForCausalLM, path):
+    """The model as llama.cpp's Gemma3Model converter writes it: norms + 1, the window, the full layers' RoPE."""
+    config = model.config
+    metadata = gguf_metadata(_with_rope_theta(config), "gemma3")
+    metadata["gemma3.attention.sliding_window"] = config.sliding_window
+    metadata.update(rope_scaling_metadata(FULL_ROPE, "gemma3"))
+    tensors = {}
+    for name, value in model.state_dict().items():
+        if name == "lm_head.weight":  # tied
+            continue
+        array = value.float().numpy().copy()
+        tensors[gguf_name(name, gemma3.FAMILY)] = array + 1 if name.endswith("norm.weight") else array
+    return write_gguf(path / "model.gguf", metadata, tensors, arch="gemma3")
+
+
+def _with_rope_theta(config):
+    """gguf_metadata reads one rope_theta: the full layers' (llama.cpp's gemma3.rope.freq_base)."""
+    copy = Gemma3TextConfig.from_dict(config.to_dict())
+    copy.rope_parameters = dict(FULL_ROPE)
+    return copy
+
+
+@pytest.fixture(scope="module", params=["hf", "hf-old", "gguf"])
+def source(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def reference(source) -> Gemma3ForCausalLM:
+    """A folder keeps any query_pre_attn_scalar (24 here); a GGUF has none, and llama.cpp's rule gives head_dim."""
+    return random_gemma3(32 if source == "gguf" else 24)
+
+
+@pytest.fixture(scope="module")
+def ours(source, reference, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"gemma3-{source}")
+    if source == "gguf":
+        return load_model(str(gguf_of(reference, folder)), "float32")
+    save_hf_folder(reference, folder)
+    if source == "hf-old":
+        old_spelling(folder / "config.json")
+    return load_model(str(folder), "float32")
+
+
+def old_spelling(path) -> None:
+    """config.json as transformers 4.x wrote Gemma 3's: rope_theta and rope_scaling for the full layers,
+    rope_local_base_freq for the sliding ones."""
+    config = json.loads(path.read_text())
+    del config["rope_parameters"]
+    config.update(rope_theta=FULL_ROPE["rope_theta"], rope_local_base_freq=LOCAL_ROPE["rope_theta"],
+                  rope_scaling={"rope_type": "linear", "factor": FULL_ROPE["factor"]})
+    path.write_text(json.dumps(config))
+
+
+def test_config_reads_the_window_and_layer_kinds(ours):
+    config = ours.config
+    assert config.sliding_window == WINDOW
+    assert config.layer_kinds == (SLIDING,) * 5 + ("attention", SLIDING)
+    assert config.rope.kind == "linear" and config.rope_local.theta == LOCAL_ROPE["rope_theta"]
+
+
+def test_logits_of_a_prompt_far_longer_than_the_window(ours, reference):
+    ids = token_ids(1000, 60, seed=1)
+    assert max_diff(full_sequence_logits(ours, ids), reference_logits(reference, ids)) <= TOLERANCE
+
+
+def test_prefill_then_decode_across_the_window(ours, reference):
+    ids = token_ids(1000, 40, seed=2)
+    expected = reference_logits(reference, ids)[11:]
+    assert max_diff(prefill_then_decode_logits(ours, ids, 12), expected) <= TOLERANCE
+
+
+def test_several_sequences_in_one_batch_and_micro_batches_that_straddle_the_window(ours, reference):
+    prompts = [token_ids(1000, n, seed=n) for n in (30, 5, 17)]
+    ctx = Context(ours, n_ctx=128, n_ubatch=7, n_seq_max=3)  # micro-batches of 7 cut across windows of 8
+    decode_ok(ctx, one_batch(prompts))
+    for i, ids in enumerate(prompts):
+        assert max_diff(ctx.get_logits_ith(i), reference_logits(reference, ids)[-1]) <= TOLERANCE
+
+
+def greedy_pair(ours, reference, prompt: list[int], n_tokens: int) -> tuple[list[int], list[int]]:
+    """transformers' greedy continuation of `prompt` and kvlm's, one token per decode, as long as transformers'."""
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=n_tokens, do_sample=False)
+    expected = expected[0, len(prompt):].tolist()
+    ctx = Context(ours, n_ctx=len(prompt) + n_tokens, n_seq_max=1)
+    decode_ok(ctx, Batch.for_sequence(prompt))
+    generated = []
+    for _ in expected:
+        generated.append(int(ctx.get_logits_ith(-1).argmax()))
+        decode_ok(ctx, Batch.for_sequence(generated[-1:]))
+    return generated, expected
+
+
+def test_greedy_continuation_equals_transformers(ours, reference):
+    generated, expected = greedy_pair(ours, reference, token_ids(1000, 10, seed=3), 24)
+    assert generated == expected
+
+
+def test_shifted_positions_rotate_each_kind_with_its_own_base(ours, reference):
+    """seq_add moves cached keys by a delta: full and sliding layers re-rotate with their own RoPE."""
+    ids = token_ids(1000, 20, seed=4)
+    ctx = Context(ours, n_ctx=64, n_seq_max=1)
+    decode_ok(ctx, Batch.for_sequence(ids[:12], start_pos=0))
+    ctx.memory.seq_add(0, 0, 12, 5)  # the 12 cached tokens now sit at positions 5..16
+    decode_ok(ctx, Batch.for_sequence(ids[12:], start_pos=17))
+    expected = _logits_at_positions(reference, ids, list(range(5, 17)) + list(range(17, 25)))
+    assert max_diff(ctx.get_logits_ith(-1), expected[-1]) <= TOLERANCE
+
+
+def _logits_at_positions(model, ids, positions):
+    with torch.no_grad():
+        return model(torch.tensor([ids]), position_ids=torch.tensor([positions])).logits[0].float()
+
+
+def test_sliding_layers_without_a_window_are_refused():
+    with pytest.raises(ValueError, match="sliding_window must be a positive integer"):
+        ModelConfig(architecture="gemma3", name="x", n_layer=2, n_embd=8, n_ff=8, n_head=1, n_head_kv=1, head_dim=8,
+                    vocab_size=10, n_ctx_train=16, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                    layer_kinds=(SLIDING, "attention"))
+
+
+# --- the real Gemma 3 270M (Q4_K_M, window 512), against transformers' reading of the same file ---
+
+@pytest.fixture(scope="module")
+def real_gemma(gemma_gguf_path):
+    return load_model(str(gemma_gguf_path), "float32")
+
+
+@pytest.fixture(scope="module")
+def hf_gemma(gemma_gguf_path):
+    return hf_model_of(gemma_gguf_path)
+
+
+def test_real_gemma_logits_over_a_prompt_longer_than_its_window(real_gemma, hf_gemma):
+    ids = real_gemma.tokenizer.encode("The river valley was settled long before the first mills were built. " * 80)
+    assert len(ids) > 2 * real_gemma.config.sliding_window
+    assert max_diff(full_sequence_logits(real_gemma, ids), reference_logits(hf_gemma, ids)) <= TOLERANCE
+
+
+def test_real_gemma_greedy_continuation_equals_transformers(real_gemma, hf_gemma):
+    prompt = real_gemma.tokenizer.encode("The three largest cities of Japan are")
+    generated, expected = greedy_pair(real_gemma, hf_gemma, prompt, 20)
+    assert generated == expected and len(expected) > 5
