@@ -18,7 +18,7 @@ from conftest import (
 )
 from family_factory import rope_scaling_metadata
 from gguf_factory import BOS_ID, EOS_ID, gguf_metadata, save_hf_folder, write_gguf
-from kvlm import Batch, Context, load_model
+from kvlm import LLM, Batch, Context, SamplingParams, load_model
 from kvlm.families import SLIDING, gemma3
 from kvlm.loader.config import ModelConfig
 from kvlm.loader.hf_folder import gguf_name
@@ -192,3 +192,20 @@ def test_real_gemma_greedy_continuation_equals_transformers(real_gemma, hf_gemma
     prompt = real_gemma.tokenizer.encode("The three largest cities of Japan are")
     generated, expected = greedy_pair(real_gemma, hf_gemma, prompt, 20)
     assert generated == expected and len(expected) > 5
+
+
+def test_engine_prefix_reuse_gives_the_outputs_of_a_run_without_it(ours, reference):
+    """Requests sharing a 40-token prefix (five windows) through LLM.generate: the later ones borrow its cells,
+    and every output equals its own run with prefix caching off, and transformers' greedy continuation."""
+    prefix = token_ids(1000, 40, seed=5)
+    prompts = [prefix + token_ids(1000, 3 + i, seed=10 + i) for i in range(4)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    reused = LLM(ours, n_ctx=256, max_num_seqs=2).generate(prompts, params, use_tqdm=False)
+    assert sum(output.n_cached_tokens for output in reused) >= 2 * 32  # later requests borrowed the prefix
+    for prompt, output in zip(prompts, reused):
+        plain = LLM(ours, n_ctx=256, enable_prefix_caching=False).generate([prompt], params, use_tqdm=False)[0]
+        assert output.token_ids == plain.token_ids
+        with torch.no_grad():
+            expected = reference.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
+                                          min_new_tokens=10)[0, len(prompt):].tolist()
+        assert output.token_ids == expected
