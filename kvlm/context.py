@@ -5,15 +5,12 @@ import logging
 from collections.abc import Callable
 from enum import IntEnum
 
-import numpy as np
 import torch
 
 from kvlm.batch import Batch, InvalidBatch, sanitize
-from kvlm.errors import CacheError
 from kvlm.load import Model
 from kvlm.memory.kv_store import KV_DTYPES
-from kvlm.memory.memory import KVMemory
-from kvlm.memory.seq_state import StateError, decode_state, encode_state, model_identity
+from kvlm.memory.protocol import make_memory
 
 log = logging.getLogger("kvlm")
 
@@ -30,8 +27,11 @@ class DecodeStatus(IntEnum):
 class Context:
     def __init__(
         self, model: Model, n_ctx: int = 4096, n_batch: int = 2048, n_ubatch: int = 512, n_seq_max: int = 16,
-        kv_dtype: str = "f32", abort_callback: Callable[[], bool] | None = None,
+        kv_dtype: str = "f32", abort_callback: Callable[[], bool] | None = None, swa_full: bool = False,
+        swa_keep_extra: int = 0,
     ) -> None:
+        """`swa_full` keeps every cell of sliding-window layers (one pool, as llama.cpp's --swa-full) instead of
+        a second, window-sized pool; `swa_keep_extra`: positions a sequence keeps beyond its window there."""
         _check_sizes(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_seq_max)
         if n_ubatch > n_batch:
             raise ValueError(f"n_ubatch ({n_ubatch}) must not exceed n_batch ({n_batch})")
@@ -42,12 +42,15 @@ class Context:
         self.kv_dtype = kv_dtype
         self.abort_callback = abort_callback
         layer_ropes = [model.decoder.layer_rope(kind) for kind in model.config.layer_kinds]
-        self.memory = KVMemory(model.config, n_ctx, n_seq_max, kv_dtype, layer_ropes)
+        self.memory = make_memory(model.config, layer_ropes, n_ctx, n_seq_max, n_ubatch, kv_dtype, swa_full,
+                                  swa_keep_extra)
         self.last_error = ""
         self._logits: torch.Tensor | None = None
-        half = self.memory.kv_bytes / 2 / 2**20
-        log.info("KV cache: %d cells, %d layers, K (%s): %.2f MiB, V (%s): %.2f MiB",
-                 n_ctx, model.config.n_layer, kv_dtype, half, kv_dtype, half)
+        for pool in self.memory.pools:
+            half = pool.kv_bytes / 2 / 2**20
+            which = f" ({pool.name} layers)" if len(self.memory.pools) > 1 else ""
+            log.info("KV cache%s: %d cells, %d layers, K (%s): %.2f MiB, V (%s): %.2f MiB",
+                     which, pool.n_cells, pool.store.n_layer, kv_dtype, half, kv_dtype, half)
 
     def decode(self, batch: Batch) -> DecodeStatus:
         self._logits = None
@@ -60,21 +63,23 @@ class Context:
         ubatches = sanitized.split(self.n_ubatch)
         slots = self.memory.plan(ubatches)
         if slots is None:
-            return self._fail(DecodeStatus.NO_SLOT, f"no room: the batch needs {len(sanitized.tokens)} cells, "
-                              f"{self.memory.n_cells - self.memory.n_used} of {self.memory.n_cells} are free")
-        snapshot = self.memory.cells.copy()
+            free = ", ".join(f"{pool.name} pool {pool.n_free} of {pool.n_cells}" for pool in self.memory.pools)
+            return self._fail(DecodeStatus.NO_SLOT,
+                              f"no room: the batch needs {len(sanitized.tokens)} cells; free: {free}")
+        self.memory.begin()
         outputs = []
         for index, (ubatch, slot) in enumerate(zip(ubatches, slots)):
             where = f"micro-batch {index + 1} of {len(ubatches)}"
             if self.abort_callback is not None and self.abort_callback():
-                return self._roll_back(snapshot, DecodeStatus.ABORTED, f"aborted by abort_callback before {where}")
+                return self._roll_back(DecodeStatus.ABORTED, f"aborted by abort_callback before {where}")
             try:
                 outputs.append(self._compute(ubatch, slot))
             except MemoryError as exc:
-                return self._roll_back(snapshot, DecodeStatus.ALLOC_FAILED, f"out of memory in {where}: {exc}")
+                return self._roll_back(DecodeStatus.ALLOC_FAILED, f"out of memory in {where}: {exc}")
             except Exception as exc:  # noqa: BLE001 - any failure of the forward pass is reported, not raised
-                return self._roll_back(snapshot, DecodeStatus.COMPUTE_FAILED,
+                return self._roll_back(DecodeStatus.COMPUTE_FAILED,
                                        f"compute failed in {where}: {type(exc).__name__}: {exc}")
+        self.memory.commit()
         self._logits = torch.cat(outputs)
         self.last_error = ""
         return DecodeStatus.OK
@@ -89,8 +94,8 @@ class Context:
                 return logits
         return self.model.decoder.forward(tokens, positions, view, output_rows)
 
-    def _roll_back(self, snapshot, status: DecodeStatus, message: str) -> DecodeStatus:
-        self.memory.cells.restore(snapshot)
+    def _roll_back(self, status: DecodeStatus, message: str) -> DecodeStatus:
+        self.memory.roll_back()
         return self._fail(status, message)
 
     def _fail(self, status: DecodeStatus, message: str) -> DecodeStatus:
@@ -107,46 +112,12 @@ class Context:
         return self._logits[i]
 
     # --- sequence state ---
-    def _state_header(self) -> dict:
-        return {"model": model_identity(self.model.config), "kv_dtype": self.kv_dtype,
-                "n_layer": self.model.config.n_layer}
-
     def state_seq_save(self, seq_id: int) -> bytes:
-        self.memory.apply_shifts()
-        cells = self.memory.cells.seq_cells(seq_id)
-        rows = torch.from_numpy(cells)
-        parts = [p for plane in (self.memory.store.k, self.memory.store.v) for p in plane.gather(rows)]
-        header = {**self._state_header(), "n_cells": len(cells)}
-        return encode_state(header, self.memory.cells.pos[cells], parts)
+        return self.memory.state_seq_save(seq_id)
 
     def state_seq_load(self, data: bytes, dest_seq_id: int) -> None:
         """Restore a saved sequence into `dest_seq_id`, which must be empty; on any error nothing changes."""
-        positions, parts = decode_state(data, self._state_header())
-        if self.memory.seq_pos_max(dest_seq_id) != -1:
-            raise StateError(f"destination sequence {dest_seq_id} is not empty "
-                             f"(positions {self.memory.seq_pos_min(dest_seq_id)}..{self.memory.seq_pos_max(dest_seq_id)})")
-        if len(positions) == 0:
-            return
-        slot = self.memory.cells.find_slot(len(positions))
-        if slot is None:
-            raise CacheError(f"no room to load the state: it needs {len(positions)} cells, "
-                             f"{self.memory.n_cells - self.memory.n_used} are free")
-        k_parts, v_parts = self._checked_parts(parts, len(positions))
-        rows = torch.from_numpy(slot)
-        self.memory.store.k.scatter(rows, k_parts)
-        self.memory.store.v.scatter(rows, v_parts)
-        seq_mask = np.zeros((len(positions), self.n_seq_max), dtype=bool)
-        seq_mask[:, dest_seq_id] = True
-        self.memory.cells.apply(slot, positions, seq_mask)
-
-    def _checked_parts(self, parts: list[torch.Tensor], n_cells: int):
-        """Split saved parts into K and V after checking they fit this store's layout exactly."""
-        store = self.memory.store
-        expected = [p for plane in (store.k, store.v) for p in plane.gather(torch.zeros(n_cells, dtype=torch.long))]
-        layout = lambda ps: [(p.dtype, tuple(p.shape)) for p in ps]  # noqa: E731
-        if layout(parts) != layout(expected):
-            raise StateError(f"state tensors {layout(parts)} do not fit this context's layout {layout(expected)}")
-        return parts[: len(parts) // 2], parts[len(parts) // 2 :]
+        self.memory.state_seq_load(data, dest_seq_id)
 
 
 def _check_sizes(**sizes: int) -> None:

@@ -25,13 +25,15 @@ class EngineError(KvlmError):
 
 class Engine:
     def __init__(self, model: Model, n_ctx: int = 4096, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
-                 kv_dtype: str = AUTO, enable_prefix_caching: bool = True, block_size: int = 16) -> None:
+                 kv_dtype: str = AUTO, enable_prefix_caching: bool = True, block_size: int = 16,
+                 swa_full: bool = False) -> None:
         self.model = model
         kv_dtype = resolve_kv_dtype(kv_dtype, model.decoder.dtype)
         self.context = Context(model, n_ctx=n_ctx, n_batch=max_num_batched_tokens,
-                               n_ubatch=max_num_batched_tokens, n_seq_max=max_num_seqs + 1, kv_dtype=kv_dtype)
+                               n_ubatch=max_num_batched_tokens, n_seq_max=max_num_seqs + 1, kv_dtype=kv_dtype,
+                               swa_full=swa_full, swa_keep_extra=block_size - 1 if enable_prefix_caching else 0)
         memory = self.context.memory
-        self.prefix_cache = PrefixCache(memory.cells, PREFIX_CACHE_SEQ, block_size) if enable_prefix_caching else None
+        self.prefix_cache = PrefixCache(memory, PREFIX_CACHE_SEQ, block_size) if enable_prefix_caching else None
         self.scheduler = Scheduler(memory, self.prefix_cache, max_num_seqs, max_num_batched_tokens,
                                    first_seq_id=PREFIX_CACHE_SEQ + 1)
         self.requests: dict[str, Request] = {}

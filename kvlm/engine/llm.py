@@ -33,14 +33,16 @@ class LLM:
     def __init__(self, model: str | Model = DEFAULT_MODEL, dtype: str = AUTO, *, quant: str | None = AUTO,
                  batch_invariant: bool = False, n_ctx: int = 4096, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 512, kv_dtype: str = AUTO, enable_prefix_caching: bool = True,
-                 compile: bool = False) -> None:
+                 compile: bool = False, swa_full: bool = False) -> None:
+        """`swa_full`: for models with sliding-window layers, keep every cell of those layers (more memory; a
+        cached prefix is then always reusable) instead of only each sequence's window."""
         if not isinstance(model, Model):
             model = load_model(model, dtype, quant=quant, batch_invariant=batch_invariant, compile=compile)
         self.model = model
         self.tokenizer = self.model.tokenizer
         self.engine = Engine(self.model, n_ctx=n_ctx, max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens, kv_dtype=kv_dtype,
-                             enable_prefix_caching=enable_prefix_caching)
+                             enable_prefix_caching=enable_prefix_caching, swa_full=swa_full)
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

@@ -4,68 +4,100 @@ A block is identified by a hash of every token from position 0 to its end, so a 
 prefix. The cache owns nothing but a sequence id: inserting a block adds the owner to the cells that
 hold it, lending it adds the request's sequence to the same cells, and evicting it removes the owner
 (cells still used by a running request stay; the others are freed). No K/V is ever copied.
+
+A memory with a sliding-window pool (iSWA) holds only each sequence's recent positions there, so a block may
+have fewer cells in that pool than tokens. A prefix is lent only up to where the window before its end is
+whole in every pool; beyond that its tokens are computed again.
 """
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections import OrderedDict
+from collections.abc import Callable
 
 import numpy as np
 
-from kvlm.memory.cells import Cells
+log = logging.getLogger("kvlm")
+
+Block = list[np.ndarray]  # per pool of the memory, the cells holding the block's positions there
 
 
 class PrefixCache:
-    def __init__(self, cells: Cells, owner_seq: int, block_size: int = 16) -> None:
+    def __init__(self, memory, owner_seq: int, block_size: int = 16) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        self.cells = cells
+        self.pools = memory.pools
         self.owner_seq = owner_seq
         self.block_size = block_size
-        self._blocks: OrderedDict[bytes, np.ndarray] = OrderedDict()  # least recently used first
+        memory.retain(owner_seq)
+        self._blocks: OrderedDict[bytes, Block] = OrderedDict()  # least recently used first
         self.hit_tokens = 0
 
-    def match(self, tokens: list[int]) -> np.ndarray:
-        """Cells of the longest cached prefix of `tokens`, leaving at least the last token to compute.
+    def match(self, tokens: list[int]) -> list[Block]:
+        """The blocks of the longest cached prefix of `tokens` that can be lent, leaving at least the last token
+        to compute.
 
         The last token must run through the model to give the logits of the next one, so a prompt that
         is cached in full still gets its final block computed (minus what the cap allows).
         """
         found = []
         for key in self._keys(tokens[: max(len(tokens) - 1, 0)]):
-            cells = self._blocks.get(key)
-            if cells is None:
+            blocks = self._blocks.get(key)
+            if blocks is None:
                 break
-            found.append((key, cells))
+            found.append((key, blocks))
         for key, _ in reversed(found):  # parents end up more recent than children: evicted last
             self._blocks.move_to_end(key)
-        return np.concatenate([cells for _, cells in found]) if found else np.empty(0, dtype=np.int64)
+        usable = len(found)
+        while usable and not self._windows_whole([blocks for _, blocks in found[:usable]]):
+            usable -= 1
+        if usable < len(found):
+            log.info("prefix cache: %d cached tokens match, %d can be lent (sliding-window cells before the rest "
+                     "were freed); the others are computed again", len(found) * self.block_size,
+                     usable * self.block_size)
+        return [blocks for _, blocks in found[:usable]]
 
-    def lend(self, cells: np.ndarray, seq_id: int) -> None:
-        if cells.size:
-            self.cells.share(cells, seq_id)
-            self.hit_tokens += int(cells.size)
+    def lend(self, blocks: list[Block], seq_id: int) -> int:
+        """Let seq_id use the cells of these blocks; returns how many tokens they hold."""
+        for block in blocks:
+            for pool, cells in zip(self.pools, block):
+                pool.cells.share(cells, seq_id)
+        n_tokens = len(blocks) * self.block_size
+        self.hit_tokens += n_tokens
+        return n_tokens
 
-    def insert(self, tokens: list[int], seq_cells: np.ndarray) -> None:
-        """Remember the full blocks of a computed sequence: `seq_cells[i]` holds `tokens[i]` at position i."""
+    def insert(self, tokens: list[int], seq_id: int) -> None:
+        """Remember the full blocks of a computed sequence, whose position i holds `tokens[i]`."""
         for index, key in enumerate(self._keys(tokens)):
             if key in self._blocks:
                 self._blocks.move_to_end(key)
                 continue
-            cells = seq_cells[index * self.block_size : (index + 1) * self.block_size]
-            self.cells.share(cells, self.owner_seq)
-            self._blocks[key] = cells
+            start = index * self.block_size
+            block = [pool.cells.seq_cells_in(seq_id, start, start + self.block_size) for pool in self.pools]
+            for pool, cells in zip(self.pools, block):
+                pool.cells.share(cells, self.owner_seq)
+            self._blocks[key] = block
 
-    def evict(self, n_cells: int) -> int:
-        """Drop least recently used blocks until n_cells cells were freed or nothing is left."""
-        freed = 0
-        while freed < n_cells and self._blocks:
-            _, cells = self._blocks.popitem(last=False)
-            freed += self.cells.unshare(cells, self.owner_seq)
-        return freed
+    def evict_until(self, enough: Callable[[], bool]) -> None:
+        """Drop least recently used blocks until `enough()` or nothing is left."""
+        while not enough() and self._blocks:
+            _, block = self._blocks.popitem(last=False)
+            for pool, cells in zip(self.pools, block):
+                pool.cells.unshare(cells, self.owner_seq)
 
     def clear(self) -> None:
-        self.evict(self.cells.n_cells)
+        self.evict_until(lambda: False)
+
+    def _windows_whole(self, blocks: list[Block]) -> bool:
+        """Whether every pool holds each position the token after these blocks sees (its window, or all)."""
+        end = len(blocks) * self.block_size
+        for index, pool in enumerate(self.pools):
+            first = max(0, end - pool.window + 1) if pool.window else 0
+            held = np.concatenate([block[index] for block in blocks])
+            if np.count_nonzero(pool.cells.pos[held] >= first) < end - first:
+                return False
+        return True
 
     def _keys(self, tokens: list[int]):
         """One key per full block: a running hash over every token up to the block's end."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from kvlm.engine.prefix_cache import PrefixCache
 from kvlm.engine.request import Request, RequestState
-from kvlm.memory.memory import KVMemory
+from kvlm.memory.protocol import Memory
 
 
 @dataclass
@@ -29,7 +29,7 @@ class Scheduled:
 
 
 class Scheduler:
-    def __init__(self, memory: KVMemory, prefix_cache: PrefixCache | None, max_num_seqs: int,
+    def __init__(self, memory: Memory, prefix_cache: PrefixCache | None, max_num_seqs: int,
                  max_num_batched_tokens: int, first_seq_id: int) -> None:
         self.memory = memory
         self.prefix_cache = prefix_cache
@@ -52,7 +52,7 @@ class Scheduler:
         while True:
             plan = self._plan()
             needed = sum(s.n_tokens for s in plan)
-            if needed <= self._free_cells(needed) or not self.running:
+            if self._has_room(needed) or not self.running:
                 return plan
             self.preempt(self.running[-1])
 
@@ -76,14 +76,13 @@ class Scheduler:
 
     def cache_computed_prefix(self, request: Request) -> None:
         if self.prefix_cache is not None:
-            cells = self.memory.cells.seq_cells(request.seq_id)
-            self.prefix_cache.insert(request.token_ids[: request.n_computed], cells)
+            self.prefix_cache.insert(request.token_ids[: request.n_computed], request.seq_id)
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             # Room for the whole remaining prompt and one token more, so admission rarely ends in preemption.
-            if request.n_pending + 1 > self._free_cells(request.n_pending + 1) and self.running:
+            if not self._has_room(request.n_pending + 1) and self.running:
                 return
             self.waiting.popleft()
             request.seq_id = self.free_seq_ids.pop()
@@ -94,10 +93,8 @@ class Scheduler:
     def _reuse_cached_prefix(self, request: Request) -> None:
         if self.prefix_cache is None:
             return
-        cells = self.prefix_cache.match(request.token_ids)
-        self.prefix_cache.lend(cells, request.seq_id)
-        request.n_computed = int(cells.size)
-        request.n_cached_tokens = int(cells.size)
+        n_cached = self.prefix_cache.lend(self.prefix_cache.match(request.token_ids), request.seq_id)
+        request.n_computed = request.n_cached_tokens = n_cached
 
     def _plan(self) -> list[Scheduled]:
         budget = self.max_num_batched_tokens
@@ -112,12 +109,11 @@ class Scheduler:
             budget -= n_tokens
         return plan
 
-    def _free_cells(self, wanted: int) -> int:
-        """Free cells, after evicting cached prefixes if fewer than `wanted` are free."""
-        free = self.memory.n_cells - self.memory.n_used
-        if free < wanted and self.prefix_cache is not None:
-            free += self.prefix_cache.evict(wanted - free)
-        return free
+    def _has_room(self, n_tokens: int) -> bool:
+        """Whether n_tokens more tokens fit in the memory, after evicting cached prefixes if they do not."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.evict_until(lambda: self.memory.cells_short(n_tokens) == 0)
+        return self.memory.cells_short(n_tokens) == 0
 
     def _release(self, request: Request, keep_in_cache: bool) -> None:
         if keep_in_cache:

@@ -157,6 +157,33 @@ class Cells:
         self.shift[hit] += new - self.pos[hit]
         self.pos[hit] = new
 
+    def stale(self, window: int, retained: np.ndarray) -> np.ndarray:
+        """bool [n_cells, n_seq_max]: cell i holds sequence s at a position that s's next token (at its last
+        position + 1) no longer sees through a sliding `window`; never for the `retained` sequences."""
+        held = self.seqs & ~retained[None, :]
+        pos_max = np.where(held, self.pos[:, None], -1).max(axis=0, initial=-1)
+        return held & (self.pos[:, None] <= pos_max[None, :] + 1 - window)
+
+    def n_freed_by(self, stale: np.ndarray) -> int:
+        """How many cells pruning `stale` would empty."""
+        return int(np.count_nonzero((self.pos >= 0) & ~(self.seqs & ~stale).any(axis=1)))
+
+    def prune(self, stale: np.ndarray) -> int:
+        """Remove the stale (cell, sequence) pairs; cells left with no sequence are freed. Returns how many."""
+        used = self.pos >= 0
+        self.seqs &= ~stale
+        freed = np.flatnonzero(used & ~self.seqs.any(axis=1))
+        self._free(freed)
+        return int(freed.size)
+
+    def seq_positions(self, seq_id: int) -> np.ndarray:
+        return self.pos[self.seqs[:, self._seq(seq_id)]]
+
+    def seq_cells_in(self, seq_id: int, p0: int, p1: int) -> np.ndarray:
+        """The cells of a sequence at positions p0 <= pos < p1, sorted by position."""
+        cells = self.seq_cells(seq_id)
+        return cells[(self.pos[cells] >= p0) & (self.pos[cells] < p1)]
+
     def take_shifts(self) -> tuple[np.ndarray, np.ndarray]:
         """(cells whose K must be re-rotated, by how many positions); the shifts are reset to 0."""
         cells = np.flatnonzero(self.shift)

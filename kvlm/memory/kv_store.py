@@ -93,12 +93,13 @@ def _plane(shape: tuple[int, ...], dtype: str) -> DensePlane | Q8Plane:
 class KVStore:
     """K and V kept apart, one row per cell; a row is written before anything may read it."""
 
-    def __init__(self, config: ModelConfig, n_cells: int, dtype: str = "f32") -> None:
+    def __init__(self, config: ModelConfig, n_cells: int, dtype: str = "f32", n_layer: int | None = None) -> None:
+        """`n_layer`: how many layers this store holds, when not all of the model's (one pool of several)."""
         if dtype not in BYTES_PER_ELEMENT:
             raise CacheError(f"KV dtype {dtype!r} is not supported (supported: {', '.join(KV_DTYPES)})")
         if n_cells <= 0:
             raise CacheError(f"KV cache size must be positive, got {n_cells} cells")
-        self.shape = (config.n_layer, n_cells, config.n_head_kv, config.head_dim)
+        self.shape = (config.n_layer if n_layer is None else n_layer, n_cells, config.n_head_kv, config.head_dim)
         self.k = _plane(self.shape, dtype)
         self.v = _plane(self.shape, dtype)
 

@@ -1,4 +1,6 @@
-"""Many sequences in one pool of cells: the bookkeeping (Cells) and the tensors (KVStore) together."""
+"""Many sequences in one pool of cells: the bookkeeping (Cells) and the tensors (KVStore) together.
+
+The unified KV cache is one such pool over every layer; the iSWA kind (iswa.py) keeps two."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,7 +9,7 @@ import torch
 from kvlm.loader.config import ModelConfig
 from kvlm.memory.cells import Cells
 from kvlm.memory.kv_store import KVStore
-from kvlm.families import ATTENTION, SLIDING
+from kvlm.memory.seq_state import load_sequence, save_sequence
 from kvlm.memory.view import AttentionGroup, KVView, LayerViews
 from kvlm.model.ops import apply_rope
 from kvlm.model.rope import Rope
@@ -77,16 +79,38 @@ class KVMemory:
 
     Sequence operations change only the bookkeeping; a position change (seq_add, seq_div) leaves a
     pending shift that `apply_shifts` turns into a rotation of the cached K before the next compute.
+    The same class is a pool of the iSWA kind: it then holds a subset of the layers and, with `kept_window`,
+    frees the cells that fall out of every sequence's sliding window as decoding goes on.
     """
 
-    def __init__(self, config: ModelConfig, n_cells: int, n_seq_max: int, kv_dtype: str, layer_ropes: list[Rope]):
-        """`layer_ropes`: each layer's RoPE, which the K-shift re-applies."""
+    kind = "unified"
+
+    def __init__(self, config: ModelConfig, n_cells: int, n_seq_max: int, kv_dtype: str, layer_ropes: list[Rope],
+                 layer_windows: list[int] | None = None, kept_window: int = 0, name: str = "kv") -> None:
+        """`layer_ropes`: the RoPE of each layer stored here, which the K-shift re-applies; `layer_windows`: each
+        one's sliding window (0: full attention); `kept_window`: 0 keeps every cell, else a sequence keeps only
+        the cells at positions p with next - p < kept_window, `next` being its last position + 1."""
         self.cells = Cells(n_cells, n_seq_max)
-        self.store = KVStore(config, n_cells, kv_dtype)
+        self.store = KVStore(config, n_cells, kv_dtype, n_layer=len(layer_ropes))
         self.layer_ropes = layer_ropes
+        self.layer_windows = layer_windows or [0] * len(layer_ropes)
+        self.kept_window = kept_window
+        self.name = name
         self.config = config
+        self.kv_dtype = kv_dtype
+        self.retained = np.zeros(n_seq_max, dtype=bool)
+        self._undo: tuple[Cells, list] | None = None
 
     # --- the llama.cpp memory API ---
+    @property
+    def pools(self) -> tuple[KVMemory, ...]:
+        return (self,)
+
+    @property
+    def window(self) -> int:
+        """The sliding window of every layer here; 0 if some layer attends over everything."""
+        return min(self.layer_windows) if all(self.layer_windows) else 0
+
     @property
     def n_cells(self) -> int:
         return self.cells.n_cells
@@ -96,8 +120,22 @@ class KVMemory:
         return self.cells.n_used
 
     @property
+    def n_free(self) -> int:
+        """Free cells, counting those the next micro-batch frees from sliding windows."""
+        free = self.n_cells - self.n_used
+        return free + self.cells.n_freed_by(self._stale()) if self.kept_window else free
+
+    @property
     def kv_bytes(self) -> int:
         return self.store.kv_bytes
+
+    def cells_short(self, n_tokens: int) -> int:
+        """How many cells are missing for n_tokens more tokens (0: they fit)."""
+        return max(0, n_tokens - self.n_free)
+
+    def retain(self, seq_id: int) -> None:
+        """seq_id holds cells for others (the engine's prefix cache): they are never pruned from its window."""
+        self.retained[self.cells._seq(seq_id)] = True
 
     def seq_rm(self, seq_id: int, p0: int, p1: int) -> bool:
         return self.cells.seq_rm(seq_id, p0, p1)
@@ -130,7 +168,15 @@ class KVMemory:
             self.store.copy_rows(torch.tensor([src]), torch.tensor([dst]))
             self.cells.move(src, dst)
 
-    # --- what Context.decode needs ---
+    def state_seq_save(self, seq_id: int) -> bytes:
+        self.apply_shifts()
+        return save_sequence(self.pools, seq_id)
+
+    def state_seq_load(self, data: bytes, dest_seq_id: int) -> None:
+        """Restore a saved sequence into `dest_seq_id`, which must be empty; on any error nothing changes."""
+        load_sequence(self.pools, data, dest_seq_id)
+
+    # --- what Context.decode needs: plan, begin, place each micro-batch, then commit or roll back ---
     def apply_shifts(self) -> None:
         """Rotate cached K by the pending position deltas: RoPE(p + d) = R(d) RoPE(p)."""
         if not self.cells.has_shift:
@@ -147,6 +193,7 @@ class KVMemory:
         trial = self.cells.copy()
         slots = []
         for ubatch in ubatches:
+            self._prune(trial)
             slot = trial.find_slot(len(ubatch.tokens))
             if slot is None:
                 return None
@@ -154,16 +201,50 @@ class KVMemory:
             slots.append(slot)
         return slots
 
+    def begin(self) -> None:
+        """Start a batch: what `roll_back` returns to."""
+        self._undo = (self.cells.copy(), [])
+
     def place(self, ubatch, slot: np.ndarray) -> KVView | LayerViews:
         """Claim the planned cells for a micro-batch and describe what its forward pass may touch: one view, or
-        one per layer kind when sliding-window layers see fewer cells than full ones."""
+        one per layer when sliding-window layers see fewer cells than full ones."""
+        self._prune(self.cells)
+        self._keep_rows_for_undo(slot)
         self.cells.apply(slot, ubatch.pos, ubatch.seq_mask)
         rows = torch.from_numpy(slot)
-        if SLIDING not in self.config.layer_kinds:
-            return self._view(ubatch, rows, window=0)
-        views = {ATTENTION: self._view(ubatch, rows, window=0),
-                 SLIDING: self._view(ubatch, rows, window=self.config.sliding_window)}
-        return LayerViews(views, self.config.layer_kinds)
+        windows = sorted(set(self.layer_windows))
+        if len(windows) == 1:
+            return self._view(ubatch, rows, windows[0])
+        views = {window: self._view(ubatch, rows, window) for window in windows}
+        return LayerViews([(views[window], layer) for layer, window in enumerate(self.layer_windows)])
+
+    def commit(self) -> None:
+        self._undo = None
+
+    def roll_back(self) -> None:
+        """Back to `begin`: the cells as they were (restored in place: the prefix cache holds this object) and
+        the K/V rows of cells this batch took over from sliding windows."""
+        snapshot, kept_rows = self._undo
+        self.cells.restore(snapshot)
+        for rows, parts in reversed(kept_rows):
+            for plane, plane_parts in zip((self.store.k, self.store.v), parts):
+                plane.scatter(rows, plane_parts)
+        self._undo = None
+
+    def _stale(self, cells: Cells | None = None) -> np.ndarray:
+        return (self.cells if cells is None else cells).stale(self.kept_window, self.retained)
+
+    def _prune(self, cells: Cells) -> None:
+        if self.kept_window:
+            cells.prune(self._stale(cells))
+
+    def _keep_rows_for_undo(self, slot: np.ndarray) -> None:
+        """A cell pruned during this batch still held live rows before it: keep them in case of a roll back."""
+        snapshot, kept_rows = self._undo
+        taken = slot[snapshot.pos[slot] >= 0]
+        if taken.size:
+            rows = torch.from_numpy(taken)
+            kept_rows.append((rows, [plane.gather(rows) for plane in (self.store.k, self.store.v)]))
 
     def _view(self, ubatch, rows: torch.Tensor, window: int) -> KVView:
         n_kv = self.cells.used_max

@@ -1,8 +1,9 @@
 """Saving one sequence's cells to bytes and loading them back, as llama.cpp's sequence state files do.
 
-Layout: magic, format version, a JSON header (model identity, KV dtype, layer count, cell count), the
-cells' positions (int64), each K/V storage part (every layer's rows of those cells), then a CRC32 of
-everything before it. Everything is checked before the memory is touched.
+Layout: magic, format version, a JSON header (model identity, KV dtype, layer count, the memory's pools and
+each one's cell count), the cells' positions (int64, pool after pool), each K/V storage part (every layer's rows
+of those cells, pool after pool), then a CRC32 of everything before it. Everything is checked before the memory
+is touched.
 """
 from __future__ import annotations
 
@@ -11,14 +12,19 @@ import json
 import struct
 import zlib
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
 from kvlm.errors import CacheError
 from kvlm.loader.config import ModelConfig
 
+if TYPE_CHECKING:
+    from kvlm.memory.memory import KVMemory
+
 MAGIC = b"KVLMSEQ\0"
-VERSION = 1
+VERSION = 2
 
 
 class StateError(CacheError):
@@ -28,6 +34,71 @@ class StateError(CacheError):
 def model_identity(config: ModelConfig) -> str:
     return (f"{config.architecture}/{config.name}/L{config.n_layer}/E{config.n_embd}/H{config.n_head}"
             f"/KV{config.n_head_kv}x{config.head_dim}/V{config.vocab_size}/rope{config.rope}")
+
+
+def save_sequence(pools: tuple[KVMemory, ...], seq_id: int) -> bytes:
+    """Every pool's cells of one sequence: their positions and K/V rows."""
+    positions, parts, counts = [], [], []
+    for pool in pools:
+        cells = pool.cells.seq_cells(seq_id)
+        rows = torch.from_numpy(cells)
+        positions.append(pool.cells.pos[cells])
+        parts += [part for plane in (pool.store.k, pool.store.v) for part in plane.gather(rows)]
+        counts.append(len(cells))
+    header = {**_layout(pools), "pool_cells": counts}
+    return encode_state(header, np.concatenate(positions), parts)
+
+
+def load_sequence(pools: tuple[KVMemory, ...], data: bytes, dest_seq_id: int) -> None:
+    """Put a saved sequence into `dest_seq_id` of every pool; it must be empty and fit, else nothing changes."""
+    header, positions, parts = decode_state(data, _layout(pools))
+    for pool in pools:
+        if pool.cells.seq_pos_max(dest_seq_id) != -1:
+            raise StateError(f"destination sequence {dest_seq_id} is not empty (positions "
+                             f"{pool.cells.seq_pos_min(dest_seq_id)}..{pool.cells.seq_pos_max(dest_seq_id)})")
+    counts = header["pool_cells"]
+    per_pool = len(parts) // len(pools)
+    placements = []
+    for index, (pool, n_cells) in enumerate(zip(pools, counts)):
+        start = sum(counts[:index])
+        pool_parts = parts[index * per_pool : (index + 1) * per_pool]
+        placements.append((pool, positions[start : start + n_cells], _checked_parts(pool, pool_parts, n_cells)))
+    slots = [_free_cells_for(pool, len(pool_positions)) for pool, pool_positions, _ in placements]
+    for (pool, pool_positions, (k_parts, v_parts)), slot in zip(placements, slots):
+        if slot is None:
+            continue
+        rows = torch.from_numpy(slot)
+        pool.store.k.scatter(rows, k_parts)
+        pool.store.v.scatter(rows, v_parts)
+        seq_mask = np.zeros((len(slot), pool.cells.n_seq_max), dtype=bool)
+        seq_mask[:, dest_seq_id] = True
+        pool.cells.apply(slot, pool_positions, seq_mask)
+
+
+def _layout(pools: tuple[KVMemory, ...]) -> dict:
+    config = pools[0].config
+    return {"model": model_identity(config), "kv_dtype": pools[0].kv_dtype, "n_layer": config.n_layer,
+            "pools": [[pool.name, pool.store.n_layer] for pool in pools]}
+
+
+def _free_cells_for(pool: KVMemory, n_cells: int) -> np.ndarray | None:
+    if n_cells == 0:
+        return None
+    slot = pool.cells.find_slot(n_cells)
+    if slot is None:
+        raise CacheError(f"no room to load the state in the {pool.name!r} pool: it needs {n_cells} cells, "
+                         f"{pool.n_cells - pool.n_used} are free")
+    return slot
+
+
+def _checked_parts(pool: KVMemory, parts: list[torch.Tensor], n_cells: int):
+    """Split saved parts into K and V after checking they fit this pool's layout exactly."""
+    store = pool.store
+    expected = [p for plane in (store.k, store.v) for p in plane.gather(torch.zeros(n_cells, dtype=torch.long))]
+    layout = lambda ps: [(p.dtype, tuple(p.shape)) for p in ps]  # noqa: E731
+    if layout(parts) != layout(expected):
+        raise StateError(f"state tensors {layout(parts)} do not fit this context's layout {layout(expected)}")
+    return parts[: len(parts) // 2], parts[len(parts) // 2 :]
 
 
 def encode_state(header: dict, positions: np.ndarray, parts: list[torch.Tensor]) -> bytes:
@@ -41,13 +112,13 @@ def encode_state(header: dict, positions: np.ndarray, parts: list[torch.Tensor])
     return body + struct.pack("<I", zlib.crc32(body))
 
 
-def decode_state(data: bytes, expected: dict) -> tuple[np.ndarray, list[torch.Tensor]]:
-    """Positions and storage parts of a state, after checking it belongs to `expected` (identity etc.)."""
+def decode_state(data: bytes, expected: dict) -> tuple[dict, np.ndarray, list[torch.Tensor]]:
+    """Header, positions and storage parts of a state, after checking it belongs to `expected` (identity etc.)."""
     header, offset = _read_header(data)
     for key, value in expected.items():
         if header.get(key) != value:
             raise StateError(f"state was saved with {key}={header.get(key)!r}, this context has {value!r}")
-    n_cells = header["n_cells"]
+    n_cells = sum(header["pool_cells"])
     positions = np.frombuffer(_take(data, offset, 8 * n_cells), dtype="<i8").astype(np.int64)
     offset += 8 * n_cells
     parts = []
@@ -59,7 +130,7 @@ def decode_state(data: bytes, expected: dict) -> tuple[np.ndarray, list[torch.Te
         offset += size
     if offset != len(data) - 4:
         raise StateError(f"state has {len(data) - 4 - offset} unexpected trailing bytes")
-    return positions, parts
+    return header, positions, parts
 
 
 def _read_header(data: bytes) -> tuple[dict, int]:

@@ -46,12 +46,12 @@ class KVView:
 
 @dataclass
 class LayerViews:
-    """A view per layer kind, for models whose kinds see different cells (sliding-window and full attention);
-    each layer attends through its own kind's. Rows written are the same in all."""
+    """A view per layer, for models whose layers see different cells (sliding-window and full attention, in one
+    pool or in two): layer i attends through `by_layer[i] = (view, its index in that view's store)`."""
 
-    views: dict[str, KVView]
-    layer_kinds: tuple[str, ...]
+    by_layer: list[tuple[KVView, int]]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                batch_invariant: bool = False) -> torch.Tensor:
-        return self.views[self.layer_kinds[layer]].attend(layer, q, k, v, batch_invariant)
+        view, local = self.by_layer[layer]
+        return view.attend(local, q, k, v, batch_invariant)

@@ -1,0 +1,70 @@
+"""The memory protocol (after llama.cpp's llama_memory_i) and the choice of a memory kind for a model.
+
+Context and the engine talk only to this protocol. A decode plans the whole batch as a dry run (nothing changes
+if it does not fit), then for each micro-batch `place`s it and runs the forward pass through the view it gets,
+then `commit`s, or `roll_back`s to exactly the state before the batch. A kind that cannot do an operation says
+so (seq_rm answers False; other operations raise CacheError) and changes nothing.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+from kvlm.families import SLIDING
+from kvlm.loader.config import ModelConfig
+from kvlm.memory.iswa import ISWAMemory
+from kvlm.memory.memory import KVMemory
+from kvlm.memory.view import KVView, LayerViews
+from kvlm.model.rope import Rope
+
+
+class Memory(Protocol):
+    kind: str  # "unified" or "iswa"
+
+    @property
+    def pools(self) -> tuple[KVMemory, ...]:
+        """Its pools of cells, each with its own cells, K/V store and sliding `window` (0: every position)."""
+
+    @property
+    def n_cells(self) -> int: ...
+    @property
+    def n_used(self) -> int: ...
+    @property
+    def kv_bytes(self) -> int: ...
+
+    def cells_short(self, n_tokens: int) -> int:
+        """How many cells are missing for n_tokens more tokens (0: they fit)."""
+
+    def retain(self, seq_id: int) -> None:
+        """seq_id holds cells for others (a prefix cache): never pruned, its window never checked."""
+
+    # sequence operations, as llama.cpp's
+    def seq_rm(self, seq_id: int, p0: int, p1: int) -> bool: ...
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None: ...
+    def seq_keep(self, seq_id: int) -> None: ...
+    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None: ...
+    def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None: ...
+    def seq_pos_min(self, seq_id: int) -> int: ...
+    def seq_pos_max(self, seq_id: int) -> int: ...
+    def clear(self) -> None: ...
+    def compact(self) -> None: ...
+    def state_seq_save(self, seq_id: int) -> bytes: ...
+    def state_seq_load(self, data: bytes, dest_seq_id: int) -> None: ...
+
+    # a batch
+    def apply_shifts(self) -> None: ...
+    def plan(self, ubatches) -> list | None: ...
+    def begin(self) -> None: ...
+    def place(self, ubatch, slot) -> KVView | LayerViews: ...
+    def commit(self) -> None: ...
+    def roll_back(self) -> None: ...
+
+
+def make_memory(config: ModelConfig, layer_ropes: list[Rope], n_ctx: int, n_seq_max: int, n_ubatch: int,
+                kv_dtype: str, swa_full: bool = False, swa_keep_extra: int = 0) -> Memory:
+    """iSWA for a model with sliding-window layers (unless `swa_full`, llama.cpp's option to keep every cell:
+    then one unified pool whose sliding layers mask by window), else the unified KV cache."""
+    sliding = [kind == SLIDING for kind in config.layer_kinds]
+    if any(sliding) and not swa_full:
+        return ISWAMemory(config, n_ctx, n_seq_max, n_ubatch, kv_dtype, layer_ropes, sliding, swa_keep_extra)
+    windows = [config.sliding_window if is_sliding else 0 for is_sliding in sliding]
+    return KVMemory(config, n_ctx, n_seq_max, kv_dtype, layer_ropes, layer_windows=windows)
