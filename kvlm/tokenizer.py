@@ -19,7 +19,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
-from kvlm.errors import ModelFileError
+from kvlm.errors import ModelFileError, UnsupportedModelError
+from kvlm.families import FAMILIES, family_for_hf
 from kvlm.spm_tokenizer import piece_bytes, sentencepiece_bpe
 
 _CONTROL = 3  # llama.cpp token types
@@ -145,7 +146,7 @@ class Tokenizer:
             bos_id=ids["bos_token"],
             eos_id=ids["eos_token"],
             stop_ids=frozenset(i for i in stop_ids if i is not None),
-            chat_template=metadata.get("tokenizer.chat_template"),
+            chat_template=_gguf_chat_template(metadata),
             named_tokens=named_tokens,
             spelled_bytes=kind.spelled_bytes,
         )
@@ -412,15 +413,34 @@ def _token_id(backend: Backend, token: str | None) -> int | None:
     return None if token is None else backend.token_to_id(token)
 
 
+def _gguf_chat_template(metadata: dict[str, Any]) -> str | None:
+    """The file's own template, else its family's built-in one (Gemma 3's base GGUFs carry none)."""
+    template = metadata.get("tokenizer.chat_template")
+    if template is not None:
+        return template
+    architecture = metadata.get("general.architecture")
+    family = FAMILIES.get(architecture) if isinstance(architecture, str) else None
+    return family.default_chat_template if family else None
+
+
 def _hf_chat_template(folder: Path, config: dict[str, Any]) -> str | None:
-    """chat_template.jinja wins over tokenizer_config.json, as in transformers; of a list, the "default"."""
+    """chat_template.jinja wins over tokenizer_config.json, as in transformers; of a list, the "default".
+
+    A folder with neither gets its family's built-in template, if the family has one.
+    """
     template_file = folder / "chat_template.jinja"
     if template_file.is_file():
         return template_file.read_text(encoding="utf-8")
     template = config.get("chat_template")
     if isinstance(template, list):
         return next((t["template"] for t in template if t.get("name") == "default"), None)
-    return template
+    if template is not None:
+        return template
+    try:
+        family = family_for_hf(_read_json(folder / "config.json"), folder)
+    except UnsupportedModelError:  # a tokenizer-only folder, or an architecture kvlm does not run
+        return None
+    return family.default_chat_template
 
 
 def checked_template_kwargs(value: Any, source: str) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlm.errors import ModelFileError
+from kvlm.families import gemma3
 from kvlm.loader.gguf_metadata import read_gguf_metadata
 from kvlm.tokenizer import StreamDecoder, Tokenizer
 
@@ -90,10 +91,9 @@ def test_properties(tokenizer, metadata, hf_gemma_tokenizer):
     assert tokenizer.stop_ids == frozenset({EOS, END_OF_TURN})
 
 
-def test_the_base_model_file_has_no_chat_template(tokenizer, metadata):
-    assert "tokenizer.chat_template" not in metadata and tokenizer.chat_template is None
-    with pytest.raises(ModelFileError, match="no chat template"):
-        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+def test_the_base_model_file_has_no_chat_template_and_gets_gemmas(tokenizer, metadata):
+    """Gemma 3's built-in template (tests/test_gemma_chat.py checks it against transformers)."""
+    assert "tokenizer.chat_template" not in metadata and tokenizer.chat_template == gemma3.CHAT_TEMPLATE
 
 
 @pytest.mark.parametrize("text", TEXTS)

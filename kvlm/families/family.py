@@ -34,6 +34,8 @@ class Family:
     hf_layer_names: tuple[tuple[str, str], ...] = ()  # Hugging Face layer parts named otherwise than Llama's
     # GGUF files do not store the query scale; llama.cpp derives it: (n_layer, n_embd, n_head, head_dim) -> scale
     gguf_query_scale: Callable[[int, int, int, int], float] | None = None
+    # The chat template for a file that carries none of its own (a base model's GGUF, say); a file's own wins
+    default_chat_template: str | None = None
 
     def layer_kinds(self, n_layer: int, sliding: bool = False) -> tuple[str, ...]:
         """llama.cpp's pattern: with a window, layer i slides unless i % period == period - 1."""
