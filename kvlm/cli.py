@@ -11,9 +11,12 @@ from kvlm.engine.llm import LLM
 from kvlm.engine.request import RequestOutput
 from kvlm.engine.sampling_params import SamplingParams
 from kvlm.errors import KvlmError
+from kvlm.families import SLIDING
 from kvlm.fetch import DEFAULT_MODEL, KNOWN_MODELS, pull
 from kvlm.generate import GenerationSettings, generate
 from kvlm.load import load_model, load_summary
+from kvlm.loader.config import ModelConfig
+from kvlm.memory.iswa import sliding_pool_cells
 from kvlm.memory.kv_store import KV_DTYPES, kv_bytes_for
 from kvlm.model.settings import AUTO, DTYPES, QUANTS, resolve_settings
 from kvlm.tokenizer import StreamDecoder, checked_template_kwargs
@@ -43,11 +46,13 @@ def _parser() -> argparse.ArgumentParser:
     _sampling_arguments(gen)
     gen.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step (baseline)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    _swa_full_argument(gen)
     gen.set_defaults(handler=_generate)
 
     chat = commands.add_parser("chat", help="talk with a model, turn by turn (an empty line or Ctrl-D ends)")
     _model_arguments(chat)
     chat.add_argument("--system", default=None, help="a system message for the conversation")
+    _swa_full_argument(chat)
     _template_arguments(chat)
     _sampling_arguments(chat)
     chat.set_defaults(handler=_chat)
@@ -60,6 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step")
     srv.add_argument("--kv-dtype", choices=(AUTO, *KV_DTYPES), default=AUTO,
                      help="KV cache dtype (default: the model's, bf16 for --dtype bfloat16)")
+    _swa_full_argument(srv)
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: no key)")
     srv.add_argument("--served-model-name", default=None, help="the name clients use (default: from --model)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -105,6 +111,11 @@ def _model_arguments(parser: argparse.ArgumentParser, n_ctx: int = 4096) -> None
                              "(about a minute per batch size the first time, cached in $KVLM_HOME/inductor)")
 
 
+def _swa_full_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--swa-full", action="store_true",
+                        help="keep every cell of sliding-window layers (more memory; prefix reuse is never cut short)")
+
+
 def _quant(text: str) -> str | None:
     return None if text == "none" else text
 
@@ -147,7 +158,8 @@ def _generate(args: argparse.Namespace) -> int:
     prompt_ids = model.tokenizer.encode(args.prompt) if args.prompt is not None else model.tokenizer.encode_chat(
         [{"role": "user", "content": args.chat}], **args.chat_template_kwargs)
     output = _recompute_every_step(model, prompt_ids, args) if args.no_cache else _stream(
-        LLM(model, n_ctx=args.n_ctx, max_num_seqs=1).stream(prompt_ids, params), quiet=args.json)
+        LLM(model, n_ctx=args.n_ctx, max_num_seqs=1, swa_full=args.swa_full).stream(prompt_ids, params),
+        quiet=args.json)
     if args.json:
         print(json.dumps({"text": output.text, "token_ids": output.token_ids,
                           "prompt_token_ids": output.prompt_token_ids, "finish_reason": output.finish_reason,
@@ -193,7 +205,7 @@ def _print_timings(output: RequestOutput) -> None:
 
 def _chat(args: argparse.Namespace) -> int:
     llm = LLM(args.model, args.dtype, quant=args.quant, batch_invariant=args.batch_invariant, n_ctx=args.n_ctx,
-              max_num_seqs=1, compile=args.compile)
+              max_num_seqs=1, compile=args.compile, swa_full=args.swa_full)
     session = ChatSession(llm, _sampling_params(args), system=args.system,
                           chat_template_kwargs=args.chat_template_kwargs)
     interactive = sys.stdin.isatty()
@@ -220,7 +232,7 @@ def _serve(args: argparse.Namespace) -> int:
         model=args.model, host=args.host, port=args.port, dtype=args.dtype, quant=args.quant, n_ctx=args.n_ctx,
         batch_invariant=args.batch_invariant, compile=args.compile, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_dtype=args.kv_dtype, api_key=args.api_key, served_model_name=args.served_model_name,
+        kv_dtype=args.kv_dtype, swa_full=args.swa_full, api_key=args.api_key, served_model_name=args.served_model_name,
         shutdown_timeout=args.shutdown_timeout))
 
 
@@ -261,7 +273,41 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"{'stored as':20} {', '.join(f'{n} {t}' for t, n in stored.most_common()) or 'float tensors'}")
     print(f"{'compute (defaults)':20} {resolve_settings().describe()}")
     print(f"{'n_ctx':20} {n_ctx}")
+    pools = iswa_pools(config, n_ctx)
+    if pools is None:
+        for dtype in KV_DTYPES:
+            size = kv_bytes_for(config, n_ctx, dtype)
+            print(f"kv_bytes ({dtype:4})     {size} ({size / 2**20:.2f} MiB)")
+        return 0
+    (_, full_layers, full_cells), (_, sliding_layers, sliding_cells) = pools
+    print(f"{'kv memory':20} iswa: full pool {full_layers} layers x {full_cells} cells, "
+          f"sliding pool {sliding_layers} layers x {sliding_cells} cells")
+    print(f"{'sliding pool cells':20} min(n_ctx, window {config.sliding_window} x n_seq_max {INSPECT_N_SEQ_MAX} + "
+          f"n_ubatch {INSPECT_N_UBATCH}) = {sliding_cells}")
+    print(f"{'swa_full':20} one pool, {config.n_layer} layers x {n_ctx} cells (--swa-full)")
     for dtype in KV_DTYPES:
-        size = kv_bytes_for(config, n_ctx, dtype)
-        print(f"kv_bytes ({dtype:4})     {size} ({size / 2**20:.2f} MiB)")
+        full, sliding = (kv_bytes_for(config, n_cells, dtype, n_layer) for _, n_layer, n_cells in pools)
+        kept = kv_bytes_for(config, n_ctx, dtype)
+        print(f"kv_bytes ({dtype:4})     {_bytes(full + sliding)} = full {_bytes(full)} + sliding {_bytes(sliding)}; "
+              f"swa_full {_bytes(kept)}")
     return 0
+
+
+# What `kvlm inspect` sizes the sliding pool for: one sequence, micro-batches of 512 (llama.cpp's defaults).
+INSPECT_N_SEQ_MAX = 1
+INSPECT_N_UBATCH = 512
+
+
+def iswa_pools(config: ModelConfig, n_ctx: int, n_seq_max: int = INSPECT_N_SEQ_MAX,
+               n_ubatch: int = INSPECT_N_UBATCH) -> tuple[tuple[str, int, int], tuple[str, int, int]] | None:
+    """(name, layers, cells) of the full and the sliding pool iSWA memory would allocate (as kvlm.memory.iswa
+    sizes them), or None for a model without sliding-window layers (one unified pool)."""
+    n_sliding = sum(kind == SLIDING for kind in config.layer_kinds)
+    if n_sliding == 0:
+        return None
+    sliding_cells = sliding_pool_cells(n_ctx, config.sliding_window, n_seq_max, n_ubatch)
+    return ("full", config.n_layer - n_sliding, n_ctx), ("sliding", n_sliding, sliding_cells)
+
+
+def _bytes(size: int) -> str:
+    return f"{size} ({size / 2**20:.2f} MiB)"

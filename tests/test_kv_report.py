@@ -1,10 +1,31 @@
-"""`GET /kv`'s report, checked against a cell-by-cell count on a pool with holes and shared cells."""
+"""`GET /kv`'s report, checked against a cell-by-cell count on a pool with holes and shared cells; its two pools
+for a model with sliding-window layers (a random Gemma 3, window 8) in the middle of long generations; and the
+page at /kv/view drawing such reports in a real browser."""
 from __future__ import annotations
 
-import numpy as np
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import resources
 
+import numpy as np
+import pytest
+from gguf_factory import save_hf_folder
+from prometheus_client.parser import text_string_to_metric_families
+from test_gemma3 import WINDOW, random_gemma3
+from test_random_models import token_ids
+from test_server_api import CHROMIUM, chromium
+
+from kvlm import load_model
 from kvlm.engine.engine import PREFIX_CACHE_SEQ, Engine
+from kvlm.engine.sampling_params import SamplingParams
+from kvlm.memory.iswa import sliding_pool_cells
 from kvlm.server.kv_report import kv_report
+from kvlm.server.metrics import ServerMetrics
+
+POOL_KEYS = {"name", "window", "n_layer", "n_cells", "n_used", "n_free", "kv_bytes", "n_request_cells",
+             "n_prefix_cache_only_cells", "cells", "sequences", "fragmentation"}
+BLOCK = 16  # the engine's prefix-cache block: a sequence keeps BLOCK - 1 positions beyond its window
 
 
 def place(cells, cell_ids, positions, seq_ids) -> None:
@@ -16,7 +37,8 @@ def place(cells, cell_ids, positions, seq_ids) -> None:
 
 def test_report_counts_cells_sequences_runs_and_holes(smollm2):
     engine = Engine(smollm2, n_ctx=32, max_num_seqs=3)
-    cells = engine.context.memory.cells
+    memory = engine.context.memory
+    cells = memory.cells
     # cells 0-3: a cached prefix shared by seq 1; 4-5: seq 1 alone; 8-9: seq 2; 12: cache only; 6-7, 10-11 free
     place(cells, [0, 1, 2, 3], [0, 1, 2, 3], [{PREFIX_CACHE_SEQ, 1}] * 4)
     place(cells, [4, 5], [4, 5], [{1}] * 2)
@@ -24,27 +46,234 @@ def test_report_counts_cells_sequences_runs_and_holes(smollm2):
     place(cells, [12], [0], [{PREFIX_CACHE_SEQ}])
     report = kv_report(engine)
 
+    assert report["kind"] == "unified" and report["kv_bytes"] == memory.kv_bytes
+    [pool] = report["pools"]
+    assert set(pool) == POOL_KEYS
+    assert (pool["name"], pool["window"], pool["n_layer"]) == ("kv", 0, smollm2.config.n_layer)
+    assert pool["kv_bytes"] == report["kv_bytes"]
     used = [c for c in range(32) if cells.pos[c] >= 0]
-    assert report["n_cells"] == 32 and report["n_used"] == len(used) == 9
-    assert report["cells"] == [[c, int(cells.pos[c]), [int(s) for s in np.flatnonzero(cells.seqs[c])]] for c in used]
-    assert report["n_request_cells"] == 8          # 0-5 and 8-9
-    assert report["n_prefix_cache_only_cells"] == 1  # 12
-    by_seq = {s["seq_id"]: s for s in report["sequences"]}
+    assert report["n_cells"] == pool["n_cells"] == 32 and report["n_used"] == pool["n_used"] == len(used) == 9
+    assert pool["n_free"] == 32 - 9
+    assert pool["cells"] == [[c, int(cells.pos[c]), [int(s) for s in np.flatnonzero(cells.seqs[c])]] for c in used]
+    assert report["n_request_cells"] == pool["n_request_cells"] == 8                   # 0-5 and 8-9
+    assert report["n_prefix_cache_only_cells"] == pool["n_prefix_cache_only_cells"] == 1  # 12
+    by_seq = {s["seq_id"]: s for s in pool["sequences"]}
     assert set(by_seq) == {PREFIX_CACHE_SEQ, 1, 2}
     assert by_seq[PREFIX_CACHE_SEQ]["role"] == "prefix_cache"
     assert by_seq[PREFIX_CACHE_SEQ]["cell_runs"] == [[0, 3], [12, 12]]
     assert by_seq[1]["cell_runs"] == [[0, 5]] and (by_seq[1]["pos_min"], by_seq[1]["pos_max"]) == (0, 5)
     assert by_seq[2]["cell_runs"] == [[8, 9]] and by_seq[2]["n_cells"] == 2
-    fragmentation = report["fragmentation"]
+    fragmentation = pool["fragmentation"]
     assert fragmentation["used_max"] == 13
     assert fragmentation["holes"] == 4 and fragmentation["hole_runs"] == 2  # 6-7 and 10-11
     assert fragmentation["largest_free_run"] == 32 - 13
     assert fragmentation["fragmentation"] == round(4 / 13, 4)
-    assert all(s["request_id"] is None for s in report["sequences"])  # no request is running
+    assert all(s["request_id"] is None for s in pool["sequences"])  # no request is running
+    # the memory's sequences: the same, with the positions each one is whole over
+    assert report["sequences"] == [{"seq_id": s, "request_id": None, "role": by_seq[s]["role"],
+                                    "pos_min": by_seq[s]["pos_min"], "pos_max": by_seq[s]["pos_max"]}
+                                   for s in sorted(by_seq)]
 
 
 def test_report_of_an_empty_pool(smollm2):
     report = kv_report(Engine(smollm2, n_ctx=16, max_num_seqs=2))
-    assert report["n_used"] == 0 and report["cells"] == [] and report["sequences"] == []
-    assert report["fragmentation"] == {"used_max": 0, "holes": 0, "hole_runs": 0, "largest_free_run": 16,
-                                       "fragmentation": 0.0}
+    [pool] = report["pools"]
+    assert report["n_used"] == 0 and report["sequences"] == []
+    assert pool["n_used"] == 0 and pool["cells"] == [] and pool["sequences"] == []
+    assert pool["fragmentation"] == {"used_max": 0, "holes": 0, "hole_runs": 0, "largest_free_run": 16,
+                                     "fragmentation": 0.0}
+
+
+# --- two pools: a random Gemma 3 with sliding-window layers ---
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory, one_thread):
+    folder = tmp_path_factory.mktemp("gemma3-kv-report")
+    save_hf_folder(random_gemma3(), folder)
+    return load_model(str(folder), "float32")
+
+
+def generating(model, n_steps: int, **kwargs) -> tuple[Engine, list[str]]:
+    """An engine with two requests (20- and 13-token prompts) after n_steps steps, both still running."""
+    engine = Engine(model, n_ctx=512, max_num_seqs=2, max_num_batched_tokens=16, **kwargs)
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request(token_ids(1000, n, seed=n), params, request_id=f"req-{n}") for n in (20, 13)]
+    for _ in range(n_steps):
+        engine.step()
+    assert all(not engine.requests[i].finished for i in ids)
+    return engine, ids
+
+
+@pytest.fixture(scope="module")
+def iswa_engine(gemma):
+    return generating(gemma, 120)
+
+
+def test_a_long_generation_leaves_few_cells_in_the_sliding_pool(iswa_engine):
+    engine, ids = iswa_engine
+    memory = engine.context.memory
+    report = json.loads(json.dumps(kv_report(engine)))  # as the client gets it
+    assert report["kind"] == "iswa"
+    full, sliding = report["pools"]
+    assert set(full) == set(sliding) == POOL_KEYS
+    assert (full["name"], full["window"], full["n_layer"]) == ("full", 0, 1)  # layer 5 of 7 is full
+    assert (sliding["name"], sliding["window"], sliding["n_layer"]) == ("sliding", WINDOW, 6)
+    assert full["n_cells"] == 512
+    assert sliding["n_cells"] == sliding_pool_cells(512, WINDOW, 3, 16, BLOCK - 1) == (WINDOW + BLOCK - 1) * 3 + 16
+    assert report["kv_bytes"] == full["kv_bytes"] + sliding["kv_bytes"] == memory.kv_bytes
+    assert full["kv_bytes"] == memory.full.kv_bytes and sliding["kv_bytes"] == memory.sliding.kv_bytes
+    # the memory's counts are the full pool's, which holds every position
+    assert (report["n_cells"], report["n_used"]) == (full["n_cells"], full["n_used"]) == (memory.n_cells,
+                                                                                           memory.n_used)
+    assert report["n_request_cells"] == full["n_request_cells"]
+    assert report["n_prefix_cache_only_cells"] == full["n_prefix_cache_only_cells"]
+
+    requests = {engine.requests[i].seq_id: engine.requests[i] for i in ids}
+    computed = sum(r.n_computed for r in requests.values())
+    assert computed > 200 and full["n_request_cells"] == computed  # every position of both requests
+    assert sliding["n_used"] < full["n_used"] and sliding["n_used"] <= sliding["n_cells"]
+    for pool in (full, sliding):
+        assert len(pool["cells"]) == pool["n_used"]
+        assert pool["fragmentation"]["used_max"] <= pool["n_cells"]
+
+    in_full = {s["seq_id"]: s for s in full["sequences"]}
+    in_sliding = {s["seq_id"]: s for s in sliding["sequences"]}
+    memory_seqs = {s["seq_id"]: s for s in report["sequences"]}
+    assert set(in_full) == set(in_sliding) == set(memory_seqs) == {PREFIX_CACHE_SEQ, *requests}
+    for seq_id, request in requests.items():
+        whole, window = in_full[seq_id], in_sliding[seq_id]
+        assert whole["request_id"] == window["request_id"] == memory_seqs[seq_id]["request_id"] == request.request_id
+        assert (whole["n_cells"], whole["pos_min"], whole["pos_max"]) == (request.n_computed, 0,
+                                                                          request.n_computed - 1)
+        # the sliding pool keeps only the last window (and a block's worth more) of positions, in a row
+        assert window["pos_max"] == whole["pos_max"]
+        assert WINDOW <= window["n_cells"] <= WINDOW + BLOCK
+        assert window["pos_min"] == window["pos_max"] - window["n_cells"] + 1
+        # the memory's sequence is whole from where the sliding pool starts
+        assert memory_seqs[seq_id]["pos_min"] == window["pos_min"] == memory.seq_pos_min(seq_id)
+        assert memory_seqs[seq_id]["pos_max"] == whole["pos_max"]
+    # the prefix cache's blocks are kept whole in both pools
+    cached = in_full[PREFIX_CACHE_SEQ]
+    assert cached["role"] == in_sliding[PREFIX_CACHE_SEQ]["role"] == "prefix_cache"
+    assert cached["n_cells"] == in_sliding[PREFIX_CACHE_SEQ]["n_cells"] == BLOCK  # the 20-token prompt's block
+    assert memory_seqs[PREFIX_CACHE_SEQ]["pos_min"] == 0
+
+
+def test_with_swa_full_the_report_has_one_pool_of_every_position(gemma):
+    engine, ids = generating(gemma, 40, swa_full=True)
+    report = kv_report(engine)
+    assert report["kind"] == "unified"
+    [pool] = report["pools"]
+    assert (pool["name"], pool["window"], pool["n_layer"], pool["n_cells"]) == ("kv", 0, 7, 512)
+    assert pool["n_request_cells"] == sum(engine.requests[i].n_computed for i in ids)
+
+
+def test_metrics_count_cells_per_pool(iswa_engine):
+    engine, _ = iswa_engine
+    metrics = ServerMetrics()
+    metrics.refresh(engine)
+    samples = {(s.name, s.labels.get("pool")): s.value
+               for family in text_string_to_metric_families(metrics.render().decode()) for s in family.samples}
+    full, sliding = engine.context.memory.pools
+    assert samples[("kvlm_kv_cells_total", None)] == samples[("kvlm_kv_pool_cells_total", "full")] == 512
+    assert samples[("kvlm_kv_pool_cells_total", "sliding")] == sliding.n_cells
+    assert samples[("kvlm_kv_pool_cells_used", "full")] == full.n_used == samples[("kvlm_kv_cells_used", None)]
+    assert samples[("kvlm_kv_pool_cells_used", "sliding")] == sliding.n_used
+
+
+# --- the page, in a real browser, on reports taken in the middle of generations ---
+
+class _Serve(BaseHTTPRequestHandler):
+    """/kv/view as the app serves it, and a fixed /kv report."""
+    report: dict = {}
+
+    def do_GET(self) -> None:  # noqa: N802
+        if self.path == "/kv":
+            body, kind = json.dumps(self.report).encode(), "application/json"
+        elif self.path == "/kv/view":
+            body = resources.files("kvlm.server").joinpath("kv_view.html").read_bytes()
+            kind = "text/html; charset=utf-8"
+        else:
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("content-type", kind)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def render(report: dict, tmp_path) -> tuple[str, bytes]:
+    """The page's DOM and a screenshot, with /kv answering `report`."""
+    handler = type("Handler", (_Serve,), {"report": report})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/kv/view"
+        dom = chromium(tmp_path / "profile", "--dump-dom", url)
+        shot = tmp_path / "kv_view.png"
+        chromium(tmp_path / "profile", f"--screenshot={shot}", "--window-size=1100,900", url)
+    finally:
+        server.shutdown()
+        thread.join()
+    return dom, shot.read_bytes()
+
+
+def legend_items(dom: str) -> list[str]:
+    return [item.split("</li>")[0] for item in dom.split("<li")[1:]]
+
+
+needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium: `make test` installs Debian's chromium "
+                                                              "when run as root")
+
+
+@needs_chromium
+def test_view_draws_one_grid_per_pool_of_an_iswa_memory(iswa_engine, tmp_path):
+    report = kv_report(iswa_engine[0])
+    dom, image = render(report, tmp_path)
+    assert '<div id="error"></div>' in dom
+    assert 'data-kind="iswa"' in dom and 'data-pools="2"' in dom
+    assert dom.count("<canvas") == 2
+    full, sliding = report["pools"]
+    assert f'data-pool="full" data-cells="512" data-used-cells="{full["n_used"]}" data-window="0"' in dom
+    assert (f'data-pool="sliding" data-cells="{sliding["n_cells"]}" data-used-cells="{sliding["n_used"]}" '
+            f'data-window="{WINDOW}"') in dom
+    assert f'data-kv-bytes="{full["kv_bytes"]}"' in dom and f'data-kv-bytes="{sliding["kv_bytes"]}"' in dom
+    kib = lambda b: f"{b / 2**10:.1f} KiB"  # noqa: E731  (under a MiB; these sizes round the same in JS)
+    assert f"<h2>full pool · 512 cells · every position · 1 layer · {kib(full['kv_bytes'])}</h2>" in dom
+    assert (f"<h2>sliding pool · {sliding['n_cells']} cells · window {WINDOW} · 6 layers · "
+            f"{kib(sliding['kv_bytes'])}</h2>") in dom
+    assert f"iswa memory, 2 pools, {kib(report['kv_bytes'])}: {report['n_used']} of 512 positions held" in dom
+    items = legend_items(dom)
+    assert len(items) == 3
+    for seq in (s for s in sliding["sequences"] if s["role"] == "request"):
+        [item] = [i for i in items if f"seq {seq['seq_id']} · request {seq['request_id']}" in i]
+        assert f"sliding: {seq['n_cells']} cells, positions {seq['pos_min']}–{seq['pos_max']}" in item
+        assert "full: " in item
+    assert image[:8] == b"\x89PNG\r\n\x1a\n" and len(image) > 5000
+
+
+@needs_chromium
+def test_view_of_a_unified_memory_is_as_before(smollm2, tmp_path):
+    engine = Engine(smollm2, n_ctx=256, max_num_seqs=2)
+    engine.add_request(smollm2.tokenizer.encode("A long story begins here."),
+                       SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True), request_id="cmpl-x")
+    for _ in range(5):
+        engine.step()
+    report = kv_report(engine)
+    dom, image = render(report, tmp_path)
+    [pool] = report["pools"]
+    [seq] = [s for s in pool["sequences"] if s["role"] == "request"]
+    assert '<div id="error"></div>' in dom and dom.count("<canvas") == 1
+    assert 'data-kind="unified"' in dom and f'data-request-cells="{seq["n_cells"]}"' in dom
+    assert "<h2 hidden=" in dom  # no pool title
+    assert (f'<div id="summary">{pool["n_used"]} of 256 cells used: {pool["n_request_cells"]} by requests, '
+            f'{pool["n_prefix_cache_only_cells"]} only by the prefix cache; 0 holes below cell {pool["n_used"]} '
+            f'(fragmentation 0), largest free run {256 - pool["n_used"]}</div>') in dom
+    assert any(f"seq {seq['seq_id']} · request cmpl-x · {seq['n_cells']} cells · positions 0–{seq['pos_max']} · "
+               f"1 run(s)" in item for item in legend_items(dom))
+    assert image[:8] == b"\x89PNG\r\n\x1a\n" and len(image) > 5000

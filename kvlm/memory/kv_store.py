@@ -21,9 +21,11 @@ def resolve_kv_dtype(kv_dtype: str, compute_dtype: torch.dtype) -> str:
     return "bf16" if compute_dtype == torch.bfloat16 else "f32"
 
 
-def kv_bytes_for(config: ModelConfig, n_cells: int, dtype: str) -> int:
-    """2 x layers x cells x kv_heads x head_dim x bytes_per_element, without allocating anything."""
-    return int(2 * config.n_layer * n_cells * config.n_head_kv * config.head_dim * BYTES_PER_ELEMENT[dtype])
+def kv_bytes_for(config: ModelConfig, n_cells: int, dtype: str, n_layer: int | None = None) -> int:
+    """2 x layers x cells x kv_heads x head_dim x bytes_per_element, without allocating anything; `n_layer`: of a
+    pool holding only some of the model's layers."""
+    n_layer = config.n_layer if n_layer is None else n_layer
+    return int(2 * n_layer * n_cells * config.n_head_kv * config.head_dim * BYTES_PER_ELEMENT[dtype])
 
 
 class DensePlane:

@@ -1,10 +1,26 @@
-"""What `GET /kv` shows: every used cell with its position and sequence set, each sequence's cells, and
-how fragmented the pool is. Built on the engine thread, so it is a consistent snapshot between steps."""
+"""What `GET /kv` shows: the memory as a whole, then each of its pools (one for the unified KV cache; a full and a
+sliding one for iSWA) with every used cell's position and sequence set, each sequence's cells, and how fragmented
+the pool is. Built on the engine thread, so it is a consistent snapshot between steps.
+
+The shape:
+
+    {"kind": "unified" | "iswa",
+     "n_cells", "n_used", "n_request_cells", "n_prefix_cache_only_cells",   # the memory's: those of its first
+                                          # pool, which keeps every position (the unified pool, iSWA's full pool)
+     "kv_bytes",                          # every pool's
+     "sequences": [{"seq_id", "request_id", "role", "pos_min", "pos_max"}],  # pos_min: from where it is whole
+     "pools": [{"name", "window", "n_layer", "n_cells", "n_used", "n_free", "kv_bytes",
+                "n_request_cells", "n_prefix_cache_only_cells",
+                "cells": [[cell, pos, [seq_id, ...]], ...],
+                "sequences": [{"seq_id", "request_id", "role", "n_cells", "pos_min", "pos_max", "cell_runs"}],
+                "fragmentation": {"used_max", "holes", "hole_runs", "largest_free_run", "fragmentation"}}]}
+"""
 from __future__ import annotations
 
 import numpy as np
 
 from kvlm.engine.engine import PREFIX_CACHE_SEQ, Engine
+from kvlm.memory.memory import KVMemory
 
 
 def _runs(cells: np.ndarray) -> list[list[int]]:
@@ -17,12 +33,16 @@ def _runs(cells: np.ndarray) -> list[list[int]]:
     return [[int(s), int(e)] for s, e in zip(starts, ends)]
 
 
+def _role(seq_id: int) -> str:
+    return "prefix_cache" if seq_id == PREFIX_CACHE_SEQ else "request"
+
+
 def _sequence(seq_id: int, seqs: np.ndarray, pos: np.ndarray, request_id: str | None) -> dict:
     cells = np.flatnonzero(seqs[:, seq_id])
     return {
         "seq_id": seq_id,
         "request_id": request_id,
-        "role": "prefix_cache" if seq_id == PREFIX_CACHE_SEQ else "request",
+        "role": _role(seq_id),
         "n_cells": int(cells.size),
         "pos_min": int(pos[cells].min()) if cells.size else -1,
         "pos_max": int(pos[cells].max()) if cells.size else -1,
@@ -45,20 +65,42 @@ def _fragmentation(pos: np.ndarray) -> dict:
     }
 
 
-def kv_report(engine: Engine) -> dict:
-    cells = engine.context.memory.cells
-    pos, seqs = cells.pos, cells.seqs
+def _pool(pool: KVMemory, request_of: dict[int, str]) -> dict:
+    pos, seqs = pool.cells.pos, pool.cells.seqs
     used = np.flatnonzero(pos >= 0)
-    request_of = {r.seq_id: r.request_id for r in engine.scheduler.running}
     live = np.flatnonzero(seqs.any(axis=0))
     by_requests = np.delete(seqs, PREFIX_CACHE_SEQ, axis=1).any(axis=1)
     cache_only = int(np.count_nonzero(seqs[:, PREFIX_CACHE_SEQ] & ~by_requests))
     return {
-        "n_cells": cells.n_cells,
+        "name": pool.name,
+        "window": pool.window,                                   # 0: keeps every position
+        "n_layer": pool.store.n_layer,
+        "n_cells": pool.n_cells,
         "n_used": int(used.size),
+        "n_free": pool.n_free,  # counting the cells the next micro-batch frees from sliding windows
+        "kv_bytes": pool.kv_bytes,
         "n_request_cells": int(np.count_nonzero(by_requests)),  # held by at least one running request
         "n_prefix_cache_only_cells": cache_only,                 # held only by the prefix cache: evictable
         "cells": [[int(c), int(pos[c]), [int(s) for s in np.flatnonzero(seqs[c])]] for c in used],
         "sequences": [_sequence(int(s), seqs, pos, request_of.get(int(s))) for s in live],
         "fragmentation": _fragmentation(pos),
+    }
+
+
+def kv_report(engine: Engine) -> dict:
+    memory = engine.context.memory
+    request_of = {r.seq_id: r.request_id for r in engine.scheduler.running}
+    pools = [_pool(pool, request_of) for pool in memory.pools]
+    first = pools[0]
+    live = sorted({s["seq_id"] for pool in pools for s in pool["sequences"]})
+    return {
+        "kind": memory.kind,
+        "n_cells": memory.n_cells,
+        "n_used": memory.n_used,
+        "n_request_cells": first["n_request_cells"],
+        "n_prefix_cache_only_cells": first["n_prefix_cache_only_cells"],
+        "kv_bytes": memory.kv_bytes,
+        "sequences": [{"seq_id": s, "request_id": request_of.get(s), "role": _role(s),
+                       "pos_min": memory.seq_pos_min(s), "pos_max": memory.seq_pos_max(s)} for s in live],
+        "pools": pools,
     }

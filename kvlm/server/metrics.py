@@ -26,6 +26,10 @@ class ServerMetrics(StepObserver):
         self.waiting = Gauge("kvlm_requests_waiting", "Requests waiting for a sequence", registry=r)
         self.kv_cells_used = Gauge("kvlm_kv_cells_used", "KV cells in use (cached prefixes included)", registry=r)
         self.kv_cells_total = Gauge("kvlm_kv_cells_total", "KV cells in all", registry=r)
+        # per pool of the memory: "kv" for the unified cache, "full" and "sliding" for iSWA
+        self.kv_pool_cells_used = Gauge("kvlm_kv_pool_cells_used", "KV cells in use, by pool", ["pool"], registry=r)
+        self.kv_pool_cells_total = Gauge("kvlm_kv_pool_cells_total", "KV cells in all, by pool", ["pool"],
+                                         registry=r)
         self.prefix_hits = Counter("kvlm_prefix_cache_hits", "Requests that reused a cached prompt prefix",
                                    registry=r)
         self.prefix_hit_tokens = Counter("kvlm_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
@@ -53,6 +57,9 @@ class ServerMetrics(StepObserver):
         self.waiting.set(len(scheduler.waiting))
         self.kv_cells_used.set(memory.n_used)
         self.kv_cells_total.set(memory.n_cells)
+        for pool in memory.pools:
+            self.kv_pool_cells_used.labels(pool=pool.name).set(pool.n_used)
+            self.kv_pool_cells_total.labels(pool=pool.name).set(pool.n_cells)
 
     def on_finished(self, output: RequestOutput) -> None:
         self.requests.labels(finish_reason=output.finish_reason or "unknown").inc()

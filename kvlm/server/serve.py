@@ -29,6 +29,7 @@ class ServeSettings:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     kv_dtype: str = AUTO  # the model's dtype
+    swa_full: bool = False  # keep every cell of sliding-window layers (one unified pool, llama.cpp's --swa-full)
     api_key: str | None = None
     served_model_name: str | None = None
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGINT/SIGTERM
@@ -40,18 +41,33 @@ def served_name(model: str) -> str:
     return path.stem if path.suffix == ".gguf" else path.name if path.exists() else model
 
 
+def _kind(memory) -> str:
+    return f" ({memory.kind})" if len(memory.pools) > 1 else ""
+
+
+def _pools(memory) -> str:
+    """'1024 cells x 30 layers' for one pool; each pool by name, with its window, for several."""
+    def one(pool) -> str:
+        layers = f"{pool.n_cells} cells x {pool.store.n_layer} layer{'' if pool.store.n_layer == 1 else 's'}"
+        return layers if len(memory.pools) == 1 else (
+            f"{pool.name} pool {layers}" + (f" (window {pool.window})" if pool.window else ""))
+
+    return ", ".join(one(pool) for pool in memory.pools)
+
+
 def serve(settings: ServeSettings) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model = load_model(settings.model, settings.dtype, quant=settings.quant, batch_invariant=settings.batch_invariant,
                        compile=settings.compile)
     engine = Engine(model, n_ctx=settings.n_ctx, max_num_seqs=settings.max_num_seqs,
-                    max_num_batched_tokens=settings.max_num_batched_tokens, kv_dtype=settings.kv_dtype)
+                    max_num_batched_tokens=settings.max_num_batched_tokens, kv_dtype=settings.kv_dtype,
+                    swa_full=settings.swa_full)
     name = settings.served_model_name or served_name(settings.model)
-    kv_bytes = engine.context.memory.kv_bytes
+    memory = engine.context.memory
     log.info("model %s (%s) from %s", name, model.config.architecture, model.source)
     log.info("compute: %s", model.decoder.describe())
-    log.info("KV cache: %d cells x %d layers, %s: %d bytes (%.1f MiB); up to %d sequences", settings.n_ctx,
-             model.config.n_layer, engine.context.kv_dtype, kv_bytes, kv_bytes / 2**20, settings.max_num_seqs)
+    log.info("KV cache%s: %s, %s: %d bytes (%.1f MiB); up to %d sequences", _kind(memory), _pools(memory),
+             engine.context.kv_dtype, memory.kv_bytes, memory.kv_bytes / 2**20, settings.max_num_seqs)
     app = create_app(engine, name, settings.api_key)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
                             timeout_graceful_shutdown=settings.shutdown_timeout)
