@@ -12,10 +12,10 @@ import jinja2
 import pytest
 import torch
 from conftest import hf_model_of, hf_tokenizer_of
+from test_gemma_tokenizer import metadata, tokenizer  # noqa: F401 - the real file's metadata and tokenizer
 
 from kvlm import LLM, SamplingParams, load_model
 from kvlm.families import gemma3
-from kvlm.loader.gguf_metadata import read_gguf_metadata
 from kvlm.tokenizer import Tokenizer
 
 BOS, EOS, START_OF_TURN, END_OF_TURN = 2, 1, 105, 106
@@ -47,16 +47,6 @@ RENDERED = [
     (ENDS_WITH_THE_MODEL + [{"role": "user", "content": "And 3 + 3?"}], True),
     (USER_ONLY, True),
 ]
-
-
-@pytest.fixture(scope="module")
-def metadata(gemma_gguf_path) -> dict:
-    return read_gguf_metadata(gemma_gguf_path)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(metadata) -> Tokenizer:
-    return Tokenizer.from_gguf_metadata(metadata)
 
 
 @pytest.fixture(scope="module")

@@ -254,3 +254,19 @@ def test_engine_with_a_small_memory_preempts_and_recomputes(ours):
     for prompt, output in zip(prompts, outputs):
         alone = LLM(ours, n_ctx=128, max_num_seqs=1, enable_prefix_caching=False)
         assert output.token_ids == alone.generate([prompt], params, use_tqdm=False)[0].token_ids
+
+
+def test_compaction_closes_the_holes_of_both_pools_and_changes_no_result(ours):
+    prompts = [token_ids(1000, n, seed=50 + n) for n in (25, 18, 30)]
+    runs = [iswa_context(ours, n_seq_max=3) for _ in range(2)]
+    for ctx in runs:
+        decode_ok(ctx, one_batch(prompts))
+        assert ctx.memory.seq_rm(1, -1, -1) is True
+    runs[0].memory.compact()
+    for pool in runs[0].memory.pools:
+        assert pool.cells.used_max == pool.n_used
+    batch = Batch(tokens=[7, 9], seq_ids=[0, 2], logits=[True, True])
+    for ctx in runs:
+        decode_ok(ctx, batch)
+    assert max_diff(runs[0].get_logits_ith(0), runs[1].get_logits_ith(0)) <= TOLERANCE
+    assert max_diff(runs[0].get_logits_ith(1), runs[1].get_logits_ith(1)) <= TOLERANCE

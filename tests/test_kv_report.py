@@ -14,7 +14,7 @@ from gguf_factory import save_hf_folder
 from prometheus_client.parser import text_string_to_metric_families
 from test_gemma3 import WINDOW, random_gemma3
 from test_random_models import token_ids
-from test_server_api import CHROMIUM, chromium
+from test_server_api import CHROMIUM, render_page
 
 from kvlm import load_model
 from kvlm.engine.engine import PREFIX_CACHE_SEQ, Engine
@@ -214,9 +214,7 @@ def render(report: dict, tmp_path) -> tuple[str, bytes]:
     thread.start()
     try:
         url = f"http://127.0.0.1:{server.server_port}/kv/view"
-        dom = chromium(tmp_path / "profile", "--dump-dom", url)
-        shot = tmp_path / "kv_view.png"
-        chromium(tmp_path / "profile", f"--screenshot={shot}", "--window-size=1100,900", url)
+        dom, shot = render_page(tmp_path, url, 900)
     finally:
         server.shutdown()
         thread.join()

@@ -485,6 +485,14 @@ def chromium(profile, *args: str) -> str:
     return subprocess.run(command, capture_output=True, text=True, timeout=120, check=True).stdout
 
 
+def render_page(tmp_path, url: str, height: int) -> tuple[str, object]:
+    """The page's DOM after its scripts ran, and the path of a 1100 x height screenshot of it."""
+    dom = chromium(tmp_path / "profile", "--dump-dom", url)
+    shot = tmp_path / "kv_view.png"
+    chromium(tmp_path / "profile", f"--screenshot={shot}", f"--window-size=1100,{height}", url)
+    return dom, shot
+
+
 @pytest.mark.skipif(CHROMIUM is None, reason="no Chromium: `make test` installs Debian's chromium when run as root")
 def test_kv_view_draws_the_cells_of_a_running_request(server, tmp_path):
     stop = threading.Event()
@@ -505,9 +513,7 @@ def test_kv_view_draws_the_cells_of_a_running_request(server, tmp_path):
             assert time.monotonic() < deadline, "the request never got cells"
             time.sleep(0.05)
         url = f"{server}/kv/view"
-        dom = chromium(tmp_path / "profile", "--dump-dom", url)
-        shot = tmp_path / "kv_view.png"
-        chromium(tmp_path / "profile", f"--screenshot={shot}", "--window-size=1100,800", url)
+        dom, shot = render_page(tmp_path, url, 800)
     finally:
         stop.set()
         worker.join(timeout=60)
