@@ -51,6 +51,7 @@ class SanitizedBatch:
     pos: np.ndarray  # int64 [n]
     seq_mask: np.ndarray  # bool [n, n_seq_max]: seq_mask[i, s] is True if token i belongs to sequence s
     output: np.ndarray  # bool [n]: return the logits of token i?
+    rows: np.ndarray | None = None  # a micro-batch in another order: the batch's index of each of its tokens
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -72,6 +73,25 @@ class SanitizedBatch:
         if n_ubatch < 1:
             raise ValueError(f"n_ubatch must be at least 1, got {n_ubatch}")
         return [self[i : i + n_ubatch] for i in range(0, len(self), n_ubatch)]
+
+    def split_equal(self, n_ubatch: int) -> list[SanitizedBatch]:
+        """Micro-batches in which every sequence present has the same number of tokens, laid out sequence after
+        sequence, each sequence's tokens in batch order (llama.cpp's split_equal): a recurrent layer then sees
+        them as [n_seqs, n_tokens]. Every token must belong to one sequence."""
+        if n_ubatch < 1:
+            raise ValueError(f"n_ubatch must be at least 1, got {n_ubatch}")
+        owner = self.seq_mask.argmax(axis=1)
+        _, first_rows = np.unique(owner, return_index=True)
+        queues = [np.flatnonzero(owner == owner[row]) for row in sorted(first_rows)]
+        ubatches = []
+        while queues:
+            taken = queues[:n_ubatch]
+            n_each = min(min(len(q) for q in taken), n_ubatch // len(taken))
+            rows = np.concatenate([q[:n_each] for q in taken])
+            ubatches.append(SanitizedBatch(self.tokens[rows], self.pos[rows], self.seq_mask[rows], self.output[rows],
+                                           rows))
+            queues = [q[n_each:] for q in taken if len(q) > n_each] + queues[n_ubatch:]
+        return ubatches
 
     def __getitem__(self, rows: slice) -> SanitizedBatch:
         """The tokens ``rows`` (a slice) as a batch of their own; the arrays are views."""

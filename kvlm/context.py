@@ -5,6 +5,7 @@ import logging
 from collections.abc import Callable
 from enum import IntEnum
 
+import numpy as np
 import torch
 
 from kvlm.batch import Batch, InvalidBatch, sanitize
@@ -60,8 +61,11 @@ class Context:
         except InvalidBatch as exc:
             return self._fail(DecodeStatus.INVALID_BATCH, str(exc))
         self.memory.apply_shifts()
-        ubatches = sanitized.split(self.n_ubatch)
-        slots = self.memory.plan(ubatches)
+        ubatches = self.memory.split(sanitized, self.n_ubatch)
+        try:
+            slots = self.memory.plan(ubatches)
+        except InvalidBatch as exc:  # a batch this memory kind cannot take
+            return self._fail(DecodeStatus.INVALID_BATCH, str(exc))
         if slots is None:
             free = ", ".join(f"{pool.name} pool {pool.n_free} of {pool.n_cells}" for pool in self.memory.pools)
             return self._fail(DecodeStatus.NO_SLOT,
@@ -80,7 +84,7 @@ class Context:
                 return self._roll_back(DecodeStatus.COMPUTE_FAILED,
                                        f"compute failed in {where}: {type(exc).__name__}: {exc}")
         self.memory.commit()
-        self._logits = torch.cat(outputs)
+        self._logits = _in_batch_order(torch.cat(outputs), ubatches)
         self.last_error = ""
         return DecodeStatus.OK
 
@@ -118,6 +122,14 @@ class Context:
     def state_seq_load(self, data: bytes, dest_seq_id: int) -> None:
         """Restore a saved sequence into `dest_seq_id`, which must be empty; on any error nothing changes."""
         self.memory.state_seq_load(data, dest_seq_id)
+
+
+def _in_batch_order(logits: torch.Tensor, ubatches) -> torch.Tensor:
+    """Outputs of micro-batches that took the batch's tokens out of order (split_equal), put back in order."""
+    if ubatches[0].rows is None:
+        return logits
+    outputs = np.concatenate([ubatch.rows[ubatch.output] for ubatch in ubatches])
+    return logits[torch.from_numpy(np.argsort(outputs, kind="stable"))]
 
 
 def _check_sizes(**sizes: int) -> None:

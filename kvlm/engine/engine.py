@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 
 from kvlm.batch import Batch
@@ -15,6 +16,8 @@ from kvlm.engine.stop import StopChecker
 from kvlm.errors import KvlmError
 from kvlm.load import Model
 from kvlm.memory.kv_store import AUTO, resolve_kv_dtype
+
+log = logging.getLogger("kvlm")
 
 PREFIX_CACHE_SEQ = 0  # the sequence id that keeps cached prefixes alive; requests use 1..max_num_seqs
 
@@ -33,6 +36,10 @@ class Engine:
                                n_ubatch=max_num_batched_tokens, n_seq_max=max_num_seqs + 1, kv_dtype=kv_dtype,
                                swa_full=swa_full, swa_keep_extra=block_size - 1 if enable_prefix_caching else 0)
         memory = self.context.memory
+        if enable_prefix_caching and memory.kind in ("recurrent", "hybrid"):
+            log.info("prefix caching is off: a %s memory keeps each sequence's recurrent state whole, so it cannot "
+                     "lend a prefix of it (every prompt is computed in full)", memory.kind)
+            enable_prefix_caching = False
         self.prefix_cache = PrefixCache(memory, PREFIX_CACHE_SEQ, block_size) if enable_prefix_caching else None
         self.scheduler = Scheduler(memory, self.prefix_cache, max_num_seqs, max_num_batched_tokens,
                                    first_seq_id=PREFIX_CACHE_SEQ + 1)

@@ -4,9 +4,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-ATTENTION = "attention"  # the layer kinds the decoder knows; recurrent kinds plug in here
+ATTENTION = "attention"  # the layer kinds the decoder knows
 SLIDING = "sliding_attention"  # attention over only the last `sliding_window` positions (Gemma 3's local layers)
-LAYER_KINDS = (ATTENTION, SLIDING)
+CONV = "conv"  # a gated short convolution whose last inputs are its state (LFM2): a recurrent layer
+LAYER_KINDS = (ATTENTION, SLIDING, CONV)
+RECURRENT_KINDS = (CONV,)
 ACTIVATIONS = ("silu", "gelu_tanh")
 
 
@@ -36,6 +38,9 @@ class Family:
     gguf_query_scale: Callable[[int, int, int, int], float] | None = None
     # The chat template for a file that carries none of its own (a base model's GGUF, say); a file's own wins
     default_chat_template: str | None = None
+    hf_global_names: tuple[tuple[str, str], ...] = ()  # Hugging Face names of whole-model tensors, where not Llama's
+    hf_ff_size: Callable[[dict], int] | None = None  # the MLP width from config.json, when not intermediate_size
+    gguf_names: tuple[tuple[str, str], ...] = ()  # (kvlm's name, the family's GGUF name) of whole-model tensors
 
     def layer_kinds(self, n_layer: int, sliding: bool = False) -> tuple[str, ...]:
         """llama.cpp's pattern: with a window, layer i slides unless i % period == period - 1."""
@@ -44,14 +49,18 @@ class Family:
         return tuple(ATTENTION if i % self.sliding_period == self.sliding_period - 1 else SLIDING
                      for i in range(n_layer))
 
-    def layer_shapes(self, n_embd: int, n_ff: int, n_head: int, n_head_kv: int, head_dim: int) -> dict[str, tuple]:
-        """Shape of every tensor of one layer by GGUF suffix, [out, in] for matrices as torch's linear expects."""
+    def layer_shapes(self, kind: str, n_embd: int, n_ff: int, n_head: int, n_head_kv: int, head_dim: int,
+                     conv_kernel: int = 0) -> dict[str, tuple]:
+        """Shape of every tensor of one layer of a kind by GGUF suffix, [out, in] for matrices as torch's linear
+        expects."""
+        shapes = {"attn_norm.weight": (n_embd,), "ffn_norm.weight": (n_embd,), "ffn_gate.weight": (n_ff, n_embd),
+                  "ffn_up.weight": (n_ff, n_embd), "ffn_down.weight": (n_embd, n_ff)}
+        if kind == CONV:
+            return {**shapes, "shortconv.in_proj.weight": (3 * n_embd, n_embd),
+                    "shortconv.conv.weight": (n_embd, conv_kernel), "shortconv.out_proj.weight": (n_embd, n_embd)}
         q_rows, kv_rows = n_head * head_dim, n_head_kv * head_dim
-        shapes = {
-            "attn_norm.weight": (n_embd,), "attn_q.weight": (q_rows, n_embd), "attn_k.weight": (kv_rows, n_embd),
-            "attn_v.weight": (kv_rows, n_embd), "attn_output.weight": (n_embd, q_rows), "ffn_norm.weight": (n_embd,),
-            "ffn_gate.weight": (n_ff, n_embd), "ffn_up.weight": (n_ff, n_embd), "ffn_down.weight": (n_embd, n_ff),
-        }
+        shapes.update({"attn_q.weight": (q_rows, n_embd), "attn_k.weight": (kv_rows, n_embd),
+                       "attn_v.weight": (kv_rows, n_embd), "attn_output.weight": (n_embd, q_rows)})
         if self.qkv_bias:
             shapes.update({"attn_q.bias": (q_rows,), "attn_k.bias": (kv_rows,), "attn_v.bias": (kv_rows,)})
         if self.qk_norm:

@@ -4,11 +4,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from itertools import groupby
 
-from kvlm.families import LAYER_KINDS, SLIDING, family_named
+from kvlm.families import CONV, LAYER_KINDS, SLIDING, family_named
 from kvlm.model.rope import RopeScaling
 
 
-_SHOWN_WHEN_SET = {"sliding_window": 0, "rope_local": None, "query_scale": 1.0, "final_logit_softcap": 0.0}
+_SHOWN_WHEN_SET = {"sliding_window": 0, "rope_local": None, "query_scale": 1.0, "final_logit_softcap": 0.0,
+                   "conv_kernel": 0}
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class ModelConfig:
     rope_local: RopeScaling | None = None  # the sliding layers' RoPE, when it differs from `rope`
     query_scale: float = 1.0  # Q is multiplied by it: attention scores are scaled by query_scale / sqrt(head_dim)
     final_logit_softcap: float = 0.0  # logits become cap * tanh(logits / cap); 0 for none
+    conv_kernel: int = 0  # the short convolution's width (LFM2's conv_L_cache); 0 when there are no conv layers
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_embd", "n_ff", "n_head", "n_head_kv", "head_dim", "vocab_size", "n_ctx_train"):
@@ -60,6 +62,9 @@ class ModelConfig:
         if SLIDING in self.layer_kinds and (not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
             raise ValueError(f"ModelConfig.sliding_window must be a positive integer for {SLIDING} layers, "
                              f"got {self.sliding_window!r}")
+        if CONV in self.layer_kinds and (not isinstance(self.conv_kernel, int) or self.conv_kernel < 2):
+            raise ValueError(f"ModelConfig.conv_kernel must be an integer >= 2 for {CONV} layers, "
+                             f"got {self.conv_kernel!r}")
 
     @property
     def family(self):

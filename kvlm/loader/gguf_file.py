@@ -10,7 +10,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from kvlm.errors import ModelFileError, UnsupportedModelError
-from kvlm.families import family_named
+from kvlm.families import ATTENTION, CONV, family_named
 from kvlm.loader.config import ModelConfig
 from kvlm.loader.gguf_metadata import metadata_of, open_gguf
 from kvlm.loader.weights import ModelWeights, expected_shapes
@@ -28,6 +28,9 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, ModelWeights, dict[str, An
     metadata = metadata_of(reader)
     config = _config_of(reader, metadata, path)
     tensors = {t.name: t for t in reader.tensors}
+    for ours, theirs in config.family.gguf_names:  # a whole-model tensor the family names otherwise
+        if theirs in tensors:
+            tensors[ours] = tensors.pop(theirs)
     shapes = expected_shapes(config)
     for name, shape in shapes.items():
         _check_tensor(path, tensors.get(name), name, shape)
@@ -82,7 +85,7 @@ def config_from_metadata(
             n_embd=n_embd,
             n_ff=int(key("feed_forward_length")),
             n_head=n_head,
-            n_head_kv=int(key("attention.head_count_kv", n_head)),
+            n_head_kv=_kv_heads(key("attention.head_count_kv", n_head)),
             head_dim=head_dim,
             vocab_size=int(vocab),
             n_ctx_train=int(key("context_length")),
@@ -92,6 +95,7 @@ def config_from_metadata(
             query_scale=query_scale,
             final_logit_softcap=float(metadata.get(f"{arch}.final_logit_softcapping") or 0.0),
             **_sliding_options(metadata, arch, family),
+            **_conv_options(metadata, arch),
         )
     except UnsupportedModelError as exc:
         raise UnsupportedModelError(f"{path}: {exc}") from None
@@ -109,6 +113,20 @@ def _sliding_options(metadata: dict[str, Any], arch: str, family) -> dict[str, A
         return {}
     theta = float(metadata.get(f"{arch}.rope.freq_base_swa") or 10000.0)
     return {"sliding_window": window, "rope_local": rope.RopeScaling(theta=theta)}
+
+
+def _kv_heads(value: Any) -> int:
+    """head_count_kv, or of a per-layer list (LFM2's: 0 for layers without attention) its largest."""
+    return int(max(value)) if isinstance(value, list) else int(value)
+
+
+def _conv_options(metadata: dict[str, Any], arch: str) -> dict[str, Any]:
+    """LFM2's layer kinds as llama.cpp reads them: a layer with no KV heads is a short convolution."""
+    heads = metadata.get(f"{arch}.attention.head_count_kv")
+    kernel = metadata.get(f"{arch}.shortconv.l_cache")
+    if kernel is None or not isinstance(heads, list):
+        return {}
+    return {"conv_kernel": int(kernel), "layer_kinds": tuple(CONV if n == 0 else ATTENTION for n in heads)}
 
 
 def _check_full_rotary(metadata: dict[str, Any], config: ModelConfig, path) -> None:

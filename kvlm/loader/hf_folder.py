@@ -9,7 +9,7 @@ from safetensors import SafetensorError
 from safetensors import safe_open
 
 from kvlm.errors import ModelFileError, UnsupportedModelError
-from kvlm.families import ATTENTION, SLIDING, family_for_hf
+from kvlm.families import ATTENTION, CONV, SLIDING, family_for_hf
 from kvlm.loader.config import ModelConfig
 from kvlm.model import rope
 from kvlm.loader.weights import ModelWeights, expected_shapes
@@ -22,11 +22,10 @@ _LAYER_NAMES = {
 }
 # Options of config.json that change the architecture in ways kvlm does not implement: refused, not ignored.
 _UNSUPPORTED_OPTIONS = ("attention_bias", "mlp_bias", "use_sliding_window", "attn_logit_softcapping",
-                        "use_bidirectional_attention")
-_HF_LAYER_KINDS = {"full_attention": ATTENTION, "sliding_attention": SLIDING}
+                        "use_bidirectional_attention", "conv_bias")
+_HF_LAYER_KINDS = {"full_attention": ATTENTION, "sliding_attention": SLIDING, "conv": CONV}
 _HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 _GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-_HF_GLOBAL_NAMES = {gguf: hf for hf, gguf in _GLOBAL_NAMES.items()}
 
 
 def load_hf_folder(folder: str | Path) -> tuple[ModelConfig, ModelWeights]:
@@ -36,13 +35,15 @@ def load_hf_folder(folder: str | Path) -> tuple[ModelConfig, ModelWeights]:
     family = config.family
     files = sorted(folder.glob("*.safetensors"))
     shapes = expected_shapes(config)
-    found = {gguf_name(name, family): (file, name, shape) for file in files for name, shape in _tensor_shapes(file)}
+    found = {gguf_name(name, family): (file, name, _as_gguf_shape(shape))
+             for file in files for name, shape in _tensor_shapes(file)}
     for name, shape in shapes.items():
         _check_shape(folder, found.get(name), name, shape, family)
     weights = {}
     for file in files:
         wanted = {hf: name for name, (f, hf, _) in found.items() if f == file and name in shapes}
-        weights.update({wanted[hf]: tensor.float() for hf, tensor in _read_tensors(file, wanted).items()})
+        weights.update({wanted[hf]: tensor.float().reshape(shapes[wanted[hf]])
+                        for hf, tensor in _read_tensors(file, wanted).items()})
     if family.hf_norm_offset:  # stored as w - offset, multiplied as offset + w: GGUF files store the sum
         offset = family.hf_norm_offset
         weights = {name: w + offset if name.endswith("norm.weight") else w for name, w in weights.items()}
@@ -69,13 +70,13 @@ def config_from_hf(folder: Path) -> ModelConfig:
             name=raw.get("_name_or_path") or folder.name,
             n_layer=raw["num_hidden_layers"],
             n_embd=raw["hidden_size"],
-            n_ff=raw["intermediate_size"],
+            n_ff=family.hf_ff_size(raw) if family.hf_ff_size else raw["intermediate_size"],
             n_head=n_head,
             n_head_kv=raw.get("num_key_value_heads") or n_head,
             head_dim=head_dim,
             vocab_size=raw["vocab_size"],
             n_ctx_train=raw.get("max_position_embeddings", 2048),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(raw.get("rms_norm_eps", raw.get("norm_eps", 1e-6))),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             **_attention_options(raw, family, head_dim),
         )
@@ -101,23 +102,28 @@ def _attention_options(raw: dict, family, head_dim: int) -> dict:
     if unknown:
         raise UnsupportedModelError(
             f"layer types {unknown} are not supported (supported: {', '.join(_HF_LAYER_KINDS)})")
+    if layer_types:
+        options["layer_kinds"] = tuple(_HF_LAYER_KINDS[kind] for kind in layer_types)
+    if "conv" in layer_types:
+        options["conv_kernel"] = raw["conv_L_cache"]
     if "sliding_attention" not in layer_types:  # Qwen's configs list their layers too, all full
         return {**options, "rope": rope.rope_from_hf_config(raw)}
     per_kind = raw.get("rope_parameters") or {}
-    if all(isinstance(per_kind.get(kind), dict) for kind in _HF_LAYER_KINDS):  # transformers 5: one dict per kind
+    attention_kinds = ("full_attention", "sliding_attention")
+    if all(isinstance(per_kind.get(kind), dict) for kind in attention_kinds):  # transformers 5: a dict per kind
         full, local = (rope.rope_from_hf_config({**raw, "rope_parameters": per_kind[kind], "rope_scaling": None})
-                       for kind in _HF_LAYER_KINDS)
+                       for kind in attention_kinds)
     else:  # older: rope_theta and rope_scaling for full layers, rope_local_base_freq for sliding ones
         full = rope.rope_from_hf_config(raw)
         local = rope.RopeScaling(theta=raw.get("rope_local_base_freq", 10000.0))
-    return {**options, "rope": full, "rope_local": local, "sliding_window": raw.get("sliding_window") or 0,
-            "layer_kinds": tuple(_HF_LAYER_KINDS[kind] for kind in layer_types)}
+    return {**options, "rope": full, "rope_local": local, "sliding_window": raw.get("sliding_window") or 0}
 
 
 def gguf_name(hf_name: str, family=None) -> str:
     stem, _, kind = hf_name.rpartition(".")
-    if stem in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[stem]}.{kind}"
+    global_names = _global_names(family)
+    if stem in global_names:
+        return f"{global_names[stem]}.{kind}"
     parts = stem.split(".", 3)  # model, layers, N, rest
     names = _layer_names(family)
     if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in names:
@@ -128,13 +134,23 @@ def gguf_name(hf_name: str, family=None) -> str:
 def hf_name(name: str, family=None) -> str:
     """The Hugging Face name of a GGUF tensor name: what errors about a folder should say."""
     stem, _, kind = name.rpartition(".")
-    if stem in _HF_GLOBAL_NAMES:
-        return f"{_HF_GLOBAL_NAMES[stem]}.{kind}"
+    hf_global_names = {gguf: hf for hf, gguf in _global_names(family).items()}
+    if stem in hf_global_names:
+        return f"{hf_global_names[stem]}.{kind}"
     parts = stem.split(".")  # blk, N, part
     names = {gguf: hf for hf, gguf in _layer_names(family).items()}
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in names:
         return f"model.layers.{parts[1]}.{names[parts[2]]}.{kind}"
     return name
+
+
+def _global_names(family) -> dict[str, str]:
+    return _GLOBAL_NAMES if family is None else {**_GLOBAL_NAMES, **dict(family.hf_global_names)}
+
+
+def _as_gguf_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A depthwise Conv1d weight [channels, 1, width] is GGUF's [channels, width]."""
+    return (shape[0], shape[2]) if len(shape) == 3 and shape[1] == 1 else shape
 
 
 def _layer_names(family) -> dict[str, str]:

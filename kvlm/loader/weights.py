@@ -11,10 +11,12 @@ from kvlm.loader.config import ModelConfig
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Shape of every tensor the decoder needs, [out, in] for matrices as torch's linear expects."""
     d = config.n_embd
-    per_layer = config.family.layer_shapes(d, config.n_ff, config.n_head, config.n_head_kv, config.head_dim)
+    per_kind = {kind: config.family.layer_shapes(kind, d, config.n_ff, config.n_head, config.n_head_kv,
+                                                 config.head_dim, config.conv_kernel)
+                for kind in set(config.layer_kinds)}
     shapes = {"token_embd.weight": (config.vocab_size, d), "output_norm.weight": (d,)}
-    for layer in range(config.n_layer):
-        for part, shape in per_layer.items():
+    for layer, kind in enumerate(config.layer_kinds):
+        for part, shape in per_kind[kind].items():
             shapes[f"blk.{layer}.{part}"] = shape
     if not config.tie_word_embeddings:
         shapes["output.weight"] = (config.vocab_size, d)

@@ -120,6 +120,9 @@ class ISWAMemory:
         for pool in self.pools:
             pool.apply_shifts()
 
+    def split(self, batch, n_ubatch: int) -> list:
+        return batch.split(n_ubatch)
+
     def plan(self, ubatches) -> list[tuple[np.ndarray, np.ndarray]] | None:
         full, sliding = self.full.plan(ubatches), self.sliding.plan(ubatches)
         return None if full is None or sliding is None else list(zip(full, sliding))

@@ -188,6 +188,9 @@ class KVMemory:
             keys = self.store.k.read(layer, self.n_cells)[rows].float()
             self.store.k.write(layer, rows, apply_rope(keys, *rotations[id(rope)]))
 
+    def split(self, batch, n_ubatch: int) -> list:
+        return batch.split(n_ubatch)
+
     def plan(self, ubatches) -> list[np.ndarray] | None:
         """Cells for every micro-batch, found as a dry run on a copy; None if any does not fit."""
         trial = self.cells.copy()

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from kvlm.families import SLIDING
+from kvlm.families import CONV, RECURRENT_KINDS, SLIDING
 from kvlm.loader.config import ModelConfig
+from kvlm.memory.hybrid import HybridMemory
 from kvlm.memory.iswa import ISWAMemory
 from kvlm.memory.memory import KVMemory
+from kvlm.memory.recurrent import RecurrentMemory
 from kvlm.memory.view import KVView, LayerViews
 from kvlm.model.rope import Rope
 
 
 class Memory(Protocol):
-    kind: str  # "unified" or "iswa"
+    kind: str  # "unified", "iswa", "recurrent" or "hybrid"
 
     @property
     def pools(self) -> tuple[KVMemory, ...]:
@@ -52,7 +54,10 @@ class Memory(Protocol):
 
     # a batch
     def apply_shifts(self) -> None: ...
-    def plan(self, ubatches) -> list | None: ...
+    def split(self, batch, n_ubatch: int) -> list:
+        """The batch's micro-batches: in order (KV kinds), or as many tokens per sequence in each (recurrent)."""
+    def plan(self, ubatches) -> list | None:
+        """Where each micro-batch goes; None if it does not fit; InvalidBatch for what the kind cannot take."""
     def begin(self) -> None: ...
     def place(self, ubatch, slot) -> KVView | LayerViews: ...
     def commit(self) -> None: ...
@@ -61,10 +66,25 @@ class Memory(Protocol):
 
 def make_memory(config: ModelConfig, layer_ropes: list[Rope], n_ctx: int, n_seq_max: int, n_ubatch: int,
                 kv_dtype: str, swa_full: bool = False, swa_keep_extra: int = 0) -> Memory:
-    """iSWA for a model with sliding-window layers (unless `swa_full`, llama.cpp's option to keep every cell:
-    then one unified pool whose sliding layers mask by window), else the unified KV cache."""
+    """Recurrent state slots for a model of recurrent layers only, hybrid (KV cache + slots) for a mix; iSWA for
+    a model with sliding-window layers (unless `swa_full`, llama.cpp's option to keep every cell: then one unified
+    pool whose sliding layers mask by window); else the unified KV cache."""
+    state_shapes = [recurrent_state_shapes(config, kind) for kind in config.layer_kinds]
+    if all(shapes is not None for shapes in state_shapes):
+        return RecurrentMemory(config, n_seq_max, state_shapes)
+    if any(shapes is not None for shapes in state_shapes):
+        return HybridMemory(config, n_ctx, n_seq_max, kv_dtype, layer_ropes, state_shapes)
     sliding = [kind == SLIDING for kind in config.layer_kinds]
     if any(sliding) and not swa_full:
         return ISWAMemory(config, n_ctx, n_seq_max, n_ubatch, kv_dtype, layer_ropes, sliding, swa_keep_extra)
     windows = [config.sliding_window if is_sliding else 0 for is_sliding in sliding]
     return KVMemory(config, n_ctx, n_seq_max, kv_dtype, layer_ropes, layer_windows=windows)
+
+
+def recurrent_state_shapes(config: ModelConfig, kind: str) -> list[tuple[int, ...]] | None:
+    """The state a recurrent layer keeps per sequence; None for an attention layer."""
+    if kind not in RECURRENT_KINDS:
+        return None
+    if kind == CONV:
+        return [(config.n_embd, config.conv_kernel - 1)]  # the convolution's last inputs
+    raise AssertionError(f"no state shapes for layer kind {kind!r}")

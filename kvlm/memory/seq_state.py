@@ -22,6 +22,7 @@ from kvlm.loader.config import ModelConfig
 
 if TYPE_CHECKING:
     from kvlm.memory.memory import KVMemory
+    from kvlm.memory.recurrent import RecurrentMemory
 
 MAGIC = b"KVLMSEQ\0"
 VERSION = 2
@@ -36,8 +37,8 @@ def model_identity(config: ModelConfig) -> str:
             f"/KV{config.n_head_kv}x{config.head_dim}/V{config.vocab_size}/rope{config.rope}")
 
 
-def save_sequence(pools: tuple[KVMemory, ...], seq_id: int) -> bytes:
-    """Every pool's cells of one sequence: their positions and K/V rows."""
+def save_sequence(pools: tuple[KVMemory, ...], seq_id: int, recurrent: RecurrentMemory | None = None) -> bytes:
+    """Every pool's cells of one sequence (their positions and K/V rows), and its recurrent state if any."""
     positions, parts, counts = [], [], []
     for pool in pools:
         cells = pool.cells.seq_cells(seq_id)
@@ -45,23 +46,32 @@ def save_sequence(pools: tuple[KVMemory, ...], seq_id: int) -> bytes:
         positions.append(pool.cells.pos[cells])
         parts += [part for plane in (pool.store.k, pool.store.v) for part in plane.gather(rows)]
         counts.append(len(cells))
-    header = {**_layout(pools), "pool_cells": counts}
-    return encode_state(header, np.concatenate(positions), parts)
+    header = {**_layout(pools, recurrent), "pool_cells": counts}
+    if recurrent is not None:
+        header["recurrent_span"], recurrent_parts = recurrent.state_parts(seq_id)
+        parts += recurrent_parts
+    return encode_state(header, np.concatenate(positions) if positions else np.empty(0, np.int64), parts)
 
 
-def load_sequence(pools: tuple[KVMemory, ...], data: bytes, dest_seq_id: int) -> None:
-    """Put a saved sequence into `dest_seq_id` of every pool; it must be empty and fit, else nothing changes."""
-    header, positions, parts = decode_state(data, _layout(pools))
+def load_sequence(pools: tuple[KVMemory, ...], data: bytes, dest_seq_id: int,
+                  recurrent: RecurrentMemory | None = None) -> None:
+    """Put a saved sequence into `dest_seq_id` of every pool (and the recurrent state); it must be empty and fit,
+    else nothing changes."""
+    header, positions, parts = decode_state(data, _layout(pools, recurrent))
+    counts = header["pool_cells"]
+    n_kv_parts = 2 * len(pools) * len(pools[0].store.k.gather(torch.zeros(0, dtype=torch.long))) if pools else 0
+    kv_parts, recurrent_parts = parts[:n_kv_parts], parts[n_kv_parts:]
+    if recurrent is not None:
+        recurrent.check_parts(header["recurrent_span"], recurrent_parts, dest_seq_id)
     for pool in pools:
         if pool.cells.seq_pos_max(dest_seq_id) != -1:
             raise StateError(f"destination sequence {dest_seq_id} is not empty (positions "
                              f"{pool.cells.seq_pos_min(dest_seq_id)}..{pool.cells.seq_pos_max(dest_seq_id)})")
-    counts = header["pool_cells"]
-    per_pool = len(parts) // len(pools)
+    per_pool = n_kv_parts // max(len(pools), 1)
     placements = []
     for index, (pool, n_cells) in enumerate(zip(pools, counts)):
         start = sum(counts[:index])
-        pool_parts = parts[index * per_pool : (index + 1) * per_pool]
+        pool_parts = kv_parts[index * per_pool : (index + 1) * per_pool]
         placements.append((pool, positions[start : start + n_cells], _checked_parts(pool, pool_parts, n_cells)))
     slots = [_free_cells_for(pool, len(pool_positions)) for pool, pool_positions, _ in placements]
     for (pool, pool_positions, (k_parts, v_parts)), slot in zip(placements, slots):
@@ -73,12 +83,15 @@ def load_sequence(pools: tuple[KVMemory, ...], data: bytes, dest_seq_id: int) ->
         seq_mask = np.zeros((len(slot), pool.cells.n_seq_max), dtype=bool)
         seq_mask[:, dest_seq_id] = True
         pool.cells.apply(slot, pool_positions, seq_mask)
+    if recurrent is not None:
+        recurrent.load_parts(header["recurrent_span"], recurrent_parts, dest_seq_id)
 
 
-def _layout(pools: tuple[KVMemory, ...]) -> dict:
-    config = pools[0].config
-    return {"model": model_identity(config), "kv_dtype": pools[0].kv_dtype, "n_layer": config.n_layer,
-            "pools": [[pool.name, pool.store.n_layer] for pool in pools]}
+def _layout(pools: tuple[KVMemory, ...], recurrent: RecurrentMemory | None) -> dict:
+    config = pools[0].config if pools else recurrent.config
+    return {"model": model_identity(config), "kv_dtype": pools[0].kv_dtype if pools else None,
+            "n_layer": config.n_layer, "pools": [[pool.name, pool.store.n_layer] for pool in pools],
+            "recurrent_layers": len(recurrent.states) if recurrent is not None else 0}
 
 
 def _free_cells_for(pool: KVMemory, n_cells: int) -> np.ndarray | None:

@@ -46,12 +46,17 @@ class KVView:
 
 @dataclass
 class LayerViews:
-    """A view per layer, for models whose layers see different cells (sliding-window and full attention, in one
-    pool or in two): layer i attends through `by_layer[i] = (view, its index in that view's store)`."""
+    """A view per layer, for models whose layers see different memory (sliding-window and full attention, in one
+    pool or in two; attention and recurrent layers): layer i goes through `by_layer[i] = (view, its index there)`."""
 
-    by_layer: list[tuple[KVView, int]]
+    by_layer: list[tuple[object, int]]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                batch_invariant: bool = False) -> torch.Tensor:
         view, local = self.by_layer[layer]
         return view.attend(local, q, k, v, batch_invariant)
+
+    def recurrent(self, layer: int):
+        """A recurrent layer's state for this micro-batch (see kvlm.memory.recurrent)."""
+        view, local = self.by_layer[layer]
+        return view.recurrent(local)

@@ -11,12 +11,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvlm.families import ATTENTION, SLIDING
+from kvlm.families import ATTENTION, CONV, SLIDING
 from kvlm.loader.config import ModelConfig
 from kvlm.loader.weights import ModelWeights
 from kvlm.memory.view import KVView
 from kvlm.model.linear import Linear, linear_kind, make_linear
 from kvlm.model.ops import apply_rope, gated_mlp, rms_norm
+from kvlm.model.recurrent import ShortConvWeights, short_conv
 from kvlm.model.rope import Rope
 from kvlm.model.settings import ComputeSettings
 
@@ -33,6 +34,17 @@ class LayerWeights:
     down: Linear
     post_attention_norm: torch.Tensor | None = None  # sandwich norms (Gemma): on each output, before its add
     post_ffw_norm: torch.Tensor | None = None
+
+
+@dataclass
+class ConvLayerWeights:
+    """A short-convolution layer (LFM2): its norm, the gated convolution, then the same MLP as attention layers."""
+
+    attn_norm: torch.Tensor
+    conv: ShortConvWeights
+    ffn_norm: torch.Tensor
+    gate_up: Linear
+    down: Linear
 
 
 class Decoder:
@@ -64,12 +76,12 @@ class Decoder:
         self.rope_local = Rope(config.rope_local, config.head_dim) if config.rope_local else self.rope
         self.embedding_scale = torch.tensor(config.n_embd ** 0.5).to(self.dtype) if config.family.scaled_embedding \
             else None
-        self._blocks = {ATTENTION: self._attention_block, SLIDING: self._attention_block}  # by layer kind
+        self._blocks = {ATTENTION: self._attention_block, SLIDING: self._attention_block,  # by layer kind
+                        CONV: self._conv_block}
 
     def describe(self) -> str:
         """The chosen settings and how many matrices each kernel got, for logs and `kvlm inspect`."""
-        linears = [self.output] + [m for layer in self.layers for m in (layer.qkv, layer.attn_output, layer.gate_up,
-                                                                       layer.down)]
+        linears = [self.output] + [m for layer in self.layers for m in vars(layer).values() if isinstance(m, Linear)]
         counts = Counter(linear_kind(m) for m in linears)
         kinds = ", ".join(f"{n} {kind}" for kind, n in counts.most_common())
         return f"{self.settings.describe()}; matrices: {kinds}"
@@ -82,7 +94,9 @@ class Decoder:
         types = [weights.file_type(weights.layer_name(i, p)) for p in parts]
         return self._linear(torch.cat([weights.layer(i, p) for p in parts]), self.settings.matrix_quant(types))
 
-    def _layer(self, weights: ModelWeights, i: int) -> LayerWeights:
+    def _layer(self, weights: ModelWeights, i: int) -> LayerWeights | ConvLayerWeights:
+        if self.config.layer_kinds[i] == CONV:
+            return self._conv_layer(weights, i)
         qkv = ("attn_q", "attn_k", "attn_v")
         return LayerWeights(
             attn_norm=weights.layer(i, "attn_norm").to(self.dtype),
@@ -97,6 +111,14 @@ class Decoder:
             **({name: weights.layer(i, name).to(self.dtype) for name in ("post_attention_norm", "post_ffw_norm")}
                if self.config.family.sandwich_norms else {}),
         )
+
+    def _conv_layer(self, weights: ModelWeights, i: int) -> ConvLayerWeights:
+        conv = ShortConvWeights(*(weights.layer(i, f"shortconv.{part}").to(self.dtype)
+                                  for part in ("in_proj", "conv", "out_proj")))
+        return ConvLayerWeights(attn_norm=weights.layer(i, "attn_norm").to(self.dtype), conv=conv,
+                                ffn_norm=weights.layer(i, "ffn_norm").to(self.dtype),
+                                gate_up=self._stacked(weights, i, ("ffn_gate", "ffn_up")),
+                                down=self._stacked(weights, i, ("ffn_down",)))
 
     def _qk_norm(self, weights: ModelWeights, i: int) -> torch.Tensor:
         c = self.config
@@ -142,6 +164,17 @@ class Decoder:
         x = x + (h if layer.post_attention_norm is None else rms_norm(h, layer.post_attention_norm, eps))
         h = gated_mlp(rms_norm(x, layer.ffn_norm, eps), layer.gate_up, layer.down, self.config.family.activation)
         return x + (h if layer.post_ffw_norm is None else rms_norm(h, layer.post_ffw_norm, eps))
+
+    def _conv_block(self, index: int, layer: ConvLayerWeights, x, cos, sin, kv) -> torch.Tensor:
+        """The gated short convolution over each sequence's tokens (the micro-batch holds them as [n_seqs,
+        n_tokens], see kvlm.memory.recurrent), from and to the sequence's state; then the MLP."""
+        eps = self.config.rms_norm_eps
+        state = kv.recurrent(index)
+        h = rms_norm(x, layer.attn_norm, eps).view(*state.shape, -1)
+        y, conv_state = short_conv(layer.conv, h, *state.read())
+        state.write([conv_state])
+        x = x + y.reshape(x.shape)
+        return x + gated_mlp(rms_norm(x, layer.ffn_norm, eps), layer.gate_up, layer.down, self.config.family.activation)
 
     def _attention(self, index: int, layer: LayerWeights, h, cos, sin, kv: KVView) -> torch.Tensor:
         c = self.config

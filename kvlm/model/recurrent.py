@@ -1,0 +1,176 @@
+"""The math of recurrent layers as plain functions over explicit states: LFM2's short convolution and Mamba2's mixer.
+
+Each function takes x [n_seq, T, d], T new tokens of each of n_seq sequences, with each sequence's state before
+them (zeros for a fresh sequence), and returns the output and the states after them. Feeding a sequence in
+pieces, each piece continuing from the states the previous one returned, gives what feeding it whole gives.
+Projections run in x's dtype, the SSM scan and its state in float32. They match transformers' Lfm2ShortConv
+and Mamba2Mixer.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# Tokens per block of the chunked scan: its work within a block grows with the block's length, the Python
+# steps between blocks with their number. 32 and 64 were fastest on one CPU core for prompts of hundreds of
+# tokens; 256, transformers' default, took 1.5-4x as long.
+SCAN_CHUNK = 64
+
+
+@dataclass
+class ShortConvWeights:
+    in_proj: torch.Tensor  # [3*d, d]: the rows of B, then C, then x
+    conv: torch.Tensor  # [d, L]: one causal filter per channel
+    out_proj: torch.Tensor  # [d, d]
+    in_proj_bias: torch.Tensor | None = None
+    conv_bias: torch.Tensor | None = None
+    out_proj_bias: torch.Tensor | None = None
+
+
+def short_conv(w: ShortConvWeights, x: torch.Tensor,
+               conv_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """LFM2's gated short convolution: out_proj(C * conv(B * x)).
+
+    conv_state [n_seq, d, L-1] holds the last L-1 inputs of the convolution. Returns y [n_seq, T, d] and the
+    new conv_state.
+    """
+    b, c, h = F.linear(x, w.in_proj, w.in_proj_bias).transpose(1, 2).chunk(3, dim=1)
+    conv_out, conv_state = causal_conv(b * h, conv_state, w.conv, w.conv_bias)
+    y = (c * conv_out).transpose(1, 2)
+    return F.linear(y, w.out_proj, w.out_proj_bias), conv_state
+
+
+def causal_conv(u: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal convolution of u [n_seq, channels, T] by weight [channels, K] after the K-1 inputs in
+    state [n_seq, channels, K-1]. Returns the T outputs (in u's dtype) and the last K-1 inputs (in state's)."""
+    inputs = torch.cat([state.to(u.dtype), u], dim=-1)
+    out = F.conv1d(inputs.to(weight.dtype), weight.unsqueeze(1), bias, groups=weight.shape[0])
+    return out.to(u.dtype), inputs[..., u.shape[-1]:].to(state.dtype)
+
+
+@dataclass
+class Mamba2Weights:
+    in_proj: torch.Tensor  # [2*d_inner + 2*G*N + H, d_model]: the rows of z, then x, B, C (the conv's input), dt
+    conv: torch.Tensor  # [conv_dim, K], conv_dim = d_inner + 2*G*N
+    conv_bias: torch.Tensor | None
+    dt_bias: torch.Tensor  # [H]
+    A_log: torch.Tensor  # [H]: A = -exp(A_log)
+    D: torch.Tensor  # [H]
+    norm: torch.Tensor  # [d_inner]
+    out_proj: torch.Tensor  # [d_model, d_inner]
+    n_heads: int  # H
+    head_dim: int  # P
+    d_state: int  # N
+    n_groups: int  # G: head h reads the B and C of group h // (H / G)
+    eps: float  # of the gated RMS norm
+    in_proj_bias: torch.Tensor | None = None
+    out_proj_bias: torch.Tensor | None = None
+    # dt is clamped to it for every token; transformers skips the clamp in its cached single-token step only.
+    time_step_limit: tuple[float, float] = (0.0, math.inf)
+
+    def __post_init__(self) -> None:
+        # mamba_ssm's optional MLP branch (d_mlp > 0) would add rows before z; transformers splits in_proj
+        # into exactly z, xBC and dt and has no such branch, so neither do we.
+        if self.in_proj.shape[0] != self.d_inner + self.conv_dim + self.n_heads:
+            raise ValueError(f"Mamba2 in_proj has {self.in_proj.shape[0]} rows, expected "
+                             f"{self.d_inner + self.conv_dim + self.n_heads} (z, xBC, dt; no MLP branch)")
+        if self.n_heads % self.n_groups:
+            raise ValueError(f"Mamba2 n_heads {self.n_heads} is not a multiple of n_groups {self.n_groups}")
+
+    @property
+    def d_inner(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.d_inner + 2 * self.n_groups * self.d_state
+
+    @property
+    def conv_kernel(self) -> int:
+        return self.conv.shape[1]
+
+
+def mamba2_mixer(w: Mamba2Weights, x: torch.Tensor, conv_state: torch.Tensor,
+                 ssm_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mamba2's mixer: in_proj, causal conv + SiLU, selective scan with D skip, gated RMS norm, out_proj.
+
+    conv_state [n_seq, conv_dim, K-1] holds the last K-1 inputs of the convolution; ssm_state [n_seq, H, P, N]
+    the scan's state (float32). Returns y [n_seq, T, d_model] and both new states.
+    """
+    z, xbc, dt = F.linear(x, w.in_proj, w.in_proj_bias).split([w.d_inner, w.conv_dim, w.n_heads], dim=-1)
+    xbc, conv_state = causal_conv(xbc.transpose(1, 2), conv_state, w.conv, w.conv_bias)
+    bc_size = w.n_groups * w.d_state
+    h, b, c = F.silu(xbc).transpose(1, 2).float().split([w.d_inner, bc_size, bc_size], dim=-1)
+    h = h.unflatten(-1, (w.n_heads, w.head_dim))
+    b, c = (t.unflatten(-1, (w.n_groups, w.d_state)) for t in (b, c))
+    dt = F.softplus(dt.float() + w.dt_bias.float()).clamp(*w.time_step_limit)
+    y, ssm_state = ssd_scan(h, dt, -torch.exp(w.A_log.float()), b, c, ssm_state.float())
+    y = (y + w.D.float()[:, None] * h).flatten(-2)
+    y = gated_rms_norm(y, z, w.norm, w.n_groups, w.eps)
+    return F.linear(y.to(x.dtype), w.out_proj, w.out_proj_bias), conv_state, ssm_state
+
+
+def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+             state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per head: s_t = exp(dt_t A) s_{t-1} + dt_t x_t B_t^T, y_t = s_t C_t, from s_0 = state.
+
+    x [n, T, H, P], dt [n, T, H], A [H], B and C [n, T, G, N], state [n, H, P, N]. Runs SCAN_CHUNK tokens at a
+    time (the SSD form): memory is linear in T, never quadratic. Returns y [n, T, H, P] and s_T.
+    """
+    n_heads = x.shape[2]
+    B, C = (t.repeat_interleave(n_heads // t.shape[2], dim=2) for t in (B, C))
+    if x.shape[1] == 1:  # decode: the recurrence itself is several times cheaper than a block of one token
+        return _ssm_step(x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], state)
+    ys = []
+    for start in range(0, x.shape[1], SCAN_CHUNK):
+        block = slice(start, start + SCAN_CHUNK)
+        y, state = _ssd_block(x[:, block], dt[:, block], A, B[:, block], C[:, block], state)
+        ys.append(y)
+    return torch.cat(ys, dim=1), state
+
+
+def _ssm_step(x, dt, A, B, C, state):
+    """ssd_scan for one token, B and C already per head: x [n, H, P], dt [n, H], B and C [n, H, N]."""
+    x = x * dt[..., None]
+    state = (state * torch.exp(dt * A)[..., None, None]).addcmul_(x[..., None], B[:, :, None, :])
+    # A product and a sum: on CPU, batched matrix-vector products (state @ C) take several times longer.
+    return (state * C[:, :, None, :]).sum(-1)[:, None], state
+
+
+def _ssd_block(x, dt, A, B, C, state):
+    """ssd_scan over one block of l tokens, B and C already per head: the outputs from inside the block are an
+    l x l decay-weighted product, like causal attention; those from before it come through the state."""
+    x, B, C = (t.transpose(1, 2) for t in (x, B, C))  # heads first: [n, H, l, P or N]
+    dt = dt.transpose(1, 2)  # [n, H, l]
+    x = x * dt[..., None]
+    step_decay = dt * A[:, None]  # the log of each step's decay
+    log_decay = step_decay.cumsum(-1)  # from the block's start through each step
+    y = (C @ B.transpose(-1, -2) * torch.exp(_segment_sums(step_decay))) @ x
+    y = y + (C @ state.transpose(-1, -2)) * torch.exp(log_decay)[..., None]
+    to_end = torch.exp(log_decay[..., -1:] - log_decay)  # from each step to the block's end
+    state = state * torch.exp(log_decay[..., -1])[..., None, None] + (x * to_end[..., None]).transpose(-1, -2) @ B
+    return y.transpose(1, 2), state
+
+
+def _segment_sums(a: torch.Tensor) -> torch.Tensor:
+    """[..., l] -> [..., l, l]: a[s+1] + ... + a[t] at (t, s) for s <= t, -inf above the diagonal.
+
+    Summed term by term, as transformers' segment_sum: a difference of cumulative sums loses precision once
+    those are large."""
+    n = a.shape[-1]
+    ones = torch.ones(n, n, dtype=torch.bool, device=a.device)
+    sums = a[..., None].expand(*a.shape, n).masked_fill(~ones.tril(-1), 0).cumsum(-2)
+    return sums.masked_fill(ones.triu(1), -math.inf)
+
+
+def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, n_groups: int,
+                   eps: float) -> torch.Tensor:
+    """transformers' MambaRMSNormGated: y * silu(z), RMS-normalized within each of n_groups equal slices of the
+    last dim, times weight; in float32."""
+    g = (y.float() * F.silu(z.float())).unflatten(-1, (n_groups, -1))
+    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * g.flatten(-2)

@@ -1,0 +1,226 @@
+"""LFM2 against transformers on random-weight models it builds: short-convolution layers (recurrent state slots)
+interleaved with GQA attention layers (a KV cache), through the hybrid memory; from a transformers folder and from
+a GGUF named as llama.cpp names LFM2's tensors (the gguf package's own map)."""
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import Lfm2Config, Lfm2ForCausalLM
+
+from conftest import decode_ok, max_diff, reference_logits
+from gguf_factory import gguf_metadata, save_hf_folder, write_gguf
+from kvlm import LLM, Batch, Context, DecodeStatus, SamplingParams, load_model
+from kvlm.errors import CacheError
+from kvlm.memory.hybrid import HybridMemory
+from test_random_models import token_ids
+
+TOLERANCE = 1e-4
+LAYER_TYPES = ["conv", "conv", "full_attention", "conv", "full_attention", "conv"]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def random_lfm2() -> Lfm2ForCausalLM:
+    config = Lfm2Config(
+        vocab_size=1000, hidden_size=64, intermediate_size=192, num_hidden_layers=len(LAYER_TYPES),
+        num_attention_heads=4, num_key_value_heads=2, layer_types=LAYER_TYPES, conv_L_cache=3,
+        max_position_embeddings=512, block_multiple_of=32, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    torch.manual_seed(11)
+    model = Lfm2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or "layernorm" in name:
+                param.uniform_(0.5, 1.5)
+            else:
+                param.normal_(0.0, 0.12)
+    return model
+
+
+def lfm2_gguf(model: Lfm2ForCausalLM, path):
+    """As llama.cpp's converter writes LFM2: per-layer KV head counts (0 for a conv layer), shortconv.l_cache, the
+    MLP's real width, conv weights squeezed to [channels, width], names from gguf's TensorNameMap."""
+    c = model.config
+    n_ff = model.model.layers[0].feed_forward.w1.out_features
+    shim = SimpleNamespace(num_hidden_layers=c.num_hidden_layers, max_position_embeddings=c.max_position_embeddings,
+                           hidden_size=c.hidden_size, intermediate_size=n_ff, num_attention_heads=c.num_attention_heads,
+                           num_key_value_heads=c.num_key_value_heads, head_dim=c.hidden_size // c.num_attention_heads,
+                           rope_parameters=c.rope_parameters, rms_norm_eps=c.norm_eps, vocab_size=c.vocab_size)
+    metadata = gguf_metadata(shim, "lfm2")
+    metadata["lfm2.attention.head_count_kv"] = [0 if t == "conv" else c.num_key_value_heads for t in LAYER_TYPES]
+    metadata["lfm2.shortconv.l_cache"] = c.conv_L_cache
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LFM2, c.num_hidden_layers)
+    tensors = {}
+    for name, value in model.state_dict().items():
+        if name == "lm_head.weight":  # tied
+            continue
+        array = value.float().numpy()
+        tensors[names.get_name(name, try_suffixes=(".weight",))] = array.squeeze(1) if array.ndim == 3 else array
+    return write_gguf(path / "model.gguf", metadata, tensors, arch="lfm2")
+
+
+@pytest.fixture(scope="module")
+def reference() -> Lfm2ForCausalLM:
+    return random_lfm2()
+
+
+@pytest.fixture(scope="module", params=["hf", "gguf"])
+def ours(request, reference, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"lfm2-{request.param}")
+    if request.param == "gguf":
+        return load_model(str(lfm2_gguf(reference, folder)), "float32")
+    save_hf_folder(reference, folder)
+    return load_model(str(folder), "float32")
+
+
+def test_config_reads_the_layer_kinds(ours):
+    assert ours.config.layer_kinds == ("conv", "conv", "attention", "conv", "attention", "conv")
+    assert ours.config.conv_kernel == 3 and ours.config.n_head_kv == 2
+
+
+@pytest.mark.parametrize("n_prompt", [10, 300])
+def test_logits_equal_transformers(ours, reference, n_prompt):
+    ids = token_ids(1000, n_prompt, seed=n_prompt)
+    ctx = Context(ours, n_ctx=512, n_batch=512, n_ubatch=512, n_seq_max=1)
+    assert isinstance(ctx.memory, HybridMemory)
+    decode_ok(ctx, Batch(tokens=ids, logits=[True] * n_prompt))
+    logits = torch.stack([ctx.get_logits_ith(i) for i in range(n_prompt)])
+    assert max_diff(logits, reference_logits(reference, ids)) <= TOLERANCE
+
+
+@pytest.mark.parametrize("n_prompt", [10, 300])
+def test_greedy_32_tokens_equal_transformers(ours, reference, n_prompt):
+    prompt = token_ids(1000, n_prompt, seed=100 + n_prompt)
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
+                                      min_new_tokens=32)[0, n_prompt:].tolist()
+    ctx = Context(ours, n_ctx=512, n_ubatch=64, n_seq_max=1)
+    decode_ok(ctx, Batch.for_sequence(prompt))
+    generated = []
+    for _ in range(32):
+        generated.append(int(ctx.get_logits_ith(-1).argmax()))
+        decode_ok(ctx, Batch.for_sequence(generated[-1:]))
+    assert generated == expected
+
+
+@pytest.mark.parametrize("n_ubatch", [1, 7])
+def test_several_sequences_in_micro_batches_equal_each_alone(ours, reference, n_ubatch):
+    """Three prompts of different lengths in one batch, cut into micro-batches of 1 or 7 with the same number of
+    tokens per sequence; then 4 decode steps of all three. Each equals transformers on that sequence alone."""
+    prompts = [token_ids(1000, n, seed=200 + n) for n in (23, 9, 16)]
+    ctx = Context(ours, n_ctx=256, n_ubatch=n_ubatch, n_seq_max=3)
+    tokens = [t for p in prompts for t in p]
+    seq_ids = [s for s, p in enumerate(prompts) for _ in p]
+    outputs = [i for i in range(len(tokens)) if i + 1 == len(tokens) or seq_ids[i + 1] != seq_ids[i]]
+    decode_ok(ctx, Batch(tokens=tokens, seq_ids=seq_ids, logits=[i in outputs for i in range(len(tokens))]))
+    for step in range(5):
+        for s, prompt in enumerate(prompts):
+            assert max_diff(ctx.get_logits_ith(s), reference_logits(reference, prompt)[-1]) <= TOLERANCE
+        if step < 4:
+            nxt = [int(ctx.get_logits_ith(s).argmax()) for s in range(3)]
+            for s in range(3):
+                prompts[s].append(nxt[s])
+            decode_ok(ctx, Batch(tokens=nxt, seq_ids=[0, 1, 2], logits=[True] * 3))
+
+
+def test_seq_cp_then_diverging_continuations(ours, reference):
+    prompt = token_ids(1000, 20, seed=300)
+    ctx = Context(ours, n_ctx=128, n_ubatch=8, n_seq_max=2)
+    decode_ok(ctx, Batch.for_sequence(prompt))
+    ctx.memory.seq_cp(0, 1, -1, -1)
+    decode_ok(ctx, Batch(tokens=[5, 6, 7, 8], seq_ids=[0, 0, 1, 1], logits=[False, True, False, True]))
+    assert max_diff(ctx.get_logits_ith(0), reference_logits(reference, prompt + [5, 6])[-1]) <= TOLERANCE
+    assert max_diff(ctx.get_logits_ith(1), reference_logits(reference, prompt + [7, 8])[-1]) <= TOLERANCE
+
+
+def memory_snapshot(ctx: Context) -> list:
+    memory = ctx.memory
+    cells = memory.attention.cells
+    used = torch.from_numpy(np.flatnonzero(cells.pos >= 0))
+    return [cells.pos.copy(), cells.seqs.copy(), memory.recurrent.first.copy(), memory.recurrent.last.copy(),
+            memory.attention.store.k.data[:, used].clone(), memory.attention.store.v.data[:, used].clone(),
+            *[state.clone() for layer in memory.recurrent.states for state in layer]]
+
+
+def assert_same(a: list, b: list) -> None:
+    for x, y in zip(a, b):
+        assert np.array_equal(x, y) if isinstance(x, np.ndarray) else torch.equal(x, y)
+
+
+def test_partial_removal_and_shifts_are_refused_and_change_nothing(ours):
+    ctx = Context(ours, n_ctx=128, n_ubatch=8, n_seq_max=2)
+    decode_ok(ctx, Batch.for_sequence(token_ids(1000, 20, seed=301)))
+    before = memory_snapshot(ctx)
+    assert ctx.memory.seq_rm(0, 10, -1) is False  # a state cannot forget its last tokens
+    assert ctx.memory.seq_rm(0, 0, 10) is False
+    with pytest.raises(CacheError, match="context shift"):
+        ctx.memory.seq_add(0, 0, -1, -5)
+    with pytest.raises(CacheError, match="in part"):
+        ctx.memory.seq_cp(0, 1, 0, 10)
+    assert_same(memory_snapshot(ctx), before)
+    assert ctx.memory.seq_rm(0, 25, -1) is True  # nothing there: nothing to do
+    assert ctx.memory.seq_rm(0, -1, -1) is True and ctx.memory.seq_pos_max(0) == -1
+    assert ctx.memory.n_used == 0 and ctx.memory.recurrent.n_used == 0
+
+
+def test_a_token_of_two_sequences_is_an_invalid_batch(ours):
+    ctx = Context(ours, n_ctx=128, n_seq_max=2)
+    status = ctx.decode(Batch(tokens=[5, 6], seq_ids=[[0, 1], [0, 1]]))
+    assert status == DecodeStatus.INVALID_BATCH and "one sequence only" in ctx.last_error
+    assert ctx.memory.n_used == 0
+
+
+def test_a_failed_batch_restores_every_state_it_touched(ours, reference, monkeypatch):
+    prompts = [token_ids(1000, 12, seed=302), token_ids(1000, 15, seed=303)]
+    ctx = Context(ours, n_ctx=128, n_ubatch=4, n_seq_max=2)
+    decode_ok(ctx, Batch(tokens=prompts[0] + prompts[1], seq_ids=[0] * 12 + [1] * 15))
+    before = memory_snapshot(ctx)
+    forward, calls = ours.decoder.forward, []
+
+    def fail_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected failure")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(ours.decoder, "forward", fail_third)
+    more = [token_ids(1000, 6, seed=304), token_ids(1000, 6, seed=305)]
+    batch = Batch(tokens=more[0] + more[1], seq_ids=[0] * 6 + [1] * 6, logits=[False] * 5 + [True] + [False] * 5 + [True])
+    assert ctx.decode(batch) == DecodeStatus.COMPUTE_FAILED
+    assert_same(memory_snapshot(ctx), before)
+    monkeypatch.undo()
+    decode_ok(ctx, batch)
+    for s in range(2):
+        assert max_diff(ctx.get_logits_ith(s), reference_logits(reference, prompts[s] + more[s])[-1]) <= TOLERANCE
+
+
+def test_a_saved_state_restores_into_another_sequence(ours, reference):
+    prompt = token_ids(1000, 30, seed=306)
+    source = Context(ours, n_ctx=128, n_ubatch=16, n_seq_max=1)
+    decode_ok(source, Batch.for_sequence(prompt[:25]))
+    blob = source.state_seq_save(0)
+    target = Context(ours, n_ctx=128, n_ubatch=16, n_seq_max=3)
+    decode_ok(target, Batch.for_sequence(token_ids(1000, 7, seed=307), seq_id=0))
+    target.state_seq_load(blob, 2)
+    decode_ok(target, Batch.for_sequence(prompt[25:], seq_id=2))
+    assert max_diff(target.get_logits_ith(-1), reference_logits(reference, prompt)[-1]) <= TOLERANCE
+    with pytest.raises(CacheError, match="not empty"):
+        target.state_seq_load(blob, 2)
+
+
+def test_engine_preempts_and_recomputes_and_needs_no_prefix_cache(ours, caplog):
+    prompts = [token_ids(1000, 20 + 5 * i, seed=400 + i) for i in range(5)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    with caplog.at_level(logging.INFO, logger="kvlm"):
+        llm = LLM(ours, n_ctx=96, max_num_seqs=3, max_num_batched_tokens=16)
+    assert "prefix caching is off" in caplog.text and llm.engine.prefix_cache is None
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.scheduler.n_preemptions > 0
+    for prompt, output in zip(prompts, outputs):
+        alone = LLM(ours, n_ctx=96, max_num_seqs=1).generate([prompt], params, use_tqdm=False)[0]
+        assert output.token_ids == alone.token_ids
