@@ -2,17 +2,18 @@
 from __future__ import annotations
 
 from kvlm.errors import UnsupportedModelError
-from kvlm.families import gemma3, lfm2, llama, qwen2, qwen3
-from kvlm.families.family import ATTENTION, CONV, LAYER_KINDS, RECURRENT_KINDS, SLIDING, Family
+from kvlm.families import gemma3, lfm2, llama, mamba2, qwen2, qwen3
+from kvlm.families.family import ATTENTION, CONV, LAYER_KINDS, MAMBA, RECURRENT_KINDS, SLIDING, Family
 
 FAMILIES: dict[str, Family] = {
-    family.name: family for family in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma3.FAMILY, lfm2.FAMILY)
+    family.name: family for family in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma3.FAMILY, lfm2.FAMILY,
+                                                 mamba2.FAMILY)
 }
 _BY_HF_NAME = {
     name: family for family in FAMILIES.values() for name in (*family.hf_architectures, family.hf_model_type)
 }
 
-__all__ = ["ATTENTION", "CONV", "FAMILIES", "LAYER_KINDS", "RECURRENT_KINDS", "SLIDING", "Family", "family_named", "family_for_hf"]
+__all__ = ["ATTENTION", "CONV", "FAMILIES", "LAYER_KINDS", "MAMBA", "RECURRENT_KINDS", "SLIDING", "Family", "family_named", "family_for_hf"]
 
 
 def family_named(architecture: object, where: object = "the model") -> Family:

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 ATTENTION = "attention"  # the layer kinds the decoder knows
 SLIDING = "sliding_attention"  # attention over only the last `sliding_window` positions (Gemma 3's local layers)
 CONV = "conv"  # a gated short convolution whose last inputs are its state (LFM2): a recurrent layer
-LAYER_KINDS = (ATTENTION, SLIDING, CONV)
-RECURRENT_KINDS = (CONV,)
+MAMBA = "mamba"  # a Mamba2 mixer: a convolution state and an SSM state per sequence
+LAYER_KINDS = (ATTENTION, SLIDING, CONV, MAMBA)
+RECURRENT_KINDS = (CONV, MAMBA)
 ACTIVATIONS = ("silu", "gelu_tanh")
 
 
@@ -41,23 +42,34 @@ class Family:
     hf_global_names: tuple[tuple[str, str], ...] = ()  # Hugging Face names of whole-model tensors, where not Llama's
     hf_ff_size: Callable[[dict], int] | None = None  # the MLP width from config.json, when not intermediate_size
     gguf_names: tuple[tuple[str, str], ...] = ()  # (kvlm's name, the family's GGUF name) of whole-model tensors
+    fixed_layer_kind: str = ""  # every layer of this kind (Mamba2's), whatever the file says
+    hf_prefix: str = "model"
+    hf_config: Callable[[dict], dict] | None = None  # config.json -> the ModelConfig layer fields, if not Llama's
+    gguf_config: Callable[[Callable], dict] | None = None  # the same from GGUF metadata (read by key suffix)
+    gguf_reshaped: tuple[str, ...] = ()  # tensor name endings a GGUF file stores in another shape, same values  # config.json's tensors are named {hf_prefix}.layers.N...
+    # A Hugging Face tensor stored otherwise than GGUF stores it: (GGUF suffix, how to turn one into the other)
+    hf_values: tuple[tuple[str, Callable], ...] = ()
 
     def layer_kinds(self, n_layer: int, sliding: bool = False) -> tuple[str, ...]:
         """llama.cpp's pattern: with a window, layer i slides unless i % period == period - 1."""
+        if self.fixed_layer_kind:
+            return (self.fixed_layer_kind,) * n_layer
         if not (sliding and self.sliding_period):
             return (ATTENTION,) * n_layer
         return tuple(ATTENTION if i % self.sliding_period == self.sliding_period - 1 else SLIDING
                      for i in range(n_layer))
 
-    def layer_shapes(self, kind: str, n_embd: int, n_ff: int, n_head: int, n_head_kv: int, head_dim: int,
-                     conv_kernel: int = 0) -> dict[str, tuple]:
-        """Shape of every tensor of one layer of a kind by GGUF suffix, [out, in] for matrices as torch's linear
-        expects."""
+    def layer_shapes(self, kind: str, c) -> dict[str, tuple]:
+        """Shape of every tensor of one layer of a kind (for the ModelConfig `c`) by GGUF suffix, [out, in] for
+        matrices as torch's linear expects."""
+        n_embd, n_ff, n_head, n_head_kv, head_dim = c.n_embd, c.n_ff, c.n_head, c.n_head_kv, c.head_dim
+        if kind == MAMBA:
+            return mamba2_shapes(c)
         shapes = {"attn_norm.weight": (n_embd,), "ffn_norm.weight": (n_embd,), "ffn_gate.weight": (n_ff, n_embd),
                   "ffn_up.weight": (n_ff, n_embd), "ffn_down.weight": (n_embd, n_ff)}
         if kind == CONV:
             return {**shapes, "shortconv.in_proj.weight": (3 * n_embd, n_embd),
-                    "shortconv.conv.weight": (n_embd, conv_kernel), "shortconv.out_proj.weight": (n_embd, n_embd)}
+                    "shortconv.conv.weight": (n_embd, c.conv_kernel), "shortconv.out_proj.weight": (n_embd, n_embd)}
         q_rows, kv_rows = n_head * head_dim, n_head_kv * head_dim
         shapes.update({"attn_q.weight": (q_rows, n_embd), "attn_k.weight": (kv_rows, n_embd),
                        "attn_v.weight": (kv_rows, n_embd), "attn_output.weight": (n_embd, q_rows)})
@@ -68,3 +80,12 @@ class Family:
         if self.sandwich_norms:
             shapes.update({"post_attention_norm.weight": (n_embd,), "post_ffw_norm.weight": (n_embd,)})
         return shapes
+
+
+def mamba2_shapes(c) -> dict[str, tuple]:
+    """A Mamba2 layer's tensors in GGUF naming; A (= -exp(A_log)) and D as vectors, the norm over d_inner."""
+    heads, inner, groups, state = c.n_head, c.ssm_inner, c.ssm_groups, c.ssm_state
+    conv_dim = inner + 2 * groups * state
+    return {"attn_norm.weight": (c.n_embd,), "ssm_in.weight": (inner + conv_dim + heads, c.n_embd),
+            "ssm_conv1d.weight": (conv_dim, c.conv_kernel), "ssm_conv1d.bias": (conv_dim,), "ssm_dt.bias": (heads,),
+            "ssm_a": (heads,), "ssm_d": (heads,), "ssm_norm.weight": (inner,), "ssm_out.weight": (c.n_embd, inner)}

@@ -4,12 +4,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from itertools import groupby
 
-from kvlm.families import CONV, LAYER_KINDS, SLIDING, family_named
+from kvlm.families import CONV, LAYER_KINDS, MAMBA, SLIDING, family_named
 from kvlm.model.rope import RopeScaling
 
 
 _SHOWN_WHEN_SET = {"sliding_window": 0, "rope_local": None, "query_scale": 1.0, "final_logit_softcap": 0.0,
-                   "conv_kernel": 0}
+                   "conv_kernel": 0, "ssm_inner": 0, "ssm_state": 0, "ssm_groups": 0,
+                   "ssm_dt_limit": (0.0, float("inf"))}
 
 
 @dataclass(frozen=True)
@@ -32,13 +33,19 @@ class ModelConfig:
     rope_local: RopeScaling | None = None  # the sliding layers' RoPE, when it differs from `rope`
     query_scale: float = 1.0  # Q is multiplied by it: attention scores are scaled by query_scale / sqrt(head_dim)
     final_logit_softcap: float = 0.0  # logits become cap * tanh(logits / cap); 0 for none
-    conv_kernel: int = 0  # the short convolution's width (LFM2's conv_L_cache); 0 when there are no conv layers
+    conv_kernel: int = 0  # the short convolution's width (LFM2's conv_L_cache, Mamba2's conv_kernel); 0 for none
+    ssm_inner: int = 0  # Mamba2: the mixer's width (n_head x head_dim: its heads are the SSM's)
+    ssm_state: int = 0  # Mamba2: the state size N per head channel
+    ssm_groups: int = 0  # Mamba2: groups of heads sharing B and C
+    ssm_dt_limit: tuple[float, float] = (0.0, float("inf"))  # Mamba2: time steps are clamped to it
 
     def __post_init__(self) -> None:
-        for name in ("n_layer", "n_embd", "n_ff", "n_head", "n_head_kv", "head_dim", "vocab_size", "n_ctx_train"):
+        for name in ("n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "vocab_size", "n_ctx_train"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.n_ff, int) or self.n_ff < 0:  # 0: no layer has an MLP (Mamba2)
+            raise ValueError(f"ModelConfig.n_ff must be a non-negative integer, got {self.n_ff!r}")
         if self.n_head % self.n_head_kv:
             raise ValueError(
                 f"ModelConfig.n_head ({self.n_head}) must be a multiple of n_head_kv ({self.n_head_kv})"
@@ -62,9 +69,16 @@ class ModelConfig:
         if SLIDING in self.layer_kinds and (not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
             raise ValueError(f"ModelConfig.sliding_window must be a positive integer for {SLIDING} layers, "
                              f"got {self.sliding_window!r}")
-        if CONV in self.layer_kinds and (not isinstance(self.conv_kernel, int) or self.conv_kernel < 2):
-            raise ValueError(f"ModelConfig.conv_kernel must be an integer >= 2 for {CONV} layers, "
+        recurrent = sorted(set(self.layer_kinds) & {CONV, MAMBA})
+        if recurrent and (not isinstance(self.conv_kernel, int) or self.conv_kernel < 2):
+            raise ValueError(f"ModelConfig.conv_kernel must be an integer >= 2 for {recurrent[0]} layers, "
                              f"got {self.conv_kernel!r}")
+        if MAMBA in self.layer_kinds and self.ssm_inner != self.n_head * self.head_dim:
+            raise ValueError(f"ModelConfig.ssm_inner ({self.ssm_inner}) must be n_head x head_dim "
+                             f"({self.n_head} x {self.head_dim}) for {MAMBA} layers")
+        if MAMBA in self.layer_kinds and (self.ssm_state < 1 or self.ssm_groups < 1 or self.n_head % self.ssm_groups):
+            raise ValueError(f"ModelConfig.ssm_state ({self.ssm_state}) and ssm_groups ({self.ssm_groups}) must be "
+                             f"positive, and n_head ({self.n_head}) a multiple of ssm_groups, for {MAMBA} layers")
 
     @property
     def family(self):

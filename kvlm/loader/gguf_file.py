@@ -33,7 +33,7 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, ModelWeights, dict[str, An
             tensors[ours] = tensors.pop(theirs)
     shapes = expected_shapes(config)
     for name, shape in shapes.items():
-        _check_tensor(path, tensors.get(name), name, shape)
+        _check_tensor(path, tensors.get(name), name, shape, reshaped=name.endswith(config.family.gguf_reshaped))
     weights = {name: _read_tensor(path, tensors[name], shape, config) for name, shape in shapes.items()}
     types = {name: GGMLQuantizationType(tensors[name].tensor_type).name for name in shapes}
     return config, ModelWeights(config, weights, types), metadata
@@ -72,30 +72,20 @@ def config_from_metadata(
         return value
 
     try:
-        n_embd = int(key("embedding_length"))
-        n_head = int(key("attention.head_count"))
-        n_layer = int(key("block_count"))
-        head_dim = int(key("attention.key_length", n_embd // max(n_head, 1)))
+        n_embd, n_layer = int(key("embedding_length")), int(key("block_count"))
         vocab = metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens", []))
-        query_scale = family.gguf_query_scale(n_layer, n_embd, n_head, head_dim) if family.gguf_query_scale else 1.0
+        layers = family.gguf_config(key) if family.gguf_config else _attention_layers(metadata, key, family)
         config = ModelConfig(
             architecture=arch,
             name=str(metadata.get("general.name", Path(path).stem)),
             n_layer=n_layer,
             n_embd=n_embd,
-            n_ff=int(key("feed_forward_length")),
-            n_head=n_head,
-            n_head_kv=_kv_heads(key("attention.head_count_kv", n_head)),
-            head_dim=head_dim,
             vocab_size=int(vocab),
             n_ctx_train=int(key("context_length")),
             rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
             tie_word_embeddings=tied,
             rope=rope.rope_from_gguf(metadata, arch, freq_factors),
-            query_scale=query_scale,
-            final_logit_softcap=float(metadata.get(f"{arch}.final_logit_softcapping") or 0.0),
-            **_sliding_options(metadata, arch, family),
-            **_conv_options(metadata, arch),
+            **layers,
         )
     except UnsupportedModelError as exc:
         raise UnsupportedModelError(f"{path}: {exc}") from None
@@ -113,6 +103,18 @@ def _sliding_options(metadata: dict[str, Any], arch: str, family) -> dict[str, A
         return {}
     theta = float(metadata.get(f"{arch}.rope.freq_base_swa") or 10000.0)
     return {"sliding_window": window, "rope_local": rope.RopeScaling(theta=theta)}
+
+
+def _attention_layers(metadata: dict[str, Any], key, family) -> dict[str, Any]:
+    """The ModelConfig fields of a decoder of attention (and conv) layers with MLPs, as llama.cpp reads them."""
+    arch = family.name
+    n_embd, n_head, n_layer = int(key("embedding_length")), int(key("attention.head_count")), int(key("block_count"))
+    head_dim = int(key("attention.key_length", n_embd // max(n_head, 1)))
+    query_scale = family.gguf_query_scale(n_layer, n_embd, n_head, head_dim) if family.gguf_query_scale else 1.0
+    return {"n_ff": int(key("feed_forward_length")), "n_head": n_head, "head_dim": head_dim,
+            "n_head_kv": _kv_heads(key("attention.head_count_kv", n_head)), "query_scale": query_scale,
+            "final_logit_softcap": float(metadata.get(f"{arch}.final_logit_softcapping") or 0.0),
+            **_sliding_options(metadata, arch, family), **_conv_options(metadata, arch)}
 
 
 def _kv_heads(value: Any) -> int:
@@ -139,12 +141,12 @@ def _check_full_rotary(metadata: dict[str, Any], config: ModelConfig, path) -> N
         )
 
 
-def _check_tensor(path, tensor, name: str, shape: tuple[int, ...]) -> None:
-    """Present, of the expected shape, and holding all its bytes."""
+def _check_tensor(path, tensor, name: str, shape: tuple[int, ...], reshaped: bool = False) -> None:
+    """Present, of the expected shape (or, `reshaped`, as many values), and holding all its bytes."""
     if tensor is None:
         raise ModelFileError(f"{path}: tensor {name} is missing (expected shape {list(shape)})")
     found = tuple(int(n) for n in reversed(tensor.shape.tolist()))
-    if found != shape:
+    if (np.prod(found) != np.prod(shape)) if reshaped else (found != shape):
         raise ModelFileError(f"{path}: tensor {name} has shape {list(found)}, expected {list(shape)}")
     block, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
     expected_bytes = int(np.prod(shape)) // block * type_size

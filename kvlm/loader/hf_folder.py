@@ -47,6 +47,8 @@ def load_hf_folder(folder: str | Path) -> tuple[ModelConfig, ModelWeights]:
     if family.hf_norm_offset:  # stored as w - offset, multiplied as offset + w: GGUF files store the sum
         offset = family.hf_norm_offset
         weights = {name: w + offset if name.endswith("norm.weight") else w for name, w in weights.items()}
+    for suffix, convert in family.hf_values:
+        weights = {name: convert(w) if name.endswith(suffix) else w for name, w in weights.items()}
     return config, ModelWeights(config, weights)
 
 
@@ -63,22 +65,16 @@ def config_from_hf(folder: Path) -> ModelConfig:
         if raw.get(option):
             raise UnsupportedModelError(f"{path}: {option}={raw[option]!r} is not supported for {family.name} models")
     try:
-        n_head = raw["num_attention_heads"]
-        head_dim = raw.get("head_dim") or family.default_head_dim or raw["hidden_size"] // max(n_head, 1)
+        layers = family.hf_config(raw) if family.hf_config else _attention_layers(raw, family)
         return ModelConfig(
             architecture=family.name,
             name=raw.get("_name_or_path") or folder.name,
             n_layer=raw["num_hidden_layers"],
             n_embd=raw["hidden_size"],
-            n_ff=family.hf_ff_size(raw) if family.hf_ff_size else raw["intermediate_size"],
-            n_head=n_head,
-            n_head_kv=raw.get("num_key_value_heads") or n_head,
-            head_dim=head_dim,
             vocab_size=raw["vocab_size"],
             n_ctx_train=raw.get("max_position_embeddings", 2048),
-            rms_norm_eps=float(raw.get("rms_norm_eps", raw.get("norm_eps", 1e-6))),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            **_attention_options(raw, family, head_dim),
+            **layers,
         )
     except UnsupportedModelError as exc:
         raise UnsupportedModelError(f"{path}: {exc}") from None
@@ -86,6 +82,16 @@ def config_from_hf(folder: Path) -> ModelConfig:
         raise ModelFileError(f"{path}: the config has no {exc.args[0]!r}") from None
     except (TypeError, ValueError) as exc:  # values of the wrong type, or ones ModelConfig rejects
         raise ModelFileError(f"{path}: the config describes an invalid model: {exc}") from exc
+
+
+def _attention_layers(raw: dict, family) -> dict:
+    """The ModelConfig fields of a decoder of attention (and conv) layers with MLPs."""
+    n_head = raw["num_attention_heads"]
+    head_dim = raw.get("head_dim") or family.default_head_dim or raw["hidden_size"] // max(n_head, 1)
+    return {"n_ff": family.hf_ff_size(raw) if family.hf_ff_size else raw["intermediate_size"], "n_head": n_head,
+            "n_head_kv": raw.get("num_key_value_heads") or n_head, "head_dim": head_dim,
+            "rms_norm_eps": float(raw.get("rms_norm_eps", raw.get("norm_eps", 1e-6))),
+            **_attention_options(raw, family, head_dim)}
 
 
 def _attention_options(raw: dict, family, head_dim: int) -> dict:
@@ -124,11 +130,14 @@ def gguf_name(hf_name: str, family=None) -> str:
     global_names = _global_names(family)
     if stem in global_names:
         return f"{global_names[stem]}.{kind}"
-    parts = stem.split(".", 3)  # model, layers, N, rest
+    parts = hf_name.split(".", 3)  # model, layers, N, rest
     names = _layer_names(family)
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in names:
-        return f"blk.{parts[2]}.{names[parts[3]]}.{kind}"
-    return hf_name
+    if len(parts) < 4 or parts[:2] != [family.hf_prefix if family else "model", "layers"]:
+        return hf_name
+    part, _, kind = parts[3].rpartition(".")
+    if parts[3] in names:  # a tensor named as a whole (Mamba2's A_log)
+        return f"blk.{parts[2]}.{names[parts[3]]}"
+    return f"blk.{parts[2]}.{names[part]}.{kind}" if part in names else hf_name
 
 
 def hf_name(name: str, family=None) -> str:
@@ -137,11 +146,15 @@ def hf_name(name: str, family=None) -> str:
     hf_global_names = {gguf: hf for hf, gguf in _global_names(family).items()}
     if stem in hf_global_names:
         return f"{hf_global_names[stem]}.{kind}"
-    parts = stem.split(".")  # blk, N, part
+    parts = name.split(".", 2)  # blk, N, part
     names = {gguf: hf for hf, gguf in _layer_names(family).items()}
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in names:
-        return f"model.layers.{parts[1]}.{names[parts[2]]}.{kind}"
-    return name
+    prefix = family.hf_prefix if family else "model"
+    if len(parts) < 3 or parts[0] != "blk":
+        return name
+    if parts[2] in names:
+        return f"{prefix}.layers.{parts[1]}.{names[parts[2]]}"
+    part, _, kind = parts[2].rpartition(".")
+    return f"{prefix}.layers.{parts[1]}.{names[part]}.{kind}" if part in names else name
 
 
 def _global_names(family) -> dict[str, str]:

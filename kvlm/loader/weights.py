@@ -11,9 +11,7 @@ from kvlm.loader.config import ModelConfig
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Shape of every tensor the decoder needs, [out, in] for matrices as torch's linear expects."""
     d = config.n_embd
-    per_kind = {kind: config.family.layer_shapes(kind, d, config.n_ff, config.n_head, config.n_head_kv,
-                                                 config.head_dim, config.conv_kernel)
-                for kind in set(config.layer_kinds)}
+    per_kind = {kind: config.family.layer_shapes(kind, config) for kind in set(config.layer_kinds)}
     shapes = {"token_embd.weight": (config.vocab_size, d), "output_norm.weight": (d,)}
     for layer, kind in enumerate(config.layer_kinds):
         for part, shape in per_kind[kind].items():

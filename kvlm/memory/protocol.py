@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from kvlm.families import CONV, RECURRENT_KINDS, SLIDING
+from kvlm.families import CONV, MAMBA, RECURRENT_KINDS, SLIDING
 from kvlm.loader.config import ModelConfig
 from kvlm.memory.hybrid import HybridMemory
 from kvlm.memory.iswa import ISWAMemory
@@ -87,4 +87,7 @@ def recurrent_state_shapes(config: ModelConfig, kind: str) -> list[tuple[int, ..
         return None
     if kind == CONV:
         return [(config.n_embd, config.conv_kernel - 1)]  # the convolution's last inputs
+    if kind == MAMBA:
+        conv_dim = config.ssm_inner + 2 * config.ssm_groups * config.ssm_state
+        return [(conv_dim, config.conv_kernel - 1), (config.n_head, config.head_dim, config.ssm_state)]
     raise AssertionError(f"no state shapes for layer kind {kind!r}")

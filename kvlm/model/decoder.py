@@ -11,13 +11,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvlm.families import ATTENTION, CONV, SLIDING
+from kvlm.families import ATTENTION, CONV, MAMBA, SLIDING
 from kvlm.loader.config import ModelConfig
 from kvlm.loader.weights import ModelWeights
 from kvlm.memory.view import KVView
 from kvlm.model.linear import Linear, linear_kind, make_linear
 from kvlm.model.ops import apply_rope, gated_mlp, rms_norm
-from kvlm.model.recurrent import ShortConvWeights, short_conv
+from kvlm.model.recurrent import Mamba2Weights, ShortConvWeights, mamba2_mixer, short_conv
 from kvlm.model.rope import Rope
 from kvlm.model.settings import ComputeSettings
 
@@ -45,6 +45,14 @@ class ConvLayerWeights:
     ffn_norm: torch.Tensor
     gate_up: Linear
     down: Linear
+
+
+@dataclass
+class MambaLayerWeights:
+    """A Mamba2 layer: a norm, then the mixer, added to the residual stream (no MLP)."""
+
+    attn_norm: torch.Tensor
+    mixer: Mamba2Weights
 
 
 class Decoder:
@@ -77,7 +85,7 @@ class Decoder:
         self.embedding_scale = torch.tensor(config.n_embd ** 0.5).to(self.dtype) if config.family.scaled_embedding \
             else None
         self._blocks = {ATTENTION: self._attention_block, SLIDING: self._attention_block,  # by layer kind
-                        CONV: self._conv_block}
+                        CONV: self._conv_block, MAMBA: self._mamba_block}
 
     def describe(self) -> str:
         """The chosen settings and how many matrices each kernel got, for logs and `kvlm inspect`."""
@@ -97,6 +105,8 @@ class Decoder:
     def _layer(self, weights: ModelWeights, i: int) -> LayerWeights | ConvLayerWeights:
         if self.config.layer_kinds[i] == CONV:
             return self._conv_layer(weights, i)
+        if self.config.layer_kinds[i] == MAMBA:
+            return self._mamba_layer(weights, i)
         qkv = ("attn_q", "attn_k", "attn_v")
         return LayerWeights(
             attn_norm=weights.layer(i, "attn_norm").to(self.dtype),
@@ -119,6 +129,16 @@ class Decoder:
                                 ffn_norm=weights.layer(i, "ffn_norm").to(self.dtype),
                                 gate_up=self._stacked(weights, i, ("ffn_gate", "ffn_up")),
                                 down=self._stacked(weights, i, ("ffn_down",)))
+
+    def _mamba_layer(self, weights: ModelWeights, i: int) -> MambaLayerWeights:
+        c, layer = self.config, lambda part, kind="weight": weights.layer(i, part, kind).to(self.dtype)
+        a = weights.tensors[f"blk.{i}.ssm_a"]
+        mixer = Mamba2Weights(
+            in_proj=layer("ssm_in"), conv=layer("ssm_conv1d"), conv_bias=layer("ssm_conv1d", "bias"),
+            dt_bias=weights.layer(i, "ssm_dt", "bias"), A_log=torch.log(-a), D=weights.tensors[f"blk.{i}.ssm_d"],
+            norm=layer("ssm_norm"), out_proj=layer("ssm_out"), n_heads=c.n_head, head_dim=c.head_dim,
+            d_state=c.ssm_state, n_groups=c.ssm_groups, eps=c.rms_norm_eps, time_step_limit=c.ssm_dt_limit)
+        return MambaLayerWeights(attn_norm=layer("attn_norm"), mixer=mixer)
 
     def _qk_norm(self, weights: ModelWeights, i: int) -> torch.Tensor:
         c = self.config
@@ -175,6 +195,13 @@ class Decoder:
         state.write([conv_state])
         x = x + y.reshape(x.shape)
         return x + gated_mlp(rms_norm(x, layer.ffn_norm, eps), layer.gate_up, layer.down, self.config.family.activation)
+
+    def _mamba_block(self, index: int, layer: MambaLayerWeights, x, cos, sin, kv) -> torch.Tensor:
+        state = kv.recurrent(index)
+        h = rms_norm(x, layer.attn_norm, self.config.rms_norm_eps).view(*state.shape, -1)
+        y, conv_state, ssm_state = mamba2_mixer(layer.mixer, h, *state.read())
+        state.write([conv_state, ssm_state])
+        return x + y.reshape(x.shape)
 
     def _attention(self, index: int, layer: LayerWeights, h, cos, sin, kv: KVView) -> torch.Tensor:
         c = self.config

@@ -1,6 +1,7 @@
-"""LFM2 against transformers on random-weight models it builds: short-convolution layers (recurrent state slots)
-interleaved with GQA attention layers (a KV cache), through the hybrid memory; from a transformers folder and from
-a GGUF named as llama.cpp names LFM2's tensors (the gguf package's own map)."""
+"""Recurrent models against transformers on random-weight models it builds: LFM2 (short-convolution layers, i.e.
+recurrent state slots, interleaved with GQA attention layers, a KV cache: the hybrid memory) and Mamba2 (every
+layer a Mamba2 mixer: the recurrent memory alone). Each from a transformers folder and from a GGUF written as
+llama.cpp's converter writes it (tensor names from the gguf package's own map)."""
 from __future__ import annotations
 
 import logging
@@ -10,16 +11,18 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import Lfm2Config, Lfm2ForCausalLM
+from transformers import Lfm2Config, Lfm2ForCausalLM, Mamba2Config, Mamba2ForCausalLM
 
 from conftest import decode_ok, max_diff, reference_logits
 from gguf_factory import gguf_metadata, save_hf_folder, write_gguf
 from kvlm import LLM, Batch, Context, DecodeStatus, SamplingParams, load_model
 from kvlm.errors import CacheError
 from kvlm.memory.hybrid import HybridMemory
+from kvlm.memory.recurrent import RecurrentMemory
 from test_random_models import token_ids
 
 TOLERANCE = 1e-4
+VOCAB = 1024  # a multiple of 16: llama.cpp's Mamba2 converter pads the vocabulary to one
 LAYER_TYPES = ["conv", "conv", "full_attention", "conv", "full_attention", "conv"]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -27,7 +30,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def random_lfm2() -> Lfm2ForCausalLM:
     config = Lfm2Config(
-        vocab_size=1000, hidden_size=64, intermediate_size=192, num_hidden_layers=len(LAYER_TYPES),
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=192, num_hidden_layers=len(LAYER_TYPES),
         num_attention_heads=4, num_key_value_heads=2, layer_types=LAYER_TYPES, conv_L_cache=3,
         max_position_embeddings=512, block_multiple_of=32, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
@@ -42,16 +45,67 @@ def random_lfm2() -> Lfm2ForCausalLM:
     return model
 
 
+def random_mamba2() -> Mamba2ForCausalLM:
+    """Time steps, decays and D spread so the state both remembers and forgets within a prompt."""
+    config = Mamba2Config(vocab_size=VOCAB, hidden_size=64, num_heads=8, head_dim=16, state_size=16, n_groups=2,
+                          expand=2, conv_kernel=4, num_hidden_layers=3, chunk_size=16, bos_token_id=1, eos_token_id=2,
+                          pad_token_id=0, tie_word_embeddings=False)
+    torch.manual_seed(12)
+    model = Mamba2ForCausalLM(config).eval()
+    spread = {"A_log": (-1.0, 1.0), "dt_bias": (-2.0, 0.0), ".D": (0.5, 1.5), "norm.weight": (0.5, 1.5),
+              "norm_f.weight": (0.5, 1.5)}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            low_high = next((r for suffix, r in spread.items() if name.endswith(suffix)), None)
+            param.uniform_(*low_high) if low_high else param.normal_(0.0, 0.1)
+    return model
+
+
+def mamba2_gguf(model: Mamba2ForCausalLM, path):
+    """As llama.cpp's Mamba2Model converter writes it: A = -exp(A_log) and D as [H, 1], the gated norm as
+    [groups, d_inner / groups], conv weights squeezed, dt_bias as ssm_dt.bias; its ssm.* keys."""
+    c = model.config
+    inner = c.expand * c.hidden_size
+    metadata = {key: value for key, value in gguf_metadata(_shim(c, 0, c.layer_norm_epsilon), "mamba2").items()
+                if not key.startswith(("mamba2.attention.head_count", "mamba2.attention.key", "mamba2.attention.value",
+                                       "mamba2.rope"))}
+    metadata.update({"mamba2.attention.head_count": 0, "mamba2.ssm.conv_kernel": c.conv_kernel,
+                     "mamba2.ssm.inner_size": inner, "mamba2.ssm.state_size": c.state_size,
+                     "mamba2.ssm.time_step_rank": inner // c.head_dim, "mamba2.ssm.group_count": c.n_groups,
+                     "mamba2.context_length": 2**20})
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MAMBA2, c.num_hidden_layers)
+    tensors = {}
+    for name, value in model.state_dict().items():
+        array = value.float().numpy()
+        hf = name.replace(".dt_bias", ".dt_proj.bias")
+        if name.endswith("A_log"):
+            array = -np.exp(array)
+        if name.endswith(("A_log", ".D")):
+            array = array.reshape(-1, 1)
+        elif name.endswith("mixer.norm.weight"):
+            array = array.reshape(c.n_groups, -1)
+        key = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+        tensors[key] = array.squeeze(1) if array.ndim == 3 else array
+    return write_gguf(path / "model.gguf", metadata, tensors, arch="mamba2")
+
+
+def _shim(config, n_ff: int, eps: float) -> SimpleNamespace:
+    """What gguf_metadata reads, from a config that is not Llama's."""
+    heads = getattr(config, "num_attention_heads", 1)
+    return SimpleNamespace(num_hidden_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
+                           max_position_embeddings=getattr(config, "max_position_embeddings", 2048),
+                           intermediate_size=n_ff, num_attention_heads=heads,
+                           num_key_value_heads=getattr(config, "num_key_value_heads", heads),
+                           head_dim=config.hidden_size // heads, rms_norm_eps=eps, vocab_size=config.vocab_size,
+                           rope_parameters=getattr(config, "rope_parameters", None) or {"rope_theta": 10000.0})
+
+
 def lfm2_gguf(model: Lfm2ForCausalLM, path):
     """As llama.cpp's converter writes LFM2: per-layer KV head counts (0 for a conv layer), shortconv.l_cache, the
     MLP's real width, conv weights squeezed to [channels, width], names from gguf's TensorNameMap."""
     c = model.config
     n_ff = model.model.layers[0].feed_forward.w1.out_features
-    shim = SimpleNamespace(num_hidden_layers=c.num_hidden_layers, max_position_embeddings=c.max_position_embeddings,
-                           hidden_size=c.hidden_size, intermediate_size=n_ff, num_attention_heads=c.num_attention_heads,
-                           num_key_value_heads=c.num_key_value_heads, head_dim=c.hidden_size // c.num_attention_heads,
-                           rope_parameters=c.rope_parameters, rms_norm_eps=c.norm_eps, vocab_size=c.vocab_size)
-    metadata = gguf_metadata(shim, "lfm2")
+    metadata = gguf_metadata(_shim(c, n_ff, c.norm_eps), "lfm2")
     metadata["lfm2.attention.head_count_kv"] = [0 if t == "conv" else c.num_key_value_heads for t in LAYER_TYPES]
     metadata["lfm2.shortconv.l_cache"] = c.conv_L_cache
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LFM2, c.num_hidden_layers)
@@ -64,30 +118,42 @@ def lfm2_gguf(model: Lfm2ForCausalLM, path):
     return write_gguf(path / "model.gguf", metadata, tensors, arch="lfm2")
 
 
+FAMILIES = {"lfm2": (random_lfm2, lfm2_gguf, HybridMemory), "mamba2": (random_mamba2, mamba2_gguf, RecurrentMemory)}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def reference() -> Lfm2ForCausalLM:
-    return random_lfm2()
+def reference(family):
+    return FAMILIES[family][0]()
 
 
 @pytest.fixture(scope="module", params=["hf", "gguf"])
-def ours(request, reference, tmp_path_factory):
-    folder = tmp_path_factory.mktemp(f"lfm2-{request.param}")
+def ours(request, family, reference, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"{family}-{request.param}")
     if request.param == "gguf":
-        return load_model(str(lfm2_gguf(reference, folder)), "float32")
+        return load_model(str(FAMILIES[family][1](reference, folder)), "float32")
     save_hf_folder(reference, folder)
     return load_model(str(folder), "float32")
 
 
-def test_config_reads_the_layer_kinds(ours):
-    assert ours.config.layer_kinds == ("conv", "conv", "attention", "conv", "attention", "conv")
-    assert ours.config.conv_kernel == 3 and ours.config.n_head_kv == 2
+def test_config_reads_the_layer_kinds(ours, family):
+    if family == "lfm2":
+        assert ours.config.layer_kinds == ("conv", "conv", "attention", "conv", "attention", "conv")
+        assert ours.config.conv_kernel == 3 and ours.config.n_head_kv == 2
+    else:
+        assert ours.config.layer_kinds == ("mamba",) * 3
+        assert (ours.config.n_head, ours.config.head_dim, ours.config.ssm_state, ours.config.ssm_groups) == (8, 16, 16, 2)
 
 
 @pytest.mark.parametrize("n_prompt", [10, 300])
-def test_logits_equal_transformers(ours, reference, n_prompt):
+def test_logits_equal_transformers(ours, reference, family, n_prompt):
     ids = token_ids(1000, n_prompt, seed=n_prompt)
     ctx = Context(ours, n_ctx=512, n_batch=512, n_ubatch=512, n_seq_max=1)
-    assert isinstance(ctx.memory, HybridMemory)
+    assert isinstance(ctx.memory, FAMILIES[family][2])
     decode_ok(ctx, Batch(tokens=ids, logits=[True] * n_prompt))
     logits = torch.stack([ctx.get_logits_ith(i) for i in range(n_prompt)])
     assert max_diff(logits, reference_logits(reference, ids)) <= TOLERANCE
@@ -139,12 +205,15 @@ def test_seq_cp_then_diverging_continuations(ours, reference):
 
 
 def memory_snapshot(ctx: Context) -> list:
+    """The recurrent slots' bookkeeping and states; for a hybrid memory also its cells and their K/V rows."""
     memory = ctx.memory
-    cells = memory.attention.cells
-    used = torch.from_numpy(np.flatnonzero(cells.pos >= 0))
-    return [cells.pos.copy(), cells.seqs.copy(), memory.recurrent.first.copy(), memory.recurrent.last.copy(),
-            memory.attention.store.k.data[:, used].clone(), memory.attention.store.v.data[:, used].clone(),
-            *[state.clone() for layer in memory.recurrent.states for state in layer]]
+    recurrent = memory.recurrent if isinstance(memory, HybridMemory) else memory
+    snapshot = [recurrent.first.copy(), recurrent.last.copy(), *[s.clone() for layer in recurrent.states for s in layer]]
+    for pool in memory.pools:
+        used = torch.from_numpy(np.flatnonzero(pool.cells.pos >= 0))
+        snapshot += [pool.cells.pos.copy(), pool.cells.seqs.copy(), pool.store.k.data[:, used].clone(),
+                     pool.store.v.data[:, used].clone()]
+    return snapshot
 
 
 def assert_same(a: list, b: list) -> None:
@@ -165,7 +234,7 @@ def test_partial_removal_and_shifts_are_refused_and_change_nothing(ours):
     assert_same(memory_snapshot(ctx), before)
     assert ctx.memory.seq_rm(0, 25, -1) is True  # nothing there: nothing to do
     assert ctx.memory.seq_rm(0, -1, -1) is True and ctx.memory.seq_pos_max(0) == -1
-    assert ctx.memory.n_used == 0 and ctx.memory.recurrent.n_used == 0
+    assert ctx.memory.n_used == 0 and ctx.memory.seq_pos_min(0) == -1
 
 
 def test_a_token_of_two_sequences_is_an_invalid_batch(ours):
@@ -213,14 +282,17 @@ def test_a_saved_state_restores_into_another_sequence(ours, reference):
         target.state_seq_load(blob, 2)
 
 
-def test_engine_preempts_and_recomputes_and_needs_no_prefix_cache(ours, caplog):
+def test_engine_preempts_and_recomputes_and_needs_no_prefix_cache(ours, family, caplog):
+    """Five requests, three at a time, in 96 cells: LFM2's KV cells run out and a request is preempted, then
+    recomputed; Mamba2 needs one state slot per running request whatever its length, so nothing is preempted.
+    Either way each output equals its request run alone."""
     prompts = [token_ids(1000, 20 + 5 * i, seed=400 + i) for i in range(5)]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     with caplog.at_level(logging.INFO, logger="kvlm"):
         llm = LLM(ours, n_ctx=96, max_num_seqs=3, max_num_batched_tokens=16)
     assert "prefix caching is off" in caplog.text and llm.engine.prefix_cache is None
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert llm.engine.scheduler.n_preemptions > 0
+    assert (llm.engine.scheduler.n_preemptions > 0) == (family == "lfm2")
     for prompt, output in zip(prompts, outputs):
         alone = LLM(ours, n_ctx=96, max_num_seqs=1).generate([prompt], params, use_tqdm=False)[0]
         assert output.token_ids == alone.token_ids
