@@ -169,3 +169,4 @@ def reference_logits(hf_model, ids: list[int]) -> torch.Tensor:
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
+

@@ -112,22 +112,14 @@ def test_several_sequences_in_straddling_micro_batches_equal_every_cell_kept(our
     assert runs[0].memory.sliding.n_used <= 3 * WINDOW
 
 
-def test_a_failed_batch_restores_cells_and_the_rows_it_took_over(ours, reference, monkeypatch):
+def test_a_failed_batch_restores_cells_and_the_rows_it_took_over(ours, reference, monkeypatch, fail_forward_at):
     """The third micro-batch fails after the first two reused cells that held the sequence's window before the
     batch: both pools' bookkeeping and K/V bytes come back exactly, and the batch then runs as if never tried."""
     ids = token_ids(1000, 41, seed=22)
     ctx = iswa_context(ours)
     decode_ok(ctx, Batch.for_sequence(ids[:20]))
     before = pool_state(ctx)
-    forward, calls = ours.decoder.forward, []
-
-    def fail_third(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("injected failure")
-        return forward(*args, **kwargs)
-
-    monkeypatch.setattr(ours.decoder, "forward", fail_third)
+    fail_forward_at(ours.decoder, 3)
     assert ctx.decode(Batch.for_sequence(ids[20:41])) == DecodeStatus.COMPUTE_FAILED
     assert_same_state(pool_state(ctx), before)
     monkeypatch.undo()

@@ -61,7 +61,7 @@ def random_mamba2() -> Mamba2ForCausalLM:
     return model
 
 
-def mamba2_gguf(model: Mamba2ForCausalLM, path):
+def mamba2_gguf(model: Mamba2ForCausalLM, path, quant=gguf.GGMLQuantizationType.F32):
     """As llama.cpp's Mamba2Model converter writes it: A = -exp(A_log) and D as [H, 1], the gated norm as
     [groups, d_inner / groups], conv weights squeezed, dt_bias as ssm_dt.bias; its ssm.* keys."""
     c = model.config
@@ -86,7 +86,7 @@ def mamba2_gguf(model: Mamba2ForCausalLM, path):
             array = array.reshape(c.n_groups, -1)
         key = names.get_name(hf, try_suffixes=(".weight", ".bias"))
         tensors[key] = array.squeeze(1) if array.ndim == 3 else array
-    return write_gguf(path / "model.gguf", metadata, tensors, arch="mamba2")
+    return write_gguf(path / "model.gguf", metadata, tensors, arch="mamba2", quant=quant)
 
 
 def _shim(config, n_ff: int, eps: float) -> SimpleNamespace:
@@ -100,13 +100,13 @@ def _shim(config, n_ff: int, eps: float) -> SimpleNamespace:
                            rope_parameters=getattr(config, "rope_parameters", None) or {"rope_theta": 10000.0})
 
 
-def lfm2_gguf(model: Lfm2ForCausalLM, path):
+def lfm2_gguf(model: Lfm2ForCausalLM, path, quant=gguf.GGMLQuantizationType.F32):
     """As llama.cpp's converter writes LFM2: per-layer KV head counts (0 for a conv layer), shortconv.l_cache, the
     MLP's real width, conv weights squeezed to [channels, width], names from gguf's TensorNameMap."""
     c = model.config
     n_ff = model.model.layers[0].feed_forward.w1.out_features
     metadata = gguf_metadata(_shim(c, n_ff, c.norm_eps), "lfm2")
-    metadata["lfm2.attention.head_count_kv"] = [0 if t == "conv" else c.num_key_value_heads for t in LAYER_TYPES]
+    metadata["lfm2.attention.head_count_kv"] = [0 if t == "conv" else c.num_key_value_heads for t in c.layer_types]
     metadata["lfm2.shortconv.l_cache"] = c.conv_L_cache
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LFM2, c.num_hidden_layers)
     tensors = {}
@@ -115,7 +115,7 @@ def lfm2_gguf(model: Lfm2ForCausalLM, path):
             continue
         array = value.float().numpy()
         tensors[names.get_name(name, try_suffixes=(".weight",))] = array.squeeze(1) if array.ndim == 3 else array
-    return write_gguf(path / "model.gguf", metadata, tensors, arch="lfm2")
+    return write_gguf(path / "model.gguf", metadata, tensors, arch="lfm2", quant=quant)
 
 
 FAMILIES = {"lfm2": (random_lfm2, lfm2_gguf, HybridMemory), "mamba2": (random_mamba2, mamba2_gguf, RecurrentMemory)}
@@ -244,20 +244,12 @@ def test_a_token_of_two_sequences_is_an_invalid_batch(ours):
     assert ctx.memory.n_used == 0
 
 
-def test_a_failed_batch_restores_every_state_it_touched(ours, reference, monkeypatch):
+def test_a_failed_batch_restores_every_state_it_touched(ours, reference, monkeypatch, fail_forward_at):
     prompts = [token_ids(1000, 12, seed=302), token_ids(1000, 15, seed=303)]
     ctx = Context(ours, n_ctx=128, n_ubatch=4, n_seq_max=2)
     decode_ok(ctx, Batch(tokens=prompts[0] + prompts[1], seq_ids=[0] * 12 + [1] * 15))
     before = memory_snapshot(ctx)
-    forward, calls = ours.decoder.forward, []
-
-    def fail_third(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("injected failure")
-        return forward(*args, **kwargs)
-
-    monkeypatch.setattr(ours.decoder, "forward", fail_third)
+    fail_forward_at(ours.decoder, 3)
     more = [token_ids(1000, 6, seed=304), token_ids(1000, 6, seed=305)]
     batch = Batch(tokens=more[0] + more[1], seq_ids=[0] * 6 + [1] * 6, logits=[False] * 5 + [True] + [False] * 5 + [True])
     assert ctx.decode(batch) == DecodeStatus.COMPUTE_FAILED
