@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections import Counter
 import sys
 
@@ -11,13 +12,14 @@ from kvlm.engine.llm import LLM
 from kvlm.engine.request import RequestOutput
 from kvlm.engine.sampling_params import SamplingParams
 from kvlm.errors import KvlmError
-from kvlm.families import SLIDING
+from kvlm.families import RECURRENT_KINDS, SLIDING
 from kvlm.fetch import DEFAULT_MODEL, KNOWN_MODELS, pull
 from kvlm.generate import GenerationSettings, generate
 from kvlm.load import load_model, load_summary
 from kvlm.loader.config import ModelConfig
 from kvlm.memory.iswa import sliding_pool_cells
 from kvlm.memory.kv_store import KV_DTYPES, kv_bytes_for
+from kvlm.memory.protocol import recurrent_state_shapes
 from kvlm.model.settings import AUTO, DTYPES, QUANTS, resolve_settings
 from kvlm.tokenizer import StreamDecoder, checked_template_kwargs
 
@@ -273,6 +275,9 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"{'stored as':20} {', '.join(f'{n} {t}' for t, n in stored.most_common()) or 'float tensors'}")
     print(f"{'compute (defaults)':20} {resolve_settings().describe()}")
     print(f"{'n_ctx':20} {n_ctx}")
+    if any(kind in RECURRENT_KINDS for kind in config.layer_kinds):
+        _inspect_recurrent(config, n_ctx)
+        return 0
     pools = iswa_pools(config, n_ctx)
     if pools is None:
         for dtype in KV_DTYPES:
@@ -292,6 +297,44 @@ def _inspect(args: argparse.Namespace) -> int:
               f"swa_full {_bytes(kept)}")
     return 0
 
+
+def _inspect_recurrent(config: ModelConfig, n_ctx: int) -> None:
+    """A model with recurrent layers: the memory kind; KV bytes for its attention layers only (hybrid; none for a
+    model of recurrent layers alone); the recurrent state of one sequence (n_seq_max 1), float32 whatever the KV
+    dtype."""
+    n_attention, state = recurrent_state(config)
+    recurrent = Counter(kind for kind in config.layer_kinds if kind in RECURRENT_KINDS)
+    layers = ", ".join(f"{n} {kind} layer{'' if n == 1 else 's'}" for kind, n in recurrent.items())
+    if n_attention:
+        print(f"{'kv memory':20} hybrid: KV cache for {n_attention} attention layers x {n_ctx} cells, "
+              f"recurrent state for {layers}")
+        for dtype in KV_DTYPES:
+            size = kv_bytes_for(config, n_ctx, dtype, n_attention)
+            print(f"kv_bytes ({dtype:4})     {_bytes(size)} for {n_attention} attention layers of {config.n_layer}")
+    else:
+        print(f"{'kv memory':20} recurrent: no KV cache, recurrent state for {layers}")
+    per_layer = {kind: " + ".join("x".join(map(str, shape)) for shape in recurrent_state_shapes(config, kind))
+                 for kind in recurrent}
+    shapes = ", ".join(f"{n} {kind} layer{'' if n == 1 else 's'} x [{per_layer[kind]}]"
+                       for kind, n in recurrent.items())
+    print(f"{'recurrent state':20} {_bytes(state * INSPECT_N_SEQ_MAX)} for n_seq_max {INSPECT_N_SEQ_MAX}, "
+          f"f32: {shapes} per sequence")
+
+
+def recurrent_state(config: ModelConfig) -> tuple[int, int]:
+    """(attention layers, bytes of one sequence's recurrent state: float32, summed over the recurrent layers) as
+    the recurrent and hybrid memories allocate them."""
+    n_attention, state = 0, 0
+    for kind in config.layer_kinds:
+        shapes = recurrent_state_shapes(config, kind)
+        if shapes is None:
+            n_attention += 1
+        else:
+            state += sum(math.prod(shape) for shape in shapes) * RECURRENT_STATE_BYTES
+    return n_attention, state
+
+
+RECURRENT_STATE_BYTES = 4  # a recurrent state is float32 (kvlm.memory.recurrent)
 
 # What `kvlm inspect` sizes the sliding pool for: one sequence, micro-batches of 512 (llama.cpp's defaults).
 INSPECT_N_SEQ_MAX = 1

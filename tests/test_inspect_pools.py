@@ -1,6 +1,7 @@
 """`kvlm inspect` for a model with sliding-window layers: the bytes of iSWA's full and sliding pools beside one full
-cache (--swa-full), for the real Gemma 3 270M and, against what the memory really allocates, a random Gemma 3; and
---swa-full from the command line to the engine."""
+cache (--swa-full), for the real Gemma 3 270M and, against what the memory really allocates, a random Gemma 3;
+for models with recurrent layers (a random LFM2: KV bytes of its attention layers only and the conv layers' state;
+a random Mamba2: no KV cache, the state alone); and --swa-full from the command line to the engine."""
 from __future__ import annotations
 
 import io
@@ -10,6 +11,7 @@ import re
 import pytest
 from gguf_factory import save_hf_folder
 from test_gemma3 import WINDOW, random_gemma3
+from test_recurrent_models import random_lfm2, random_mamba2
 
 import kvlm.cli
 import kvlm.engine.llm
@@ -92,6 +94,70 @@ def test_inspect_sizes_are_what_the_memory_allocates(gemma, dtype, n_ctx):
 
 def test_a_model_without_sliding_layers_has_no_iswa_pools(smollm2):
     assert iswa_pools(smollm2.config, 4096) is None
+
+
+# --- models with recurrent layers ---
+
+@pytest.fixture(scope="module", params=["lfm2", "mamba2"])
+def recurrent_folder(request, tmp_path_factory, one_thread):
+    reference = {"lfm2": random_lfm2, "mamba2": random_mamba2}[request.param]()
+    folder = tmp_path_factory.mktemp(f"{request.param}-inspect")
+    save_hf_folder(reference, folder)
+    return request.param, reference.config, folder
+
+
+def expected_sizes(name: str, c, n_ctx: int) -> tuple[int, int, dict[str, int]]:
+    """(attention layers, float32 bytes of one sequence's recurrent state, KV bytes by dtype), from the
+    transformers config: LFM2's conv layers keep their last conv_L_cache - 1 inputs of hidden_size channels; a
+    Mamba2 layer the last conv_kernel - 1 inputs of x, B and C and an SSM state of state_size per head channel."""
+    if name == "lfm2":
+        n_attention, n_conv = c.layer_types.count("full_attention"), c.layer_types.count("conv")
+        state = n_conv * c.hidden_size * (c.conv_L_cache - 1) * 4
+        row = 2 * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads)  # K and V of a cell in a layer
+        kv = {dtype: n_attention * n_ctx * row * size for dtype, size in {"f32": 4, "f16": 2, "bf16": 2}.items()}
+        kv["q8_0"] = n_attention * n_ctx * row * 34 // 32  # blocks of 32 values in 34 bytes
+        return n_attention, state, kv
+    conv = (c.expand * c.hidden_size + 2 * c.n_groups * c.state_size) * (c.conv_kernel - 1)
+    ssm = c.num_heads * c.head_dim * c.state_size
+    return 0, c.num_hidden_layers * (conv + ssm) * 4, {}
+
+
+def test_inspect_of_recurrent_layers(recurrent_folder, capsys):
+    name, c, folder = recurrent_folder
+    rows = inspect_rows(capsys, [str(folder), "--ctx", "4096"])
+    n_attention, state, kv = expected_sizes(name, c, 4096)
+    assert "swa_full" not in rows and "sliding pool cells" not in rows
+    assert rows["recurrent state"].startswith(f"{state} ({state / MiB:.2f} MiB) for n_seq_max 1, f32: ")
+    kv_rows = {key: value for key, value in rows.items() if key.startswith("kv_bytes")}
+    if name == "mamba2":
+        assert state == 3 * ((128 + 2 * 2 * 16) * 3 + 8 * 16 * 16) * 4 == 31488
+        assert rows["kv memory"] == "recurrent: no KV cache, recurrent state for 3 mamba layers"
+        assert rows["recurrent state"].endswith("f32: 3 mamba layers x [192x3 + 8x16x16] per sequence")
+        assert kv_rows == {}  # no attention layer: no KV at all
+        return
+    assert (n_attention, state) == (2, 4 * 64 * 2 * 4)
+    assert rows["kv memory"] == ("hybrid: KV cache for 2 attention layers x 4096 cells, recurrent state for "
+                                 "4 conv layers")
+    assert rows["recurrent state"].endswith("f32: 4 conv layers x [64x2] per sequence")
+    assert kv_rows == {f"kv_bytes ({dtype:4})": f"{size} ({size / MiB:.2f} MiB) for 2 attention layers of 6"
+                       for dtype, size in kv.items()}
+    assert kv["f32"] == 2 * 2 * 4096 * 2 * 16 * 4  # not 6 layers' worth
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])  # q8_0 needs a head_dim of 32 or more; this LFM2's is 16
+def test_inspect_recurrent_sizes_are_what_the_memory_allocates(recurrent_folder, dtype):
+    name, c, folder = recurrent_folder
+    model = load_model(str(folder), "float32")
+    n_attention, state, kv = expected_sizes(name, c, 300)
+    assert kvlm.cli.recurrent_state(model.config) == (n_attention, state)
+    memory = Context(model, n_ctx=300, n_batch=512, n_ubatch=512, n_seq_max=1, kv_dtype=dtype).memory
+    slots = memory.recurrent if name == "lfm2" else memory
+    assert slots.kv_bytes == state
+    if name == "lfm2":
+        assert memory.attention.kv_bytes == kv[dtype] == kv_bytes_for(model.config, 300, dtype, n_attention)
+        assert memory.kv_bytes == kv[dtype] + state
+    else:
+        assert memory.pools == () and memory.kv_bytes == state
 
 
 # --- --swa-full reaches the engine ---

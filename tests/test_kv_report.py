@@ -1,9 +1,12 @@
 """`GET /kv`'s report, checked against a cell-by-cell count on a pool with holes and shared cells; its two pools
-for a model with sliding-window layers (a random Gemma 3, window 8) in the middle of long generations; and the
+for a model with sliding-window layers (a random Gemma 3, window 8) in the middle of long generations; the state
+slots of models with recurrent layers (a random Mamba2: slots only; a random LFM2: a KV pool and slots); and the
 page at /kv/view drawing such reports in a real browser."""
 from __future__ import annotations
 
 import json
+import logging
+import math
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
@@ -14,6 +17,7 @@ from gguf_factory import save_hf_folder
 from prometheus_client.parser import text_string_to_metric_families
 from test_gemma3 import WINDOW, random_gemma3
 from test_random_models import token_ids
+from test_recurrent_models import random_lfm2, random_mamba2
 from test_server_api import CHROMIUM, render_page
 
 from kvlm import load_model
@@ -22,6 +26,7 @@ from kvlm.engine.sampling_params import SamplingParams
 from kvlm.memory.iswa import sliding_pool_cells
 from kvlm.server.kv_report import kv_report
 from kvlm.server.metrics import ServerMetrics
+from kvlm.server.serve import ServeSettings, serve
 
 POOL_KEYS = {"name", "window", "n_layer", "n_cells", "n_used", "n_free", "kv_bytes", "n_request_cells",
              "n_prefix_cache_only_cells", "cells", "sequences", "fragmentation"}
@@ -78,6 +83,7 @@ def test_report_counts_cells_sequences_runs_and_holes(smollm2):
 def test_report_of_an_empty_pool(smollm2):
     report = kv_report(Engine(smollm2, n_ctx=16, max_num_seqs=2))
     [pool] = report["pools"]
+    assert "recurrent" not in report  # only for a memory with recurrent layers
     assert report["n_used"] == 0 and report["sequences"] == []
     assert pool["n_used"] == 0 and pool["cells"] == [] and pool["sequences"] == []
     assert pool["fragmentation"] == {"used_max": 0, "holes": 0, "hole_runs": 0, "largest_free_run": 16,
@@ -179,6 +185,128 @@ def test_metrics_count_cells_per_pool(iswa_engine):
     assert samples[("kvlm_kv_pool_cells_total", "sliding")] == sliding.n_cells
     assert samples[("kvlm_kv_pool_cells_used", "full")] == full.n_used == samples[("kvlm_kv_cells_used", None)]
     assert samples[("kvlm_kv_pool_cells_used", "sliding")] == sliding.n_used
+    assert samples[("kvlm_recurrent_slots_total", None)] == samples[("kvlm_recurrent_slots_used", None)] == 0
+
+
+# --- recurrent state slots: a random Mamba2 (recurrent memory) and a random LFM2 (hybrid memory) ---
+
+RECURRENT = {"mamba2": random_mamba2, "lfm2": random_lfm2}
+RECURRENT_KEYS = {"n_slots", "n_used", "n_layer", "state_bytes", "bytes_per_slot", "slots"}
+
+
+def state_floats_per_slot(hf_config) -> tuple[int, int]:
+    """(recurrent layers, float32 values of one sequence's state), from the transformers config: an LFM2 conv layer
+    keeps its last conv_L_cache - 1 inputs of hidden_size channels; a Mamba2 layer the last conv_kernel - 1 inputs
+    of its convolution (x, B and C: expand x hidden + 2 x groups x state channels) and an SSM state per head."""
+    if hf_config.model_type == "lfm2":
+        n_conv = hf_config.layer_types.count("conv")
+        return n_conv, n_conv * hf_config.hidden_size * (hf_config.conv_L_cache - 1)
+    conv_channels = hf_config.expand * hf_config.hidden_size + 2 * hf_config.n_groups * hf_config.state_size
+    per_layer = conv_channels * (hf_config.conv_kernel - 1) + hf_config.num_heads * hf_config.head_dim * \
+        hf_config.state_size
+    return hf_config.num_hidden_layers, hf_config.num_hidden_layers * per_layer
+
+
+@pytest.fixture(scope="module", params=list(RECURRENT))
+def recurrent_model(request, tmp_path_factory, one_thread):
+    reference = RECURRENT[request.param]()
+    folder = tmp_path_factory.mktemp(f"{request.param}-kv-report")
+    save_hf_folder(reference, folder)
+    return request.param, reference.config, load_model(str(folder), "float32")
+
+
+@pytest.fixture(scope="module")
+def recurrent_engine(recurrent_model):
+    name, hf_config, model = recurrent_model
+    return name, hf_config, *generating(model, 6)
+
+
+def test_report_of_recurrent_slots_after_a_few_steps(recurrent_engine):
+    name, hf_config, engine, ids = recurrent_engine
+    memory = engine.context.memory
+    report = json.loads(json.dumps(kv_report(engine)))  # as the client gets it
+    assert report["kind"] == {"mamba2": "recurrent", "lfm2": "hybrid"}[name]
+    recurrent = report["recurrent"]
+    assert set(recurrent) == RECURRENT_KEYS
+    slots = memory if name == "mamba2" else memory.recurrent
+    # one slot per sequence id: the engine's max_num_seqs (2) and the prefix cache's id (off for these memories)
+    n_layer, floats = state_floats_per_slot(hf_config)
+    assert (recurrent["n_slots"], recurrent["n_layer"]) == (3, n_layer)
+    assert recurrent["bytes_per_slot"] == floats * 4  # float32
+    assert recurrent["state_bytes"] == 3 * floats * 4 == slots.kv_bytes
+    assert recurrent["state_bytes"] == sum(s.numel() * s.element_size() for layer in slots.states for s in layer)
+
+    requests = sorted((engine.requests[i] for i in ids), key=lambda r: r.seq_id)
+    assert all(r.n_computed > len(r.prompt_token_ids) for r in requests)  # both past their prompts
+    expected = [{"seq_id": r.seq_id, "request_id": r.request_id, "role": "request", "pos_min": 0,
+                 "pos_max": r.n_computed - 1} for r in requests]
+    assert recurrent["n_used"] == 2 and recurrent["slots"] == expected
+    assert report["sequences"] == expected  # the memory's sequences: the same two
+
+    if name == "mamba2":  # no KV cells at all: the memory's counts are its slots'
+        assert report["pools"] == []
+        assert (report["n_cells"], report["n_used"]) == (3, 2) == (memory.n_cells, memory.n_used)
+        assert report["n_request_cells"] == report["n_prefix_cache_only_cells"] == 0
+        assert report["kv_bytes"] == recurrent["state_bytes"] == memory.kv_bytes
+        return
+    # LFM2: the attention layers' KV pool as for a unified memory, besides the slots
+    [pool] = report["pools"]
+    assert set(pool) == POOL_KEYS
+    n_attention = hf_config.layer_types.count("full_attention")
+    head_dim = hf_config.hidden_size // hf_config.num_attention_heads
+    assert (pool["name"], pool["window"], pool["n_layer"], pool["n_cells"]) == ("kv", 0, n_attention, 512)
+    assert pool["kv_bytes"] == 2 * n_attention * 512 * hf_config.num_key_value_heads * head_dim * 4
+    assert report["kv_bytes"] == pool["kv_bytes"] + recurrent["state_bytes"] == memory.kv_bytes
+    computed = sum(r.n_computed for r in requests)
+    assert report["n_request_cells"] == pool["n_request_cells"] == pool["n_used"] == report["n_used"] == computed
+    assert report["n_cells"] == 512 and report["n_prefix_cache_only_cells"] == 0
+    assert [(s["seq_id"], s["n_cells"], s["pos_max"]) for s in pool["sequences"]] == [
+        (r.seq_id, r.n_computed, r.n_computed - 1) for r in requests]
+
+
+def test_metrics_count_recurrent_slots(recurrent_engine):
+    name, _, engine, _ = recurrent_engine
+    metrics = ServerMetrics()
+    metrics.refresh(engine)
+    samples = {(s.name, s.labels.get("pool")): s.value
+               for family in text_string_to_metric_families(metrics.render().decode()) for s in family.samples}
+    assert (samples[("kvlm_recurrent_slots_used", None)], samples[("kvlm_recurrent_slots_total", None)]) == (2, 3)
+    memory = engine.context.memory
+    if name == "mamba2":  # no KV cells
+        assert samples[("kvlm_kv_cells_total", None)] == samples[("kvlm_kv_cells_used", None)] == 0
+        assert not any(key[0].startswith("kvlm_kv_pool_cells") for key in samples)
+    else:
+        [pool] = memory.pools
+        assert samples[("kvlm_kv_cells_total", None)] == samples[("kvlm_kv_pool_cells_total", "kv")] == 512
+        assert samples[("kvlm_kv_cells_used", None)] == samples[("kvlm_kv_pool_cells_used", "kv")] == pool.n_used
+
+
+def test_serve_logs_the_recurrent_state(recurrent_model, monkeypatch, caplog):
+    """`serve` down to its log lines, with the app and uvicorn as stand-ins that return at once."""
+    name, hf_config, model = recurrent_model
+    built = []
+    monkeypatch.setattr("kvlm.server.serve.load_model", lambda *args, **kwargs: model)
+    monkeypatch.setattr("kvlm.server.serve.create_app", lambda engine, *args: built.append(engine))
+    monkeypatch.setattr("kvlm.server.serve.uvicorn.Config", lambda *args, **kwargs: None)
+    monkeypatch.setattr("kvlm.server.serve.uvicorn.Server", lambda config: type("S", (), {"run": lambda s: None})())
+    monkeypatch.setattr("kvlm.server.serve.signal.signal", lambda *args: None)
+    with caplog.at_level(logging.INFO, logger="kvlm"):
+        assert serve(ServeSettings(model="m", n_ctx=256, max_num_seqs=2)) == 0
+    [engine] = built
+    memory = engine.context.memory
+    n_layer, floats = state_floats_per_slot(hf_config)
+    messages = [r.getMessage() for r in caplog.records]
+    state = 3 * floats * 4
+    assert (f"recurrent state: 3 slots x {floats * 4} bytes ({n_layer} layers, float32): {state} bytes "
+            f"({state / 2**20:.1f} MiB)") in messages
+    if name == "mamba2":
+        assert "no KV cache (recurrent memory: no attention layers); up to 2 sequences" in messages
+        assert not any(m.startswith("KV cache") for m in messages)
+    else:
+        kv = memory.kv_bytes - state
+        assert kv == memory.attention.kv_bytes
+        assert f"KV cache (hybrid): 256 cells x 2 layers, f32: {kv} bytes ({kv / 2**20:.1f} MiB); up to 2 sequences" \
+            in messages
 
 
 # --- the page, in a real browser, on reports taken in the middle of generations ---
@@ -253,6 +381,44 @@ def test_view_draws_one_grid_per_pool_of_an_iswa_memory(iswa_engine, tmp_path):
         assert f"sliding: {seq['n_cells']} cells, positions {seq['pos_min']}–{seq['pos_max']}" in item
         assert "full: " in item
     assert image[:8] == b"\x89PNG\r\n\x1a\n" and len(image) > 5000
+
+
+@needs_chromium
+def test_view_of_recurrent_slots(recurrent_engine, tmp_path):
+    """Mamba2: no grid, the slots' summary and list; LFM2: the KV pool's grid as for a unified memory, and a line
+    for its slots."""
+    name, _, engine, ids = recurrent_engine
+    report = kv_report(engine)
+    recurrent = report["recurrent"]
+    dom, image = render(report, tmp_path)
+    assert '<div id="error"></div>' in dom
+    kib = lambda b: f"{math.floor(b / 2**10 * 10 + 0.5) / 10:.1f} KiB"  # noqa: E731  (JS's toFixed: half up)
+    slots = (f"2 of 3 slots in use, {kib(recurrent['state_bytes'])} of state ({recurrent['n_layer']} layers, "
+             f"{kib(recurrent['bytes_per_slot'])} per slot)")
+    assert f'data-slots="3" data-used-slots="2" data-state-bytes="{recurrent["state_bytes"]}"' in dom
+    assert '<p id="slots-note">' in dom
+    if name == "mamba2":
+        assert 'data-kind="recurrent"' in dom and 'data-pools="0"' in dom
+        assert dom.count("<canvas") == 0 and '<div id="pools"></div>' in dom
+        assert "<h1>Recurrent state slots</h1>" in dom
+        assert f'<div id="summary">recurrent memory: {slots}</div>' in dom
+        assert '<div id="recurrent" hidden="">' in dom and '<p id="grid-note" hidden="">' in dom
+    else:
+        assert 'data-kind="hybrid"' in dom and 'data-pools="1"' in dom and dom.count("<canvas") == 1
+        assert "<h1>KV cache cells</h1>" in dom and "<h2 hidden=" in dom  # one pool: no pool title
+        [pool] = report["pools"]
+        assert f'<div id="summary">{pool["n_used"]} of 512 cells used: {pool["n_request_cells"]} by requests' in dom
+        assert f'<div id="recurrent">recurrent state: {slots}</div>' in dom
+        assert '<p id="grid-note">' in dom
+    items = legend_items(dom)
+    assert len(items) == 2
+    for slot in recurrent["slots"]:
+        [item] = [i for i in items if f"seq {slot['seq_id']} · request {slot['request_id']}" in i]
+        assert f'data-slot-positions="{slot["pos_min"]}-{slot["pos_max"]}"' in item
+        assert item.endswith(f"state of positions {slot['pos_min']}–{slot['pos_max']}")
+        if name == "lfm2":
+            assert f"{slot['pos_max'] + 1} cells · positions 0–{slot['pos_max']} · " in item
+    assert image[:8] == b"\x89PNG\r\n\x1a\n" and len(image) > 2000
 
 
 @needs_chromium

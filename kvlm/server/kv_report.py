@@ -1,19 +1,25 @@
 """What `GET /kv` shows: the memory as a whole, then each of its pools (one for the unified KV cache; a full and a
-sliding one for iSWA) with every used cell's position and sequence set, each sequence's cells, and how fragmented
-the pool is. Built on the engine thread, so it is a consistent snapshot between steps.
+sliding one for iSWA; the attention layers' one for hybrid; none for recurrent) with every used cell's position and
+sequence set, each sequence's cells, and how fragmented the pool is; and, for a memory with recurrent layers, its
+state slots. Built on the engine thread, so it is a consistent snapshot between steps.
 
 The shape:
 
-    {"kind": "unified" | "iswa",
+    {"kind": "unified" | "iswa" | "hybrid" | "recurrent",
      "n_cells", "n_used", "n_request_cells", "n_prefix_cache_only_cells",   # the memory's: those of its first
-                                          # pool, which keeps every position (the unified pool, iSWA's full pool)
-     "kv_bytes",                          # every pool's
+                                          # pool, which keeps every position (the unified pool, iSWA's full pool,
+                                          # hybrid's attention pool); a recurrent memory's slots, and no cells
+                                          # held by requests or the prefix cache (0, 0)
+     "kv_bytes",                          # every pool's, and the recurrent state's
      "sequences": [{"seq_id", "request_id", "role", "pos_min", "pos_max"}],  # pos_min: from where it is whole
      "pools": [{"name", "window", "n_layer", "n_cells", "n_used", "n_free", "kv_bytes",
                 "n_request_cells", "n_prefix_cache_only_cells",
                 "cells": [[cell, pos, [seq_id, ...]], ...],
                 "sequences": [{"seq_id", "request_id", "role", "n_cells", "pos_min", "pos_max", "cell_runs"}],
-                "fragmentation": {"used_max", "holes", "hole_runs", "largest_free_run", "fragmentation"}}]}
+                "fragmentation": {"used_max", "holes", "hole_runs", "largest_free_run", "fragmentation"}}],
+     # only for a memory with recurrent layers ("hybrid", "recurrent"): one state slot per sequence id
+     "recurrent": {"n_slots", "n_used", "n_layer", "state_bytes", "bytes_per_slot",   # n_layer: recurrent layers
+                   "slots": [{"seq_id", "request_id", "role", "pos_min", "pos_max"}]}}  # the slots in use
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ import numpy as np
 
 from kvlm.engine.engine import PREFIX_CACHE_SEQ, Engine
 from kvlm.memory.memory import KVMemory
+from kvlm.memory.recurrent import RecurrentMemory
 
 
 def _runs(cells: np.ndarray) -> list[list[int]]:
@@ -87,20 +94,45 @@ def _pool(pool: KVMemory, request_of: dict[int, str]) -> dict:
     }
 
 
+def recurrent_part(memory) -> RecurrentMemory | None:
+    """The memory's recurrent state slots: itself for "recurrent", its `recurrent` part for "hybrid", else None."""
+    if memory.kind == "recurrent":
+        return memory
+    return memory.recurrent if memory.kind == "hybrid" else None
+
+
+def _recurrent(slots: RecurrentMemory, request_of: dict[int, str]) -> dict:
+    used = np.flatnonzero(slots.last >= 0)
+    return {
+        "n_slots": slots.n_seq_max,
+        "n_used": int(used.size),
+        "n_layer": len(slots.states),
+        "state_bytes": slots.kv_bytes,                         # every slot's, allocated whether in use or not
+        "bytes_per_slot": slots.kv_bytes // slots.n_seq_max,
+        "slots": [{"seq_id": int(s), "request_id": request_of.get(int(s)), "role": _role(int(s)),
+                   "pos_min": int(slots.first[s]), "pos_max": int(slots.last[s])} for s in used],
+    }
+
+
 def kv_report(engine: Engine) -> dict:
     memory = engine.context.memory
     request_of = {r.seq_id: r.request_id for r in engine.scheduler.running}
     pools = [_pool(pool, request_of) for pool in memory.pools]
-    first = pools[0]
-    live = sorted({s["seq_id"] for pool in pools for s in pool["sequences"]})
-    return {
+    slots = recurrent_part(memory)
+    recurrent = _recurrent(slots, request_of) if slots is not None else None
+    live = sorted({s["seq_id"] for pool in pools for s in pool["sequences"]} |
+                  {s["seq_id"] for s in (recurrent["slots"] if recurrent else ())})
+    report = {
         "kind": memory.kind,
         "n_cells": memory.n_cells,
         "n_used": memory.n_used,
-        "n_request_cells": first["n_request_cells"],
-        "n_prefix_cache_only_cells": first["n_prefix_cache_only_cells"],
+        "n_request_cells": pools[0]["n_request_cells"] if pools else 0,
+        "n_prefix_cache_only_cells": pools[0]["n_prefix_cache_only_cells"] if pools else 0,
         "kv_bytes": memory.kv_bytes,
         "sequences": [{"seq_id": s, "request_id": request_of.get(s), "role": _role(s),
                        "pos_min": memory.seq_pos_min(s), "pos_max": memory.seq_pos_max(s)} for s in live],
         "pools": pools,
     }
+    if recurrent is not None:
+        report["recurrent"] = recurrent
+    return report

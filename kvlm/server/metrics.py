@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from kvlm.engine.engine import Engine
 from kvlm.engine.request import RequestOutput, StepEvent
 from kvlm.server.async_engine import StepObserver
+from kvlm.server.kv_report import recurrent_part
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 
@@ -24,12 +25,16 @@ class ServerMetrics(StepObserver):
                                              registry=r)
         self.running = Gauge("kvlm_requests_running", "Requests holding a sequence", registry=r)
         self.waiting = Gauge("kvlm_requests_waiting", "Requests waiting for a sequence", registry=r)
+        # 0 for a memory without KV cells (a model of recurrent layers only)
         self.kv_cells_used = Gauge("kvlm_kv_cells_used", "KV cells in use (cached prefixes included)", registry=r)
         self.kv_cells_total = Gauge("kvlm_kv_cells_total", "KV cells in all", registry=r)
         # per pool of the memory: "kv" for the unified cache, "full" and "sliding" for iSWA
         self.kv_pool_cells_used = Gauge("kvlm_kv_pool_cells_used", "KV cells in use, by pool", ["pool"], registry=r)
         self.kv_pool_cells_total = Gauge("kvlm_kv_pool_cells_total", "KV cells in all, by pool", ["pool"],
                                          registry=r)
+        # one slot per sequence id for models with recurrent layers (hybrid and recurrent memories); else 0
+        self.recurrent_slots_used = Gauge("kvlm_recurrent_slots_used", "Recurrent state slots in use", registry=r)
+        self.recurrent_slots_total = Gauge("kvlm_recurrent_slots_total", "Recurrent state slots in all", registry=r)
         self.prefix_hits = Counter("kvlm_prefix_cache_hits", "Requests that reused a cached prompt prefix",
                                    registry=r)
         self.prefix_hit_tokens = Counter("kvlm_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
@@ -55,11 +60,15 @@ class ServerMetrics(StepObserver):
         scheduler, memory = engine.scheduler, engine.context.memory
         self.running.set(len(scheduler.running))
         self.waiting.set(len(scheduler.waiting))
-        self.kv_cells_used.set(memory.n_used)
-        self.kv_cells_total.set(memory.n_cells)
+        self.kv_cells_used.set(memory.n_used if memory.pools else 0)  # a recurrent memory's n_used counts slots
+        self.kv_cells_total.set(memory.n_cells if memory.pools else 0)
         for pool in memory.pools:
             self.kv_pool_cells_used.labels(pool=pool.name).set(pool.n_used)
             self.kv_pool_cells_total.labels(pool=pool.name).set(pool.n_cells)
+        slots = recurrent_part(memory)
+        if slots is not None:
+            self.recurrent_slots_used.set(slots.n_used)
+            self.recurrent_slots_total.set(slots.n_seq_max)
 
     def on_finished(self, output: RequestOutput) -> None:
         self.requests.labels(finish_reason=output.finish_reason or "unknown").inc()

@@ -12,6 +12,7 @@ from kvlm.engine.engine import Engine
 from kvlm.load import load_model
 from kvlm.memory.kv_store import AUTO
 from kvlm.server.app import create_app
+from kvlm.server.kv_report import recurrent_part
 
 log = logging.getLogger("kvlm")
 
@@ -42,7 +43,7 @@ def served_name(model: str) -> str:
 
 
 def _kind(memory) -> str:
-    return f" ({memory.kind})" if len(memory.pools) > 1 else ""
+    return f" ({memory.kind})" if len(memory.pools) > 1 or memory.kind == "hybrid" else ""
 
 
 def _pools(memory) -> str:
@@ -53,6 +54,31 @@ def _pools(memory) -> str:
             f"{pool.name} pool {layers}" + (f" (window {pool.window})" if pool.window else ""))
 
     return ", ".join(one(pool) for pool in memory.pools)
+
+
+def _recurrent_state(memory) -> str | None:
+    """'recurrent state: 33 slots x 31488 bytes (3 layers, float32): 1039104 bytes (1.0 MiB)' for a memory with
+    recurrent layers (one state slot per sequence id, each the same size); None for the KV-only kinds."""
+    slots = recurrent_part(memory)
+    if slots is None:
+        return None
+    n_layer, per_slot = len(slots.states), slots.kv_bytes // slots.n_seq_max
+    dtypes = sorted({str(s.dtype).removeprefix("torch.") for layer in slots.states for s in layer})
+    return (f"recurrent state: {slots.n_seq_max} slots x {per_slot} bytes ({n_layer} layer{'' if n_layer == 1 else 's'}"
+            f", {'/'.join(dtypes)}): {slots.kv_bytes} bytes ({slots.kv_bytes / 2**20:.1f} MiB)")
+
+
+def _log_memory(memory, kv_dtype: str, max_num_seqs: int) -> None:
+    """The KV cache's pools and bytes (as they always were for the KV-only kinds), then the recurrent state's."""
+    slots, state = recurrent_part(memory), _recurrent_state(memory)
+    if memory.pools:
+        kv_bytes = memory.kv_bytes - (slots.kv_bytes if slots is not None else 0)  # the KV pools' bytes alone
+        log.info("KV cache%s: %s, %s: %d bytes (%.1f MiB); up to %d sequences", _kind(memory), _pools(memory),
+                 kv_dtype, kv_bytes, kv_bytes / 2**20, max_num_seqs)
+    else:
+        log.info("no KV cache (%s memory: no attention layers); up to %d sequences", memory.kind, max_num_seqs)
+    if state:
+        log.info("%s", state)
 
 
 def serve(settings: ServeSettings) -> int:
@@ -66,8 +92,7 @@ def serve(settings: ServeSettings) -> int:
     memory = engine.context.memory
     log.info("model %s (%s) from %s", name, model.config.architecture, model.source)
     log.info("compute: %s", model.decoder.describe())
-    log.info("KV cache%s: %s, %s: %d bytes (%.1f MiB); up to %d sequences", _kind(memory), _pools(memory),
-             engine.context.kv_dtype, memory.kv_bytes, memory.kv_bytes / 2**20, settings.max_num_seqs)
+    _log_memory(memory, engine.context.kv_dtype, settings.max_num_seqs)
     app = create_app(engine, name, settings.api_key)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
                             timeout_graceful_shutdown=settings.shutdown_timeout)
