@@ -22,7 +22,10 @@ import torch
 from transformers import Lfm2Config, Lfm2ForCausalLM, Mamba2Config, Mamba2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from gguf_factory import SPECIAL_TOKENS, byte_level_vocab  # noqa: E402
 from test_recurrent_models import lfm2_gguf, mamba2_gguf  # noqa: E402 - the tests' writers, as llama.cpp's converter
+
+NORMAL, CONTROL = 1, 3  # llama.cpp's token types
 
 LFM2_350M = dict(vocab_size=65536, hidden_size=1024, intermediate_size=6656, num_hidden_layers=16,
                  num_attention_heads=16, num_key_value_heads=8, conv_L_cache=3, max_position_embeddings=128000,
@@ -33,9 +36,20 @@ MAMBA2_130M = dict(vocab_size=50288, hidden_size=768, num_heads=24, head_dim=64,
                    pad_token_id=0)
 
 
+def llama_cpp_vocabulary(vocab_size: int) -> dict:
+    """The tests' byte-level vocabulary as llama.cpp loads it: every embedding row has a token (the rest are
+    control tokens nobody types) and the pre-tokenizer is called "default"."""
+    tokens, _ = byte_level_vocab(vocab_size)
+    types = [CONTROL if token in SPECIAL_TOKENS else NORMAL for token in tokens]
+    extra = vocab_size - len(tokens)
+    return {"tokenizer.ggml.pre": "default", "tokenizer.ggml.tokens": tokens + [f"<|extra_{i}|>" for i in range(extra)],
+            "tokenizer.ggml.token_type": types + [CONTROL] * extra}
+
+
 def write(name: str, model, writer, out: Path) -> Path:
     with tempfile.TemporaryDirectory() as folder:
-        written = writer(model.eval(), Path(folder), quant=gguf.GGMLQuantizationType.F16)
+        written = writer(model.eval(), Path(folder), quant=gguf.GGMLQuantizationType.F16,
+                         extra=llama_cpp_vocabulary(model.config.vocab_size))
         target = out / f"{name}.gguf"
         shutil.move(written, target)
     print(f"{target}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters")

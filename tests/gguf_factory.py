@@ -154,12 +154,14 @@ def write_gguf(
     *,
     arch: str = "llama",
     quant: GGMLQuantizationType = GGMLQuantizationType.F32,
+    keep_f32: tuple[str, ...] = (),
 ) -> Path:
+    """`keep_f32`: name endings of matrices llama.cpp's converter keeps in F32 whatever the file type."""
     writer = GGUFWriter(path, arch)
     for key, value in metadata.items():
         _add_value(writer, key, value)
     for name, array in tensors.items():
-        if quant == GGMLQuantizationType.F32 or array.ndim == 1:  # llama.cpp keeps norms in F32
+        if quant == GGMLQuantizationType.F32 or array.ndim == 1 or name.endswith(keep_f32):  # and norms in F32
             writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
         else:
             writer.add_tensor(name, quantize(array, quant), raw_dtype=quant)

@@ -61,7 +61,7 @@ def random_mamba2() -> Mamba2ForCausalLM:
     return model
 
 
-def mamba2_gguf(model: Mamba2ForCausalLM, path, quant=gguf.GGMLQuantizationType.F32):
+def mamba2_gguf(model: Mamba2ForCausalLM, path, quant=gguf.GGMLQuantizationType.F32, extra: dict | None = None):
     """As llama.cpp's Mamba2Model converter writes it: A = -exp(A_log) and D as [H, 1], the gated norm as
     [groups, d_inner / groups], conv weights squeezed, dt_bias as ssm_dt.bias; its ssm.* keys."""
     c = model.config
@@ -72,7 +72,7 @@ def mamba2_gguf(model: Mamba2ForCausalLM, path, quant=gguf.GGMLQuantizationType.
     metadata.update({"mamba2.attention.head_count": 0, "mamba2.ssm.conv_kernel": c.conv_kernel,
                      "mamba2.ssm.inner_size": inner, "mamba2.ssm.state_size": c.state_size,
                      "mamba2.ssm.time_step_rank": inner // c.head_dim, "mamba2.ssm.group_count": c.n_groups,
-                     "mamba2.context_length": 2**20})
+                     "mamba2.context_length": 2**20, **(extra or {})})
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MAMBA2, c.num_hidden_layers)
     tensors = {}
     for name, value in model.state_dict().items():
@@ -86,7 +86,8 @@ def mamba2_gguf(model: Mamba2ForCausalLM, path, quant=gguf.GGMLQuantizationType.
             array = array.reshape(c.n_groups, -1)
         key = names.get_name(hf, try_suffixes=(".weight", ".bias"))
         tensors[key] = array.squeeze(1) if array.ndim == 3 else array
-    return write_gguf(path / "model.gguf", metadata, tensors, arch="mamba2", quant=quant)
+    return write_gguf(path / "model.gguf", metadata, tensors, arch="mamba2", quant=quant,
+                      keep_f32=("ssm_conv1d.weight", "ssm_a", "ssm_d", "ssm_norm.weight"))
 
 
 def _shim(config, n_ff: int, eps: float) -> SimpleNamespace:
@@ -100,7 +101,7 @@ def _shim(config, n_ff: int, eps: float) -> SimpleNamespace:
                            rope_parameters=getattr(config, "rope_parameters", None) or {"rope_theta": 10000.0})
 
 
-def lfm2_gguf(model: Lfm2ForCausalLM, path, quant=gguf.GGMLQuantizationType.F32):
+def lfm2_gguf(model: Lfm2ForCausalLM, path, quant=gguf.GGMLQuantizationType.F32, extra: dict | None = None):
     """As llama.cpp's converter writes LFM2: per-layer KV head counts (0 for a conv layer), shortconv.l_cache, the
     MLP's real width, conv weights squeezed to [channels, width], names from gguf's TensorNameMap."""
     c = model.config
@@ -108,6 +109,7 @@ def lfm2_gguf(model: Lfm2ForCausalLM, path, quant=gguf.GGMLQuantizationType.F32)
     metadata = gguf_metadata(_shim(c, n_ff, c.norm_eps), "lfm2")
     metadata["lfm2.attention.head_count_kv"] = [0 if t == "conv" else c.num_key_value_heads for t in c.layer_types]
     metadata["lfm2.shortconv.l_cache"] = c.conv_L_cache
+    metadata.update(extra or {})
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LFM2, c.num_hidden_layers)
     tensors = {}
     for name, value in model.state_dict().items():
@@ -115,7 +117,8 @@ def lfm2_gguf(model: Lfm2ForCausalLM, path, quant=gguf.GGMLQuantizationType.F32)
             continue
         array = value.float().numpy()
         tensors[names.get_name(name, try_suffixes=(".weight",))] = array.squeeze(1) if array.ndim == 3 else array
-    return write_gguf(path / "model.gguf", metadata, tensors, arch="lfm2", quant=quant)
+    return write_gguf(path / "model.gguf", metadata, tensors, arch="lfm2", quant=quant,
+                      keep_f32=("shortconv.conv.weight",))  # llama.cpp's ssm_conv reads F32 weights only
 
 
 FAMILIES = {"lfm2": (random_lfm2, lfm2_gguf, HybridMemory), "mamba2": (random_mamba2, mamba2_gguf, RecurrentMemory)}

@@ -5,7 +5,8 @@ A slot holds the state after the sequence's positions first..last, as a whole: i
 tokens. So seq_rm answers False for a part of a sequence (as llama.cpp does) and only removes whole sequences;
 seq_cp copies the state; a position shift is refused (there are no positions in a state to move). A batch's
 micro-batches give each of their sequences the same number of tokens, laid out sequence by sequence, so a layer
-sees its tokens as [n_seqs, n_tokens]. A failed batch puts back every state it touched.
+sees its tokens as [n_seqs, n_tokens]. New states stay pending until the batch commits (a later micro-batch of
+the batch reads them from there), so a failed batch only drops them: no state is copied to be put back.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ class RecurrentView:
     memory: RecurrentMemory
     slots: torch.Tensor  # [n_seqs]: the slot of each sequence, in the micro-batch's order
     n_tokens: int        # tokens per sequence
+    run: slice | None    # the same slots as one ascending run, which reads as a view instead of a copy
 
     def recurrent(self, layer: int) -> LayerState:
         return LayerState(self, layer)
@@ -44,12 +46,22 @@ class LayerState:
         return len(self.view.slots), self.view.n_tokens
 
     def read(self) -> list[torch.Tensor]:
-        """This layer's state tensors of the micro-batch's sequences, [n_seqs, ...] each."""
-        return [state.index_select(0, self.view.slots) for state in self.view.memory.states[self.layer]]
+        """This layer's state tensors of the micro-batch's sequences, [n_seqs, ...] each (not to be modified):
+        what the memory holds, or what an earlier micro-batch of this batch left pending."""
+        slots, memory = self.view.slots, self.view.memory
+        states = [state[self.view.run] if self.view.run else state.index_select(0, slots)
+                  for state in memory.states[self.layer]]
+        for pending_slots, pending in memory.pending[self.layer]:
+            mine, theirs = (slots[:, None] == pending_slots[None, :]).nonzero(as_tuple=True)
+            if mine.numel():
+                states = [state.clone() if self.view.run else state for state in states]
+                for state, value in zip(states, pending):
+                    state[mine] = value[theirs].to(state.dtype)
+        return states
 
     def write(self, new: list[torch.Tensor]) -> None:
-        for state, value in zip(self.view.memory.states[self.layer], new):
-            state.index_copy_(0, self.view.slots, value.to(state.dtype))
+        """The states after this micro-batch: pending until the batch commits."""
+        self.view.memory.pending[self.layer].append((self.view.slots, new))
 
 
 class RecurrentMemory:
@@ -62,7 +74,8 @@ class RecurrentMemory:
         self.states = [[torch.zeros(n_seq_max, *shape) for shape in shapes] for shapes in state_shapes]
         self.first = np.full(n_seq_max, EMPTY, dtype=np.int64)  # per slot (= sequence id): its first position
         self.last = np.full(n_seq_max, EMPTY, dtype=np.int64)
-        self._undo: tuple[np.ndarray, np.ndarray, dict[int, list]] | None = None
+        self.pending: list[list[tuple[torch.Tensor, list[torch.Tensor]]]] = [[] for _ in state_shapes]
+        self._undo: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def pools(self) -> tuple:
@@ -186,34 +199,37 @@ class RecurrentMemory:
         return plans
 
     def begin(self) -> None:
-        self._undo = (self.first.copy(), self.last.copy(), {})
+        self._undo = (self.first.copy(), self.last.copy())
 
     def place(self, ubatch, owners: np.ndarray) -> RecurrentView:
         """Read the micro-batch's sequences as [n_seqs, n_tokens] (it is laid out so); a sequence that begins
-        here starts from a zero state."""
+        here starts from a zero state (its empty slot is cleared: nothing to put back)."""
         seqs = owners[:: len(owners) // len(np.unique(owners))]
         n_tokens = len(owners) // len(seqs)
-        saved = self._undo[2]
         for seq in seqs.tolist():
-            if seq not in saved:
-                saved[seq] = [s[seq].clone() for layer in self.states for s in layer]
             if self.last[seq] < 0:
                 for layer in self.states:
                     for state in layer:
                         state[seq].zero_()
                 self.first[seq] = ubatch.pos[owners == seq][0]
             self.last[seq] = ubatch.pos[owners == seq][-1]
-        return RecurrentView(self, torch.from_numpy(seqs.copy()), n_tokens)
+        ascending = len(seqs) == 1 or bool(np.all(np.diff(seqs) == 1))
+        run = slice(int(seqs[0]), int(seqs[-1]) + 1) if ascending else None
+        return RecurrentView(self, torch.from_numpy(seqs.copy()), n_tokens, run)
 
     def commit(self) -> None:
+        """Write the batch's new states, in micro-batch order."""
+        for states, pending in zip(self.states, self.pending):
+            for slots, new in pending:
+                for state, value in zip(states, new):
+                    state.index_copy_(0, slots, value.to(state.dtype))
+            pending.clear()
         self._undo = None
 
     def roll_back(self) -> None:
-        first, last, saved = self._undo
-        self.first[:], self.last[:] = first, last
-        for seq, parts in saved.items():
-            for state, part in zip((s for layer in self.states for s in layer), parts):
-                state[seq] = part
+        self.first[:], self.last[:] = self._undo
+        for pending in self.pending:
+            pending.clear()
         self._undo = None
 
     def _slot(self, seq_id: int) -> int:
