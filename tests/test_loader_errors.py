@@ -324,5 +324,7 @@ def test_model_config_layer_kinds_are_checked():
     assert VALID.layer_kinds == ("attention", "attention")
     with pytest.raises(ValueError, match="3 entries for 2 layers"):
         replace(VALID, layer_kinds=("attention",) * 3)
-    with pytest.raises(ValueError, match=r"unknown kinds \['mamba'\]"):
+    with pytest.raises(ValueError, match=r"unknown kinds \['rwkv'\]"):
+        replace(VALID, layer_kinds=("attention", "rwkv"))
+    with pytest.raises(ValueError, match="conv_kernel must be an integer >= 2 for mamba layers, got 0"):
         replace(VALID, layer_kinds=("attention", "mamba"))
