@@ -52,15 +52,19 @@ def _load(spec: str, settings, fetch: bool, progress: bool) -> Model:
     cached = pack_cache.load(source, settings)
     if cached is not None:
         return Model(**cached, source=source)
-    if source.is_dir():
-        config, weights = load_hf_folder(source)
-        tokenizer = Tokenizer.from_hf_folder(source)
-    else:
-        config, weights, metadata = load_gguf(source)
-        tokenizer = Tokenizer.from_gguf_metadata(metadata)
+    config, weights, tokenizer = read_model(source)
     model = Model(config, Decoder(config, weights, settings), tokenizer, source)
     pack_cache.save(source, settings, {"config": config, "decoder": model.decoder, "tokenizer": tokenizer})
     return model
+
+
+def read_model(source: Path):
+    """The config, float32 weights and tokenizer of a GGUF file or Hugging Face folder."""
+    if source.is_dir():
+        config, weights = load_hf_folder(source)
+        return config, weights, Tokenizer.from_hf_folder(source)
+    config, weights, metadata = load_gguf(source)
+    return config, weights, Tokenizer.from_gguf_metadata(metadata)
 
 
 def load_summary(spec: str = DEFAULT_MODEL, *, fetch: bool = True,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -84,6 +85,9 @@ class Decoder:
         self.rope_local = Rope(config.rope_local, config.head_dim) if config.rope_local else self.rope
         self.embedding_scale = torch.tensor(config.n_embd ** 0.5).to(self.dtype) if config.family.scaled_embedding \
             else None
+        # Tensor parallelism: this rank holds a share of each layer's heads and MLP width; the attention output
+        # and the MLP output are partial sums, added up over the ranks (torch.distributed.all_reduce).
+        self.all_reduce: Callable[[torch.Tensor], object] | None = None
         self._blocks = {ATTENTION: self._attention_block, SLIDING: self._attention_block,  # by layer kind
                         CONV: self._conv_block, MAMBA: self._mamba_block}
 
@@ -180,10 +184,17 @@ class Decoder:
         """Pre-norm attention then a pre-norm gated MLP, each added to the residual stream (each output normed
         once more first, for sandwich-norm families)."""
         eps = self.config.rms_norm_eps
-        h = self._attention(index, layer, rms_norm(x, layer.attn_norm, eps), cos, sin, kv)
+        h = self._summed(self._attention(index, layer, rms_norm(x, layer.attn_norm, eps), cos, sin, kv))
         x = x + (h if layer.post_attention_norm is None else rms_norm(h, layer.post_attention_norm, eps))
         h = gated_mlp(rms_norm(x, layer.ffn_norm, eps), layer.gate_up, layer.down, self.config.family.activation)
+        h = self._summed(h)
         return x + (h if layer.post_ffw_norm is None else rms_norm(h, layer.post_ffw_norm, eps))
+
+    def _summed(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel product's partial sum, added up over the tensor-parallel ranks (if any)."""
+        if self.all_reduce is not None:
+            self.all_reduce(partial)
+        return partial
 
     def _conv_block(self, index: int, layer: ConvLayerWeights, x, cos, sin, kv) -> torch.Tensor:
         """The gated short convolution over each sequence's tokens (the micro-batch holds them as [n_seqs,
