@@ -27,6 +27,7 @@ class PrefixCache:
     def __init__(self, memory, owner_seq: int, block_size: int = 16) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.memory = memory  # every change to cells goes through it (a tensor-parallel memory repeats them)
         self.pools = memory.pools
         self.owner_seq = owner_seq
         self.block_size = block_size
@@ -61,8 +62,7 @@ class PrefixCache:
     def lend(self, blocks: list[Block], seq_id: int) -> int:
         """Let seq_id use the cells of these blocks; returns how many tokens they hold."""
         for block in blocks:
-            for pool, cells in zip(self.pools, block):
-                pool.cells.share(cells, seq_id)
+            self.memory.share(block, seq_id)
         n_tokens = len(blocks) * self.block_size
         self.hit_tokens += n_tokens
         return n_tokens
@@ -75,16 +75,14 @@ class PrefixCache:
                 continue
             start = index * self.block_size
             block = [pool.cells.seq_cells_in(seq_id, start, start + self.block_size) for pool in self.pools]
-            for pool, cells in zip(self.pools, block):
-                pool.cells.share(cells, self.owner_seq)
+            self.memory.share(block, self.owner_seq)
             self._blocks[key] = block
 
     def evict_until(self, enough: Callable[[], bool]) -> None:
         """Drop least recently used blocks until `enough()` or nothing is left."""
         while not enough() and self._blocks:
             _, block = self._blocks.popitem(last=False)
-            for pool, cells in zip(self.pools, block):
-                pool.cells.unshare(cells, self.owner_seq)
+            self.memory.unshare(block, self.owner_seq)
 
     def clear(self) -> None:
         self.evict_until(lambda: False)

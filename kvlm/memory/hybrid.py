@@ -9,14 +9,14 @@ from __future__ import annotations
 import numpy as np
 
 from kvlm.loader.config import ModelConfig
-from kvlm.memory.memory import KVMemory
+from kvlm.memory.memory import KVMemory, LendsCells
 from kvlm.memory.recurrent import RecurrentMemory
 from kvlm.memory.seq_state import load_sequence, save_sequence
 from kvlm.memory.view import LayerViews
 from kvlm.model.rope import Rope
 
 
-class HybridMemory:
+class HybridMemory(LendsCells):
     kind = "hybrid"
 
     def __init__(self, config: ModelConfig, n_ctx: int, n_seq_max: int, kv_dtype: str, layer_ropes: list[Rope],

@@ -14,7 +14,7 @@ import numpy as np
 
 from kvlm.errors import CacheError
 from kvlm.loader.config import ModelConfig
-from kvlm.memory.memory import KVMemory
+from kvlm.memory.memory import KVMemory, LendsCells
 from kvlm.memory.seq_state import load_sequence, save_sequence
 from kvlm.memory.view import LayerViews
 from kvlm.model.rope import Rope
@@ -25,7 +25,7 @@ def sliding_pool_cells(n_ctx: int, window: int, n_seq_max: int, n_ubatch: int, k
     return min(n_ctx, (window + keep_extra) * n_seq_max + n_ubatch)
 
 
-class ISWAMemory:
+class ISWAMemory(LendsCells):
     kind = "iswa"
 
     def __init__(self, config: ModelConfig, n_ctx: int, n_seq_max: int, n_ubatch: int, kv_dtype: str,

@@ -74,7 +74,19 @@ def _shared_rows_group(visible: np.ndarray, cell_pos: np.ndarray, tokens: np.nda
     return AttentionGroup(torch.from_numpy(tokens), torch.from_numpy(cells), None if seen.all() else _additive(seen))
 
 
-class KVMemory:
+class LendsCells:
+    """How a prefix cache lends cells: a sequence added to, or removed from, cells it names pool by pool."""
+
+    def share(self, block: list[np.ndarray], seq_id: int) -> None:
+        for pool, cells in zip(self.pools, block):
+            pool.cells.share(cells, seq_id)
+
+    def unshare(self, block: list[np.ndarray], seq_id: int) -> None:
+        for pool, cells in zip(self.pools, block):
+            pool.cells.unshare(cells, seq_id)
+
+
+class KVMemory(LendsCells):
     """llama.cpp's unified KV cache: sequence operations on cells, K/V rows indexed by cell.
 
     Sequence operations change only the bookkeeping; a position change (seq_add, seq_div) leaves a

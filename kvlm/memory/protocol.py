@@ -39,6 +39,11 @@ class Memory(Protocol):
     def retain(self, seq_id: int) -> None:
         """seq_id holds cells for others (a prefix cache): never pruned, its window never checked."""
 
+    def share(self, block: list, seq_id: int) -> None:
+        """Add seq_id to used cells, named per pool (a prefix cache lending a block)."""
+    def unshare(self, block: list, seq_id: int) -> None:
+        """Remove seq_id from those cells; cells left without a sequence are freed."""
+
     # sequence operations, as llama.cpp's
     def seq_rm(self, seq_id: int, p0: int, p1: int) -> bool: ...
     def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None: ...
@@ -79,6 +84,13 @@ def make_memory(config: ModelConfig, layer_ropes: list[Rope], n_ctx: int, n_seq_
         return ISWAMemory(config, n_ctx, n_seq_max, n_ubatch, kv_dtype, layer_ropes, sliding, swa_keep_extra)
     windows = [config.sliding_window if is_sliding else 0 for is_sliding in sliding]
     return KVMemory(config, n_ctx, n_seq_max, kv_dtype, layer_ropes, layer_windows=windows)
+
+
+def memory_for(decoder, n_ctx: int, n_seq_max: int, n_ubatch: int, kv_dtype: str, swa_full: bool = False,
+               swa_keep_extra: int = 0) -> Memory:
+    """`make_memory` for a decoder's model, each layer re-rotated by the decoder's RoPE for its kind."""
+    layer_ropes = [decoder.layer_rope(kind) for kind in decoder.config.layer_kinds]
+    return make_memory(decoder.config, layer_ropes, n_ctx, n_seq_max, n_ubatch, kv_dtype, swa_full, swa_keep_extra)
 
 
 def recurrent_state_shapes(config: ModelConfig, kind: str) -> list[tuple[int, ...]] | None:
