@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from collections import Counter
 import sys
+from collections import Counter
 
 from kvlm.engine.chat_session import ChatSession
 from kvlm.engine.llm import LLM
@@ -93,6 +93,15 @@ def _parser() -> argparse.ArgumentParser:
                      help="KV cache dtype (default: the model's, bf16 for bfloat16)")
     ppl.add_argument("--json", action="store_true", help="print one JSON object instead of the progress lines")
     ppl.set_defaults(handler=_perplexity)
+
+    bench = commands.add_parser("bench", help="offline throughput: random prompts, all at once, fixed output length")
+    _model_arguments(bench)
+    bench.add_argument("--num-prompts", type=int, default=8)
+    bench.add_argument("--input-len", type=int, default=128, help="tokens per prompt")
+    bench.add_argument("--output-len", type=int, default=64, help="tokens generated per prompt (EOS ignored)")
+    bench.add_argument("--seed", type=int, default=0, help="of the random prompt token ids")
+    bench.add_argument("--json", action="store_true", help="print one JSON object (with the generated token ids)")
+    bench.set_defaults(handler=_bench)
     return parser
 
 
@@ -111,6 +120,9 @@ def _model_arguments(parser: argparse.ArgumentParser, n_ctx: int = 4096) -> None
     parser.add_argument("--compile", action="store_true",
                         help="run decode steps and prompt chunks through graphs compiled by torch.compile "
                              "(about a minute per batch size the first time, cached in $KVLM_HOME/inductor)")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                        help="split every layer's heads and MLP over N processes (gloo); under torchrun, N is "
+                             "the number of ranks")
 
 
 def _swa_full_argument(parser: argparse.ArgumentParser) -> None:
@@ -155,8 +167,7 @@ def _generate(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
     if args.prompt is not None and args.chat_template_kwargs:
         raise ValueError("--chat-template-kwargs applies to --chat only; a --prompt is tokenized as is")
-    model = load_model(args.model, args.dtype, quant=args.quant, batch_invariant=args.batch_invariant,
-                       compile=args.compile)
+    model = _load_model(args)
     prompt_ids = model.tokenizer.encode(args.prompt) if args.prompt is not None else model.tokenizer.encode_chat(
         [{"role": "user", "content": args.chat}], **args.chat_template_kwargs)
     output = _recompute_every_step(model, prompt_ids, args) if args.no_cache else _stream(
@@ -205,9 +216,13 @@ def _print_timings(output: RequestOutput) -> None:
           f"finish: {output.finish_reason}]", file=sys.stderr)
 
 
+def _load_model(args: argparse.Namespace):
+    return load_model(args.model, args.dtype, quant=args.quant, batch_invariant=args.batch_invariant,
+                      compile=args.compile, tensor_parallel_size=args.tensor_parallel_size)
+
+
 def _chat(args: argparse.Namespace) -> int:
-    llm = LLM(args.model, args.dtype, quant=args.quant, batch_invariant=args.batch_invariant, n_ctx=args.n_ctx,
-              max_num_seqs=1, compile=args.compile, swa_full=args.swa_full)
+    llm = LLM(_load_model(args), n_ctx=args.n_ctx, max_num_seqs=1, swa_full=args.swa_full)
     session = ChatSession(llm, _sampling_params(args), system=args.system,
                           chat_template_kwargs=args.chat_template_kwargs)
     interactive = sys.stdin.isatty()
@@ -235,7 +250,7 @@ def _serve(args: argparse.Namespace) -> int:
         batch_invariant=args.batch_invariant, compile=args.compile, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_dtype=args.kv_dtype, swa_full=args.swa_full, api_key=args.api_key, served_model_name=args.served_model_name,
-        shutdown_timeout=args.shutdown_timeout))
+        shutdown_timeout=args.shutdown_timeout, tensor_parallel_size=args.tensor_parallel_size))
 
 
 def _pull(args: argparse.Namespace) -> int:
@@ -253,8 +268,7 @@ def _perplexity(args: argparse.Namespace) -> int:
             text = f.read()
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"cannot read {args.file}: {exc}") from None
-    model = load_model(args.model, args.dtype, quant=args.quant, batch_invariant=args.batch_invariant,
-                       compile=args.compile)
+    model = _load_model(args)
     for item in iter_perplexity(model, text, args.n_ctx, args.chunks, args.kv_dtype):
         if isinstance(item, ChunkReport):
             if not args.json:
@@ -264,6 +278,32 @@ def _perplexity(args: argparse.Namespace) -> int:
         else:
             print(f"\n{format_final(item)}")
     return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from kvlm.benchmark import random_prompts, run_benchmark
+
+    _check_positive(num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len)
+    model = _load_model(args)
+    llm = LLM(model, n_ctx=max(args.n_ctx, args.input_len + args.output_len), max_num_seqs=args.num_prompts)
+    result = run_benchmark(llm, random_prompts(model.config.vocab_size, args.num_prompts, args.input_len, args.seed),
+                           args.output_len)
+    result["tensor_parallel_size"] = args.tensor_parallel_size
+    result["compute"] = model.decoder.describe()
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"{args.num_prompts} prompts x {args.input_len} tokens, {args.output_len} generated each, "
+              f"tensor parallel {args.tensor_parallel_size}: prefill {result['prefill_tokens_per_s']:.1f} tok/s, "
+              f"decode {result['decode_tokens_per_s']:.1f} tok/s, {result['requests_per_s']:.2f} requests/s "
+              f"({result['elapsed_s']:.1f} s)")
+    return 0
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
 
 
 def _inspect(args: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@ import torch
 from kvlm.batch import Batch, InvalidBatch, sanitize
 from kvlm.load import Model
 from kvlm.memory.kv_store import KV_DTYPES
-from kvlm.memory.protocol import make_memory
+from kvlm.memory.protocol import memory_for
 
 log = logging.getLogger("kvlm")
 
@@ -42,9 +42,11 @@ class Context:
         self.n_ctx, self.n_batch, self.n_ubatch, self.n_seq_max = n_ctx, n_batch, n_ubatch, n_seq_max
         self.kv_dtype = kv_dtype
         self.abort_callback = abort_callback
-        layer_ropes = [model.decoder.layer_rope(kind) for kind in model.config.layer_kinds]
-        self.memory = make_memory(model.config, layer_ropes, n_ctx, n_seq_max, n_ubatch, kv_dtype, swa_full,
-                                  swa_keep_extra)
+        sizes = dict(n_ctx=n_ctx, n_seq_max=n_seq_max, n_ubatch=n_ubatch, kv_dtype=kv_dtype, swa_full=swa_full,
+                     swa_keep_extra=swa_keep_extra)
+        memory = memory_for(model.decoder, **sizes)
+        # Tensor parallelism: the other ranks hold memories of their own and repeat what changes this one.
+        self.memory = memory if model.tensor_parallel is None else model.tensor_parallel.mirrored(memory, sizes)
         self.last_error = ""
         self._logits: torch.Tensor | None = None
         for pool in self.memory.pools:

@@ -32,10 +32,10 @@ LOCAL_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def random_gemma3(query_pre_attn_scalar: int = 32) -> Gemma3ForCausalLM:
+def random_gemma3(query_pre_attn_scalar: int = 32, num_key_value_heads: int = 1) -> Gemma3ForCausalLM:
     config = Gemma3TextConfig(
         vocab_size=1000, hidden_size=128, intermediate_size=192, num_hidden_layers=7, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=32, sliding_window=WINDOW, query_pre_attn_scalar=query_pre_attn_scalar,
+        num_key_value_heads=num_key_value_heads, head_dim=32, sliding_window=WINDOW, query_pre_attn_scalar=query_pre_attn_scalar,
         rope_parameters={"full_attention": FULL_ROPE, "sliding_attention": LOCAL_ROPE},
         max_position_embeddings=256, initializer_range=0.15, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
     )

@@ -33,11 +33,16 @@ class LLM:
     def __init__(self, model: str | Model = DEFAULT_MODEL, dtype: str = AUTO, *, quant: str | None = AUTO,
                  batch_invariant: bool = False, n_ctx: int = 4096, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 512, kv_dtype: str = AUTO, enable_prefix_caching: bool = True,
-                 compile: bool = False, swa_full: bool = False) -> None:
+                 compile: bool = False, swa_full: bool = False, tensor_parallel_size: int = 1) -> None:
         """`swa_full`: for models with sliding-window layers, keep every cell of those layers (more memory; a
-        cached prefix is then always reusable) instead of only each sequence's window."""
+        cached prefix is then always reusable) instead of only each sequence's window. `tensor_parallel_size` N:
+        the model's heads and MLP split over N processes (this one and N - 1 it starts; see kvlm.parallel)."""
         if not isinstance(model, Model):
-            model = load_model(model, dtype, quant=quant, batch_invariant=batch_invariant, compile=compile)
+            model = load_model(model, dtype, quant=quant, batch_invariant=batch_invariant, compile=compile,
+                               tensor_parallel_size=tensor_parallel_size)
+        elif tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size applies when LLM loads the model; for a loaded model, pass it "
+                             "to load_model")
         self.model = model
         self.tokenizer = self.model.tokenizer
         self.engine = Engine(self.model, n_ctx=n_ctx, max_num_seqs=max_num_seqs,

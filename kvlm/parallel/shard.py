@@ -11,33 +11,38 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-import torch.distributed
-
 from kvlm.families import RECURRENT_KINDS
 from kvlm.fetch import resolve_model
 from kvlm.load import Model, read_model
 from kvlm.loader.config import ModelConfig
 from kvlm.loader.weights import ModelWeights
 from kvlm.model.decoder import Decoder
-from kvlm.model.settings import AUTO, resolve_settings
+from kvlm.model.settings import ComputeSettings
 
 COLUMN_PARALLEL = {"attn_q": "q", "attn_k": "kv", "attn_v": "kv", "ffn_gate": "ff", "ffn_up": "ff"}
 ROW_PARALLEL = {"attn_output": "q", "ffn_down": "ff"}
 
 
+def check_size(size: int) -> None:
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
+
+
 def check_tensor_parallel(config: ModelConfig, size: int) -> None:
     """Refuse, before any weight is read, a size that does not divide the heads and the MLP width."""
-    if not isinstance(size, int) or size < 1:
-        raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
+    check_size(size)
     recurrent = sorted(set(config.layer_kinds) & set(RECURRENT_KINDS))
     if recurrent and size > 1:
         raise ValueError(f"tensor parallelism is not supported for models with {recurrent[0]} layers")
-    for name in ("n_head", "n_head_kv", "n_ff"):
-        value = getattr(config, name)
-        if value % size:
-            raise ValueError(f"tensor_parallel_size {size} does not divide {name} = {value} of {config.name}: "
-                             f"each rank must hold whole heads (try a divisor of {value})")
+    sizes = {name: getattr(config, name) for name in ("n_head", "n_head_kv", "n_ff")}
+    undivided = {name: value for name, value in sizes.items() if value % size}
+    if undivided:
+        numbers = ", ".join(f"{name} = {value}" for name, value in undivided.items())
+        divisors = [d for d in range(1, config.n_head_kv + 1) if not (config.n_head % d or config.n_head_kv % d
+                                                                       or config.n_ff % d)]
+        raise ValueError(f"tensor_parallel_size {size} does not divide {numbers} of {config.name}: each rank must "
+                         f"hold whole heads and an equal share of the MLP (sizes that work: "
+                         f"{', '.join(map(str, divisors))})")
 
 
 def shard_config(config: ModelConfig, size: int) -> ModelConfig:
@@ -64,13 +69,10 @@ def shard_weights(weights: ModelWeights, rank: int, size: int) -> ModelWeights:
     return ModelWeights(shard_config(config, size), shards, dict(weights.file_types))
 
 
-def load_shard(spec: str, rank: int, size: int, dtype: str = AUTO, quant: str | None = AUTO) -> Model:
-    """This rank's shard of a model, whose row-parallel sums go through torch.distributed's all-reduce (the
-    process group must be initialized)."""
-    source = resolve_model(spec)
+def load_shard(spec: str, rank: int, size: int, settings: ComputeSettings) -> Model:
+    """This rank's shard of a model. Its decoder's row-parallel products are partial sums: set its `all_reduce`."""
+    source = resolve_model(spec, progress=False)
     config, weights, tokenizer = read_model(source)
     check_tensor_parallel(config, size)
     weights = shard_weights(weights, rank, size)
-    decoder = Decoder(weights.config, weights, resolve_settings(dtype, quant))
-    decoder.all_reduce = torch.distributed.all_reduce
-    return Model(weights.config, decoder, tokenizer, source)
+    return Model(weights.config, Decoder(weights.config, weights, settings), tokenizer, source)

@@ -34,6 +34,7 @@ class ServeSettings:
     api_key: str | None = None
     served_model_name: str | None = None
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGINT/SIGTERM
+    tensor_parallel_size: int = 1  # processes the model's heads and MLP are split over (kvlm.parallel)
 
 
 def served_name(model: str) -> str:
@@ -84,7 +85,7 @@ def _log_memory(memory, kv_dtype: str, max_num_seqs: int) -> None:
 def serve(settings: ServeSettings) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model = load_model(settings.model, settings.dtype, quant=settings.quant, batch_invariant=settings.batch_invariant,
-                       compile=settings.compile)
+                       compile=settings.compile, tensor_parallel_size=settings.tensor_parallel_size)
     engine = Engine(model, n_ctx=settings.n_ctx, max_num_seqs=settings.max_num_seqs,
                     max_num_batched_tokens=settings.max_num_batched_tokens, kv_dtype=settings.kv_dtype,
                     swa_full=settings.swa_full)
@@ -103,5 +104,13 @@ def serve(settings: ServeSettings) -> int:
     # the re-raised signal is only logged, and the process exits 0.
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda s, _: log.info("stopped by %s", signal.Signals(s).name))
+    if model.tensor_parallel is not None:  # a rank that dies or hangs stops the server: it cannot compute again
+        model.tensor_parallel.on_failure.append(lambda _: setattr(server, "should_exit", True))
     server.run()
+    if model.tensor_parallel is not None:
+        failure = model.tensor_parallel.failure
+        model.tensor_parallel.stop()
+        if failure is not None:
+            log.error("the server stopped: %s", failure)
+            return 1
     return 0

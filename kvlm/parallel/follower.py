@@ -1,0 +1,70 @@
+"""Ranks 1..N-1 of a tensor-parallel model: load this rank's shard as rank 0 says, then repeat rank 0's memory
+calls and run its forward passes (see kvlm.parallel.leader) until it says stop."""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from kvlm.memory.protocol import memory_for
+from kvlm.parallel.shard import load_shard
+
+log = logging.getLogger("kvlm")
+
+
+def follow(control: dist.ProcessGroup) -> None:
+    rank = dist.get_rank()
+    try:
+        _, spec, size, settings = _receive(control)[0]
+        decoder = load_shard(spec, rank, size, settings).decoder
+        decoder.all_reduce = dist.all_reduce
+        dist.barrier()
+        Follower(decoder, control).run()
+    except Exception:
+        log.exception("tensor-parallel rank %d failed", rank)
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _receive(control: dist.ProcessGroup) -> list[tuple]:
+    box = [None]
+    dist.broadcast_object_list(box, src=0, group=control)
+    return box[0]
+
+
+class Follower:
+    def __init__(self, decoder, control: dist.ProcessGroup) -> None:
+        self.decoder, self.control = decoder, control
+        self.memories = {}
+        self.view = None  # what the last `place` returned: the next forward pass reads and writes through it
+        self.no_outputs = torch.empty(0, dtype=torch.long)  # rank 0 alone computes logits
+
+    def run(self) -> None:
+        while True:
+            for name, *args in _receive(self.control):
+                if name == "stop":
+                    return
+                getattr(self, f"_{name}")(*args)
+
+    def _memory(self, memory_id: int, sizes: dict) -> None:
+        self.memories[memory_id] = memory_for(self.decoder, **sizes)
+
+    def _drop(self, memory_id: int) -> None:
+        del self.memories[memory_id]
+
+    def _call(self, memory_id: int, name: str, args: tuple, kwargs: dict) -> None:
+        result = getattr(self.memories[memory_id], name)(*args, **kwargs)
+        if name == "place":
+            self.view = result
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> None:
+        self.decoder.forward(tokens, positions, self.view, self.no_outputs)
+
+    def _save(self, memory_id: int, seq_id: int) -> None:
+        dist.gather_object(self.memories[memory_id].state_seq_save(seq_id), None, dst=0, group=self.control)
+
+    def _load(self, memory_id: int, parts: list[bytes], dest_seq_id: int) -> None:
+        self.memories[memory_id].state_seq_load(parts[dist.get_rank()], dest_seq_id)

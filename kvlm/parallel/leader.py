@@ -1,0 +1,197 @@
+"""Rank 0 of a tensor-parallel model: it owns the scheduler, the cells and sampling, and tells the other ranks
+what to do.
+
+The other ranks keep memories of their own (the same kind and sizes, their KV heads only) and repeat, in the
+same order, every call that changed rank 0's memory: the bookkeeping is the memory protocol's own code on every
+rank, never a copy by hand. Calls are recorded as they happen and sent together just before each forward pass,
+with its tokens and positions, in one message. All ranks then run the pass, adding up their partial sums with
+an all-reduce after each attention output and each MLP.
+"""
+from __future__ import annotations
+
+import atexit
+import functools
+import itertools
+import logging
+import re
+import struct
+import threading
+import time
+import weakref
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kvlm.parallel.group import TensorParallelError, rank_statuses, stop_workers
+
+log = logging.getLogger("kvlm")
+
+# The memory protocol's calls that change a memory: the other ranks repeat them. READS change nothing; a test
+# checks that every call of the protocol is in one of the two (or saves and loads state, which gather and scatter).
+MUTATING = frozenset({"retain", "share", "unshare", "seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "clear",
+                      "compact", "apply_shifts", "begin", "place", "commit", "roll_back"})
+READS = frozenset({"kind", "pools", "n_cells", "n_used", "kv_bytes", "cells_short", "seq_pos_min", "seq_pos_max",
+                   "split", "plan"})
+STATE_MAGIC = b"KVTP"
+WATCH_INTERVAL_S = 0.5
+STOP_GRACE_S = 10.0
+
+
+class Leader:
+    def __init__(self, size: int, control: dist.ProcessGroup, workers: mp.ProcessContext | None) -> None:
+        """`workers`: the ranks this process started (None when torchrun started them)."""
+        self.size, self.control, self.workers = size, control, workers
+        self.failure: str | None = None
+        self.on_failure: list[Callable[[str], None]] = []  # e.g. the server stopping
+        self._pending: list[tuple] = []
+        self._memory_ids = itertools.count()
+        self._lock = threading.Lock()
+        self._stopped = False
+        if workers is not None:
+            threading.Thread(target=self._watch, name="kvlm-tp-watch", daemon=True).start()
+        atexit.register(self.stop)
+
+    def mirrored(self, memory, sizes: dict) -> MirroredMemory:
+        return MirroredMemory(memory, self, next(self._memory_ids), sizes)
+
+    # --- messages to the other ranks ---
+    def record(self, command: tuple) -> None:
+        self._pending.append(command)
+
+    def send(self, *commands: tuple) -> None:
+        """What was recorded since the last message, then `commands`, to every other rank."""
+        message, self._pending = [*self._pending, *commands], []
+        self._collective("sending a step", dist.broadcast_object_list, [message], src=0, group=self.control)
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        self._collective("all-reduce", dist.all_reduce, tensor)
+
+    def gather(self, part) -> list:
+        parts = [None] * self.size
+        self._collective("gathering", dist.gather_object, part, parts, dst=0, group=self.control)
+        return parts
+
+    def barrier(self) -> None:
+        self._collective("waiting for every rank to load", dist.barrier)
+
+    def _collective(self, what: str, collective, *args, **kwargs):
+        if self.failure is not None:
+            raise TensorParallelError(self.failure)
+        try:
+            return collective(*args, **kwargs)
+        except RuntimeError as exc:
+            raise self.fail(f"{what} failed: {_first_words(exc)}") from exc
+
+    # --- failure and shutdown ---
+    def fail(self, reason: str) -> TensorParallelError:
+        """Stop the whole group: the ranks are out of step and cannot compute again."""
+        with self._lock:
+            if self.failure is None and not self._stopped:
+                time.sleep(WATCH_INTERVAL_S)  # a rank that just died is reaped and its exit code known
+                statuses = rank_statuses(self.workers)
+                self.failure = f"tensor parallelism stopped ({self.size} ranks): {statuses}; {reason}"
+                log.error("%s", self.failure)
+                stop_workers(self.workers, grace_s=0)
+                for callback in self.on_failure:
+                    callback(self.failure)
+        return TensorParallelError(self.failure or "the tensor-parallel model was stopped")
+
+    def _watch(self) -> None:
+        """A worker that ends while the model is in use stops the group, even between steps."""
+        while not self._stopped and self.failure is None:
+            if any(process.exitcode is not None for process in self.workers.processes) and not self._stopped:
+                self.fail("a worker ended while the model was in use")
+                return
+            time.sleep(WATCH_INTERVAL_S)
+
+    def stop(self) -> None:
+        """Tell the workers to end, wait for them, and close the process group (also run at exit)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.failure is None:
+            try:
+                self.send(("stop",))
+            except TensorParallelError:
+                pass
+        stop_workers(self.workers, grace_s=STOP_GRACE_S)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.failure = self.failure or "the tensor-parallel model was stopped"
+
+
+class MirroredMemory:
+    """Rank 0's memory: every call that changes it is repeated on the other ranks' memories."""
+
+    def __init__(self, memory, leader: Leader, memory_id: int, sizes: dict) -> None:
+        self._memory, self._leader, self._id = memory, leader, memory_id
+        leader.record(("memory", memory_id, sizes))
+        weakref.finalize(self, leader.record, ("drop", memory_id))
+
+    def __getattr__(self, name: str):
+        attribute = getattr(self._memory, name)
+        return functools.partial(self._mirrored, name, attribute) if name in MUTATING else attribute
+
+    def _mirrored(self, name: str, method, *args, **kwargs):
+        result = method(*args, **kwargs)  # a call that raises changed nothing: no rank repeats it
+        self._leader.record(("call", self._id, name, args, kwargs))
+        return result
+
+    def state_seq_save(self, seq_id: int) -> bytes:
+        """Every rank's part (its KV heads), gathered: loadable only by a model with as many ranks."""
+        self._leader.send(("save", self._id, seq_id))
+        return pack_parts(self._leader.gather(self._memory.state_seq_save(seq_id)))
+
+    def state_seq_load(self, data: bytes, dest_seq_id: int) -> None:
+        parts = unpack_parts(data, self._leader.size)
+        self._memory.state_seq_load(parts[0], dest_seq_id)  # checks the state: on error nothing changed anywhere
+        self._leader.record(("load", self._id, parts, dest_seq_id))
+
+
+class LeaderDecoder:
+    """Rank 0's decoder: each forward pass is first announced to the other ranks, who run it alongside."""
+
+    def __init__(self, decoder, leader: Leader) -> None:
+        self._decoder, self._leader = decoder, leader
+        decoder.all_reduce = leader.all_reduce
+
+    def __getattr__(self, name: str):
+        return getattr(self._decoder, name)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv, output_rows=None) -> torch.Tensor:
+        self._leader.send(("forward", tokens, positions))
+        try:
+            return self._decoder.forward(tokens, positions, kv, output_rows)
+        except TensorParallelError:
+            raise
+        except Exception as exc:
+            raise self._leader.fail(f"rank 0's forward pass failed ({type(exc).__name__}: {exc}), so the other "
+                                    f"ranks' passes cannot finish") from exc
+
+
+def _first_words(exc: Exception) -> str:
+    """gloo's message without its source location, first sentence only."""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", str(exc).strip()).splitlines()[0]
+    return text.split(". ")[0][:160]
+
+
+def pack_parts(parts: list[bytes]) -> bytes:
+    """A saved sequence of a tensor-parallel model: each rank's state, in rank order."""
+    header = STATE_MAGIC + struct.pack(f"<I{len(parts)}Q", len(parts), *(len(part) for part in parts))
+    return header + b"".join(parts)
+
+
+def unpack_parts(data: bytes, size: int) -> list[bytes]:
+    if data[:4] != STATE_MAGIC:
+        raise ValueError(f"this state was not saved by a tensor-parallel model; this one has {size} ranks")
+    (n_parts,) = struct.unpack_from("<I", data, 4)
+    if n_parts != size:
+        raise ValueError(f"this state was saved by a model on {n_parts} ranks; this one has {size}")
+    lengths = struct.unpack_from(f"<{size}Q", data, 8)
+    start = 8 + 8 * size
+    if start + sum(lengths) != len(data):
+        raise ValueError(f"the state is {len(data)} bytes; its header promises {start + sum(lengths)}")
+    offsets = list(itertools.accumulate(lengths, initial=start))
+    return [data[a:b] for a, b in zip(offsets, offsets[1:])]
