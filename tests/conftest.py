@@ -122,6 +122,15 @@ def memory_state(ctx: Context, seqs=range(8)) -> tuple:
     return mem.n_used, [(mem.seq_pos_min(s), mem.seq_pos_max(s)) for s in seqs]
 
 
+def on_two_ranks(path):
+    """A float32 model split over two processes (tensor parallelism), for a fixture: stopped when it is done."""
+    from kvlm.load import load_model
+
+    model = load_model(str(path), "float32", tensor_parallel_size=2)
+    yield model
+    model.tensor_parallel.stop()
+
+
 def single_sequence_context(model, n_ctx: int) -> Context:
     """A context for one sequence of up to n_ctx tokens, decoded as one micro-batch."""
     return Context(model, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_seq_max=1)

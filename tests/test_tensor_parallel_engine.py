@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import decode_ok, max_diff, memory_state
+from conftest import decode_ok, max_diff, memory_state, on_two_ranks
 from gguf_factory import llama_config, random_llama, save_hf_folder
 from server_helpers import free_port
 from test_gemma3 import random_gemma3
@@ -49,9 +49,7 @@ def one(gemma_folder):
 
 @pytest.fixture(scope="module")
 def two(gemma_folder):
-    model = load_model(str(gemma_folder), "float32", tensor_parallel_size=2)
-    yield model
-    model.tensor_parallel.stop()
+    yield from on_two_ranks(gemma_folder)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import httpx
 import pytest
 import torch
 import uvicorn
-from conftest import decode_ok, max_diff
+from conftest import decode_ok, max_diff, on_two_ranks
 from server_helpers import free_port
 
 from kvlm import Batch, Context, load_model
@@ -29,16 +29,14 @@ def one(qwen_gguf_path):
 
 
 @pytest.fixture(scope="module")
-def two(qwen_gguf_path):
-    model = load_model(str(qwen_gguf_path), "float32", tensor_parallel_size=2)
-    yield model
-    model.tensor_parallel.stop()
-
-
-@pytest.fixture(scope="module")
 def expected(one):
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=0)
     return LLM(one, max_num_seqs=4).generate(PROMPTS, params, use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def two(qwen_gguf_path):
+    yield from on_two_ranks(qwen_gguf_path)
 
 
 def prompt_logits(model, ids: list[int]) -> torch.Tensor:

@@ -3,22 +3,27 @@ calls and run its forward passes (see kvlm.parallel.leader) until it says stop."
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from kvlm.memory.protocol import memory_for
+from kvlm.parallel.group import COLLECTIVE_TIMEOUT
 from kvlm.parallel.shard import load_shard
+from kvlm.parallel.shm_reduce import SharedMemoryAllReduce
 
 log = logging.getLogger("kvlm")
 
 
-def follow(control: dist.ProcessGroup) -> None:
+def follow(control: dist.ProcessGroup, shared_file: Path | None = None) -> None:
+    """`shared_file`: the all-reduces go through it (ranks on one host), else through gloo."""
     rank = dist.get_rank()
     try:
         _, spec, size, settings = _receive(control)[0]
         decoder = load_shard(spec, rank, size, settings).decoder
-        decoder.all_reduce = dist.all_reduce
+        decoder.all_reduce = dist.all_reduce if shared_file is None else SharedMemoryAllReduce(
+            shared_file, rank, size, COLLECTIVE_TIMEOUT.total_seconds())
         dist.barrier()
         Follower(decoder, control).run()
     except Exception:

@@ -4,23 +4,29 @@ kvlm starts its own workers on one host (torch.multiprocessing, rendezvous throu
 joins the group torchrun made (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the environment) on one host or
 many. Rank 0 is the leader (kvlm.parallel.leader); the others follow it (kvlm.parallel.follower).
 
-Two groups over the same ranks: the default one carries the all-reduces and times out after
-KVLM_TP_TIMEOUT seconds (a rank that hangs stops the whole model); the control group carries rank 0's messages,
-for which followers wait as long as rank 0 is idle.
+Two groups over the same ranks: the default one times out after KVLM_TP_TIMEOUT seconds (a rank that hangs stops
+the whole model) and carries the all-reduces, unless the ranks share a host that can take them through shared
+memory (kvlm.parallel.shm_reduce, same timeout); the control group carries rank 0's messages, for which
+followers wait as long as rank 0 is idle.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import signal
+import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from kvlm import START_CPUS
 from kvlm.errors import KvlmError
+from kvlm.parallel import shm_reduce
 
 log = logging.getLogger("kvlm")
 
@@ -51,38 +57,88 @@ def join_torchrun_group(size: int) -> dist.ProcessGroup:
     if dist.is_initialized():
         raise ValueError("a process group is already running in this process: one tensor-parallel model per process")
     dist.init_process_group(BACKEND, init_method="env://", timeout=COLLECTIVE_TIMEOUT)
-    _share_cores(int(os.environ.get("LOCAL_WORLD_SIZE", size)))
+    _pin(core_share(int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", size))))
     return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
 
 
-def start_local_group(size: int, follower_main) -> tuple[dist.ProcessGroup, mp.ProcessContext]:
-    """Spawn ranks 1..size-1 on this host, each running follower_main(rank, store port); join them as rank 0."""
+def start_local_group(size: int, follower_main) -> tuple[dist.ProcessGroup, mp.ProcessContext, Path | None]:
+    """Spawn ranks 1..size-1 on this host, each running follower_main(control group, shared file); join them as
+    rank 0. The shared file carries the all-reduces (kvlm.parallel.shm_reduce) where this host can have one."""
     if dist.is_initialized():
         raise ValueError("a process group is already running in this process: one tensor-parallel model per process")
+    shared_file = shm_reduce.create_file(size) if shm_reduce.available() else None
     store = dist.TCPStore("127.0.0.1", 0, world_size=size, is_master=True, timeout=COLLECTIVE_TIMEOUT,
                           wait_for_workers=False)
-    workers = mp.start_processes(_local_rank, args=(store.port, size, follower_main), nprocs=size - 1, join=False,
-                                 daemon=True, start_method="spawn")
-    log.info("tensor parallel: %d ranks on this host, gloo; workers are pids %s", size,
-             ", ".join(map(str, workers.pids())))
+    with _environment(OMP_PROC_BIND="false"):  # the workers pin themselves to their cores (_pin)
+        shares = [core_share(rank, size) for rank in range(size)]  # a child's own view of its cores is rank 0's
+        workers = mp.start_processes(_local_rank, args=(store.port, size, shares, follower_main, shared_file),
+                                     nprocs=size - 1, join=False, daemon=True, start_method="spawn")
+    log.info("tensor parallel: %d ranks on this host, all-reduce through %s; workers are pids %s", size,
+             "shared memory" if shared_file else "gloo", ", ".join(map(str, workers.pids())))
+    _wait_for_workers(store, workers)
     dist.init_process_group(BACKEND, store=store, rank=0, world_size=size, timeout=COLLECTIVE_TIMEOUT)
-    _share_cores(size)
-    return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT), workers
+    _pin(shares[0])
+    return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT), workers, shared_file
 
 
-def _local_rank(index: int, port: int, size: int, follower_main) -> None:
+def _local_rank(index: int, port: int, size: int, shares: list[tuple[int, ...]], follower_main,
+                shared_file: Path | None) -> None:
+    _pin(shares[index + 1])
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole terminal's group: rank 0 decides
     store = dist.TCPStore("127.0.0.1", port, world_size=size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+    store.set(_started_key(index + 1), "1")
     dist.init_process_group(BACKEND, store=store, rank=index + 1, world_size=size, timeout=COLLECTIVE_TIMEOUT)
-    _share_cores(size)
-    follower_main(dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT))
+    follower_main(dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT), shared_file)
 
 
-def _share_cores(ranks_on_this_host: int) -> None:
-    """Each rank gets its share of this host's cores: more threads than cores would slow every rank down."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    torch.set_num_threads(max(1, cores // ranks_on_this_host))
+@contextlib.contextmanager
+def _environment(**values: str):
+    """These environment variables for the processes started inside (spawn copies os.environ)."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _wait_for_workers(store: dist.TCPStore, workers: mp.ProcessContext) -> None:
+    """Until every worker has reached the store; a worker that dies first is reported at once, not after the
+    rendezvous timeout."""
+    keys = [_started_key(index + 1) for index in range(len(workers.processes))]
+    deadline = time.monotonic() + COLLECTIVE_TIMEOUT.total_seconds()
+    while not store.check(keys):
+        failed = any(process.exitcode is not None for process in workers.processes)
+        if failed or time.monotonic() > deadline:
+            message = f"tensor-parallel workers did not start: {rank_statuses(workers)}{worker_error(workers)}"
+            stop_workers(workers, grace_s=0)
+            raise TensorParallelError(message)
+        time.sleep(0.05)
+
+
+def _started_key(rank: int) -> str:
+    return f"kvlm/started/{rank}"
+
+
+def core_share(rank_on_host: int, ranks_on_host: int) -> tuple[int, ...]:
+    """This rank's cores: an equal, separate share of the cores kvlm found at start (one each if too few)."""
+    cpus = START_CPUS
+    per_rank = max(1, len(cpus) // ranks_on_host)
+    share = cpus[rank_on_host * per_rank : (rank_on_host + 1) * per_rank]
+    return share or (cpus[rank_on_host % len(cpus)],)
+
+
+def _pin(cores: tuple[int, ...]) -> None:
+    """Run on these cores with one torch thread each. Without it, OpenMP's binding put every rank's main thread
+    on the first core: two ranks shared one core and each waited for the other."""
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cores)
+    torch.set_num_threads(len(cores))
 
 
 def _die_with_parent() -> None:
@@ -99,6 +155,20 @@ def rank_statuses(workers: mp.ProcessContext | None) -> str:
         return "see the other ranks' logs (launched by torchrun)"
     return "; ".join(f"rank {index + 1} (pid {process.pid}) {_fate(process.exitcode)}"
                      for index, process in enumerate(workers.processes))
+
+
+def worker_error(workers: mp.ProcessContext | None) -> str:
+    """'; rank 1 raised ValueError: ...' for a local worker that ended with an exception (empty otherwise)."""
+    if workers is None:
+        return ""
+    try:
+        workers.join(timeout=0)
+    except mp.ProcessRaisedException as exc:
+        last_line = str(exc).strip().splitlines()[-1]
+        return f"; rank {exc.error_index + 1} raised {last_line}"
+    except mp.ProcessExitedException:
+        pass
+    return ""
 
 
 def _fate(exitcode: int | None) -> str:

@@ -22,13 +22,13 @@ def load_tensor_parallel(spec: str, size: int, settings: ComputeSettings, fetch:
     resolve_model(spec, fetch=fetch, progress=progress)
     check_tensor_parallel(load_summary(spec, fetch=False)[0], size)  # before any weight is read
     if launched_by_torchrun():
-        control, workers = join_torchrun_group(size), None
+        control, workers, shared_file = join_torchrun_group(size), None, None
         if dist.get_rank() > 0:
             follow(control)
             raise SystemExit(0)
     else:
-        control, workers = start_local_group(size, follow)
-    leader = Leader(size, control, workers)
+        control, workers, shared_file = start_local_group(size, follow)
+    leader = Leader(size, control, workers, shared_file)
     try:
         leader.send(("load", spec, size, settings))
         model = load_shard(spec, 0, size, settings)

@@ -19,12 +19,15 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kvlm.parallel.group import TensorParallelError, rank_statuses, stop_workers
+from kvlm.parallel.group import (COLLECTIVE_TIMEOUT, TensorParallelError, rank_statuses, stop_workers,
+                                 worker_error)
+from kvlm.parallel.shm_reduce import SharedMemoryAllReduce
 
 log = logging.getLogger("kvlm")
 
@@ -40,9 +43,14 @@ STOP_GRACE_S = 10.0
 
 
 class Leader:
-    def __init__(self, size: int, control: dist.ProcessGroup, workers: mp.ProcessContext | None) -> None:
-        """`workers`: the ranks this process started (None when torchrun started them)."""
+    def __init__(self, size: int, control: dist.ProcessGroup, workers: mp.ProcessContext | None,
+                 shared_file: Path | None = None) -> None:
+        """`workers`: the ranks this process started (None when torchrun started them); `shared_file`: the
+        all-reduces go through it (ranks on one host, see kvlm.parallel.shm_reduce), else through gloo."""
         self.size, self.control, self.workers = size, control, workers
+        self.shared_file = shared_file
+        self._reduce = dist.all_reduce if shared_file is None else SharedMemoryAllReduce(
+            shared_file, 0, size, COLLECTIVE_TIMEOUT.total_seconds(), failed=lambda: self.failure is not None)
         self.failure: str | None = None
         self.on_failure: list[Callable[[str], None]] = []  # e.g. the server stopping
         self._pending: list[tuple] = []
@@ -66,7 +74,7 @@ class Leader:
         self._collective("sending a step", dist.broadcast_object_list, [message], src=0, group=self.control)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
-        self._collective("all-reduce", dist.all_reduce, tensor)
+        self._collective("all-reduce", self._reduce, tensor)
 
     def gather(self, part) -> list:
         parts = [None] * self.size
@@ -74,7 +82,15 @@ class Leader:
         return parts
 
     def barrier(self) -> None:
-        self._collective("waiting for every rank to load", dist.barrier)
+        """Wait until every rank has loaded its shard (and mapped the shared file, whose name can then go)."""
+        try:
+            self._collective("waiting for every rank to load", dist.barrier)
+        finally:
+            self._remove_shared_file()
+
+    def _remove_shared_file(self) -> None:
+        if self.shared_file is not None:
+            self.shared_file.unlink(missing_ok=True)
 
     def _collective(self, what: str, collective, *args, **kwargs):
         if self.failure is not None:
@@ -90,7 +106,7 @@ class Leader:
         with self._lock:
             if self.failure is None and not self._stopped:
                 time.sleep(WATCH_INTERVAL_S)  # a rank that just died is reaped and its exit code known
-                statuses = rank_statuses(self.workers)
+                statuses = rank_statuses(self.workers) + worker_error(self.workers)
                 self.failure = f"tensor parallelism stopped ({self.size} ranks): {statuses}; {reason}"
                 log.error("%s", self.failure)
                 stop_workers(self.workers, grace_s=0)
@@ -117,6 +133,7 @@ class Leader:
             except TensorParallelError:
                 pass
         stop_workers(self.workers, grace_s=STOP_GRACE_S)
+        self._remove_shared_file()
         if dist.is_initialized():
             dist.destroy_process_group()
         self.failure = self.failure or "the tensor-parallel model was stopped"
