@@ -9,7 +9,7 @@ ids for every engine, from kvlm.benchmark.random_prompts), all submitted at once
 tokens greedily with end-of-sequence ignored. Prefill tok/s = every prompt token over the time until every
 prompt has its first generated token; decode tok/s = the other generated tokens over the rest of the time.
 
-kvlm runs `kvlm bench --json` with its defaults (what a user gets) in a fresh process per size; with N ranks,
+kvlm runs `kvlm bench --json` with its defaults (what a user gets) in a fresh process per size, on every core; with N ranks,
 kvlm starts N - 1 more processes and gives each rank cores / N threads. llama.cpp runs through llama-cpp-python's
 C API on the same GGUF in this process with as many threads as there are cores: one sequence per prompt (its
 default split KV), prompts packed into batches of up to 512 tokens, then one batch per step holding every
@@ -43,7 +43,9 @@ def kvlm_bench(model: Path, size: int, args: argparse.Namespace) -> dict:
     command = [KVLM, "bench", "--model", str(model), "--tensor-parallel-size", str(size), "--json",
                "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
                "--output-len", str(args.output_len), "--seed", str(args.seed)]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    # This process's main thread is pinned to one core by now (OpenMP); the child must see every core kvlm saw.
+    done = subprocess.run(command, capture_output=True, text=True, check=False,
+                          preexec_fn=lambda: os.sched_setaffinity(0, kvlm.START_CPUS))  # noqa: PLW1509
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr}")
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -28,9 +28,13 @@ def test_each_rank_holds_its_share_of_the_heads_and_the_mlp(weights):
 
 
 def test_the_ranks_shards_put_together_are_the_whole_model(weights):
-    """Column-parallel tensors are cut by rows, row-parallel ones by columns; everything else is replicated."""
+    """Column-parallel tensors are cut by rows, row-parallel ones by columns, the LM head by vocabulary (its own
+    tensor even when tied to the embedding); everything else is replicated."""
     shards = [shard_weights(weights, rank, 2).tensors for rank in range(2)]
+    assert torch.equal(torch.cat([s["output.weight"] for s in shards]), weights.output)
     for name, tensor in weights.tensors.items():
+        if name == "output.weight":
+            continue
         part = name.split(".")[2] if name.startswith("blk.") else ""
         if part in COLUMN_PARALLEL:
             assert torch.equal(torch.cat([s[name] for s in shards]), tensor), name

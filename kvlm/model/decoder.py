@@ -88,6 +88,8 @@ class Decoder:
         # Tensor parallelism: this rank holds a share of each layer's heads and MLP width; the attention output
         # and the MLP output are partial sums, added up over the ranks (torch.distributed.all_reduce).
         self.all_reduce: Callable[[torch.Tensor], object] | None = None
+        # ... and a share of the vocabulary: its logits go to rank 0 (which gets them all) through gather_logits.
+        self.gather_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._blocks = {ATTENTION: self._attention_block, SLIDING: self._attention_block,  # by layer kind
                         CONV: self._conv_block, MAMBA: self._mamba_block}
 
@@ -174,7 +176,8 @@ class Decoder:
             x = x[output_rows]
         logits = self.output(rms_norm(x, self.output_norm, self.config.rms_norm_eps)).float()
         cap = self.config.final_logit_softcap
-        return cap * torch.tanh(logits / cap) if cap else logits
+        logits = cap * torch.tanh(logits / cap) if cap else logits
+        return logits if self.gather_logits is None else self.gather_logits(logits)
 
     def layer_rope(self, kind: str) -> Rope:
         """The RoPE of a layer kind: sliding layers may have their own base (Gemma 3's local layers)."""

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 
 from kvlm.memory.protocol import memory_for
+from kvlm.parallel.collectives import make_collectives, vocab_shares
 from kvlm.parallel.group import COLLECTIVE_TIMEOUT
 from kvlm.parallel.shard import load_shard
-from kvlm.parallel.shm_reduce import SharedMemoryAllReduce
 
 log = logging.getLogger("kvlm")
 
@@ -22,8 +22,9 @@ def follow(control: dist.ProcessGroup, shared_file: Path | None = None) -> None:
     try:
         _, spec, size, settings = _receive(control)[0]
         decoder = load_shard(spec, rank, size, settings).decoder
-        decoder.all_reduce = dist.all_reduce if shared_file is None else SharedMemoryAllReduce(
-            shared_file, rank, size, COLLECTIVE_TIMEOUT.total_seconds())
+        wire = make_collectives(rank, vocab_shares(decoder.config.vocab_size, size), shared_file,
+                                COLLECTIVE_TIMEOUT.total_seconds())
+        decoder.all_reduce, decoder.gather_logits = wire.all_reduce, wire.gather_vocab
         dist.barrier()
         Follower(decoder, control).run()
     except Exception:
@@ -45,7 +46,6 @@ class Follower:
         self.decoder, self.control = decoder, control
         self.memories = {}
         self.view = None  # what the last `place` returned: the next forward pass reads and writes through it
-        self.no_outputs = torch.empty(0, dtype=torch.long)  # rank 0 alone computes logits
 
     def run(self) -> None:
         while True:
@@ -65,8 +65,8 @@ class Follower:
         if name == "place":
             self.view = result
 
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> None:
-        self.decoder.forward(tokens, positions, self.view, self.no_outputs)
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, output_rows: torch.Tensor | None) -> None:
+        self.decoder.forward(tokens, positions, self.view, output_rows)  # its logits went to rank 0
 
     def _save(self, memory_id: int, seq_id: int) -> None:
         dist.gather_object(self.memories[memory_id].state_seq_save(seq_id), None, dst=0, group=self.control)

@@ -6,7 +6,7 @@ many. Rank 0 is the leader (kvlm.parallel.leader); the others follow it (kvlm.pa
 
 Two groups over the same ranks: the default one times out after KVLM_TP_TIMEOUT seconds (a rank that hangs stops
 the whole model) and carries the all-reduces, unless the ranks share a host that can take them through shared
-memory (kvlm.parallel.shm_reduce, same timeout); the control group carries rank 0's messages, for which
+memory (kvlm.parallel.collectives, same timeout); the control group carries rank 0's messages, for which
 followers wait as long as rank 0 is idle.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 
 from kvlm import START_CPUS
 from kvlm.errors import KvlmError
-from kvlm.parallel import shm_reduce
+from kvlm.parallel import collectives
 
 log = logging.getLogger("kvlm")
 
@@ -63,10 +63,10 @@ def join_torchrun_group(size: int) -> dist.ProcessGroup:
 
 def start_local_group(size: int, follower_main) -> tuple[dist.ProcessGroup, mp.ProcessContext, Path | None]:
     """Spawn ranks 1..size-1 on this host, each running follower_main(control group, shared file); join them as
-    rank 0. The shared file carries the all-reduces (kvlm.parallel.shm_reduce) where this host can have one."""
+    rank 0. The shared file carries the collectives (kvlm.parallel.collectives) where this host can have one."""
     if dist.is_initialized():
         raise ValueError("a process group is already running in this process: one tensor-parallel model per process")
-    shared_file = shm_reduce.create_file(size) if shm_reduce.available() else None
+    shared_file = collectives.create_file(size) if collectives.available() else None
     store = dist.TCPStore("127.0.0.1", 0, world_size=size, is_master=True, timeout=COLLECTIVE_TIMEOUT,
                           wait_for_workers=False)
     with _environment(OMP_PROC_BIND="false"):  # the workers pin themselves to their cores (_pin)

@@ -32,10 +32,10 @@ def load_tensor_parallel(spec: str, size: int, settings: ComputeSettings, fetch:
     try:
         leader.send(("load", spec, size, settings))
         model = load_shard(spec, 0, size, settings)
+        model.decoder = LeaderDecoder(model.decoder, leader)  # maps the shared file: before the barrier removes it
         leader.barrier()
     except BaseException:
         leader.stop()
         raise
-    model.decoder = LeaderDecoder(model.decoder, leader)
     model.tensor_parallel = leader
     return model

@@ -25,9 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kvlm.parallel.group import (COLLECTIVE_TIMEOUT, TensorParallelError, rank_statuses, stop_workers,
-                                 worker_error)
-from kvlm.parallel.shm_reduce import SharedMemoryAllReduce
+from kvlm.parallel.group import COLLECTIVE_TIMEOUT, TensorParallelError, rank_statuses, stop_workers, worker_error
+from kvlm.parallel.collectives import make_collectives, vocab_shares
 
 log = logging.getLogger("kvlm")
 
@@ -46,11 +45,10 @@ class Leader:
     def __init__(self, size: int, control: dist.ProcessGroup, workers: mp.ProcessContext | None,
                  shared_file: Path | None = None) -> None:
         """`workers`: the ranks this process started (None when torchrun started them); `shared_file`: the
-        all-reduces go through it (ranks on one host, see kvlm.parallel.shm_reduce), else through gloo."""
+        collectives go through it (ranks on one host, see kvlm.parallel.collectives), else through gloo."""
         self.size, self.control, self.workers = size, control, workers
         self.shared_file = shared_file
-        self._reduce = dist.all_reduce if shared_file is None else SharedMemoryAllReduce(
-            shared_file, 0, size, COLLECTIVE_TIMEOUT.total_seconds(), failed=lambda: self.failure is not None)
+        self._wire = None
         self.failure: str | None = None
         self.on_failure: list[Callable[[str], None]] = []  # e.g. the server stopping
         self._pending: list[tuple] = []
@@ -73,8 +71,17 @@ class Leader:
         message, self._pending = [*self._pending, *commands], []
         self._collective("sending a step", dist.broadcast_object_list, [message], src=0, group=self.control)
 
+    def connect(self, decoder) -> None:
+        """Route the decoder's partial sums and logits through the other ranks."""
+        self._wire = make_collectives(0, vocab_shares(decoder.config.vocab_size, self.size), self.shared_file,
+                                      COLLECTIVE_TIMEOUT.total_seconds(), failed=lambda: self.failure is not None)
+        decoder.all_reduce, decoder.gather_logits = self.all_reduce, self.gather_logits
+
     def all_reduce(self, tensor: torch.Tensor) -> None:
-        self._collective("all-reduce", self._reduce, tensor)
+        self._collective("all-reduce", self._wire.all_reduce, tensor)
+
+    def gather_logits(self, part: torch.Tensor) -> torch.Tensor:
+        return self._collective("gathering logits", self._wire.gather_vocab, part)
 
     def gather(self, part) -> list:
         parts = [None] * self.size
@@ -172,13 +179,13 @@ class LeaderDecoder:
 
     def __init__(self, decoder, leader: Leader) -> None:
         self._decoder, self._leader = decoder, leader
-        decoder.all_reduce = leader.all_reduce
+        leader.connect(decoder)
 
     def __getattr__(self, name: str):
         return getattr(self._decoder, name)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv, output_rows=None) -> torch.Tensor:
-        self._leader.send(("forward", tokens, positions))
+        self._leader.send(("forward", tokens, positions, output_rows))
         try:
             return self._decoder.forward(tokens, positions, kv, output_rows)
         except TensorParallelError:

@@ -18,6 +18,7 @@ from kvlm.loader.config import ModelConfig
 from kvlm.loader.weights import ModelWeights
 from kvlm.model.decoder import Decoder
 from kvlm.model.settings import ComputeSettings
+from kvlm.parallel.collectives import vocab_shares
 
 COLUMN_PARALLEL = {"attn_q": "q", "attn_k": "kv", "attn_v": "kv", "ffn_gate": "ff", "ffn_up": "ff"}
 ROW_PARALLEL = {"attn_output": "q", "ffn_down": "ff"}
@@ -66,7 +67,13 @@ def shard_weights(weights: ModelWeights, rank: int, size: int) -> ModelWeights:
             width = widths[ROW_PARALLEL[part]]
             tensor = tensor[:, rank * width : (rank + 1) * width]
         shards[name] = tensor.contiguous()
-    return ModelWeights(shard_config(config, size), shards, dict(weights.file_types))
+    # The LM head by vocabulary (its own tensor even when tied: the embedding stays whole).
+    first = sum(vocab_shares(config.vocab_size, size)[:rank])
+    shards["output.weight"] = weights.output[first : first + vocab_shares(config.vocab_size, size)[rank]].contiguous()
+    file_types = dict(weights.file_types)
+    if weights.output_name in file_types:
+        file_types["output.weight"] = file_types[weights.output_name]
+    return ModelWeights(shard_config(config, size), shards, file_types)
 
 
 def load_shard(spec: str, rank: int, size: int, settings: ComputeSettings) -> Model:
