@@ -214,19 +214,23 @@ def assert_all_gone(pids: list[int]) -> None:
         time.sleep(0.1)
 
 
-def test_a_worker_killed_mid_generation_ends_the_command_with_an_error(llama_folder):
+@pytest.mark.parametrize("signum, fate", [(signal.SIGKILL, "was killed by SIGKILL"),
+                                           (signal.SIGSTOP, "is running but did not answer; all-reduce failed: "
+                                                            "timed out after 3 s")], ids=["killed", "hung"])
+def test_a_worker_killed_or_hung_mid_generation_ends_the_command_with_an_error(llama_folder, signum, fate):
     process = subprocess.Popen([KVLM, "generate", "--model", str(llama_folder), "--prompt", "Once", "--max-tokens",
                                 "4000", "--ignore-eos", "--n-ctx", "4096", "--dtype", "float32", "-tp", "2"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "KVLM_TP_TIMEOUT": "3"})
     try:
         process.stdout.read(5)  # generation has started
         descendants = children(process.pid)
-        os.kill(worker_pid(process.pid), signal.SIGKILL)
+        os.kill(worker_pid(process.pid), signum)
         _, stderr = process.communicate(timeout=60)
     finally:
         process.kill()
     assert process.returncode == 1
-    assert "tensor parallelism stopped (2 ranks): rank 1" in stderr and "was killed by SIGKILL" in stderr
+    assert "tensor parallelism stopped (2 ranks): rank 1 (pid" in stderr and fate in stderr, stderr
     assert_all_gone(descendants)
 
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from kvlm.memory.protocol import memory_for
 from kvlm.parallel.collectives import make_collectives, vocab_shares
-from kvlm.parallel.group import COLLECTIVE_TIMEOUT
+from kvlm.parallel.group import COLLECTIVE_TIMEOUT, loaded_barrier
 from kvlm.parallel.shard import load_shard
 
 log = logging.getLogger("kvlm")
@@ -25,7 +25,7 @@ def follow(control: dist.ProcessGroup, shared_file: Path | None = None) -> None:
         wire = make_collectives(rank, vocab_shares(decoder.config.vocab_size, size), shared_file,
                                 COLLECTIVE_TIMEOUT.total_seconds())
         decoder.all_reduce, decoder.gather_logits = wire.all_reduce, wire.gather_vocab
-        dist.barrier()
+        loaded_barrier(control)
         Follower(decoder, control).run()
     except Exception:
         log.exception("tensor-parallel rank %d failed", rank)

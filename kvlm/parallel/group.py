@@ -7,7 +7,8 @@ many. Rank 0 is the leader (kvlm.parallel.leader); the others follow it (kvlm.pa
 Two groups over the same ranks: the default one times out after KVLM_TP_TIMEOUT seconds (a rank that hangs stops
 the whole model) and carries the all-reduces, unless the ranks share a host that can take them through shared
 memory (kvlm.parallel.collectives, same timeout); the control group carries rank 0's messages, for which
-followers wait as long as rank 0 is idle.
+followers wait as long as rank 0 is idle. Starting and loading get STARTUP_TIMEOUT; a worker that dies meanwhile
+is reported at once.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ log = logging.getLogger("kvlm")
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=float(os.environ.get("KVLM_TP_TIMEOUT", "120")))
 IDLE_TIMEOUT = timedelta(days=365)
+STARTUP_TIMEOUT = timedelta(minutes=10)  # for every rank to start and load its shard
 BACKEND = "gloo"  # kvlm's tensors live on the CPU; NCCL carries only CUDA tensors
 PR_SET_PDEATHSIG = 1
 
@@ -111,7 +113,7 @@ def _wait_for_workers(store: dist.TCPStore, workers: mp.ProcessContext) -> None:
     """Until every worker has reached the store; a worker that dies first is reported at once, not after the
     rendezvous timeout."""
     keys = [_started_key(index + 1) for index in range(len(workers.processes))]
-    deadline = time.monotonic() + COLLECTIVE_TIMEOUT.total_seconds()
+    deadline = time.monotonic() + STARTUP_TIMEOUT.total_seconds()
     while not store.check(keys):
         failed = any(process.exitcode is not None for process in workers.processes)
         if failed or time.monotonic() > deadline:
@@ -147,6 +149,11 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
         pass  # elsewhere, the closed connection to rank 0 ends the worker
+
+
+def loaded_barrier(control: dist.ProcessGroup) -> None:
+    """Every rank has loaded its shard (gloo's monitored barrier names a rank that has not)."""
+    dist.monitored_barrier(control, timeout=STARTUP_TIMEOUT)
 
 
 def rank_statuses(workers: mp.ProcessContext | None) -> str:

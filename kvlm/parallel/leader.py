@@ -25,7 +25,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kvlm.parallel.group import COLLECTIVE_TIMEOUT, TensorParallelError, rank_statuses, stop_workers, worker_error
+from kvlm.parallel.group import (
+    COLLECTIVE_TIMEOUT, TensorParallelError, loaded_barrier, rank_statuses, stop_workers, worker_error,
+)
 from kvlm.parallel.collectives import make_collectives, vocab_shares
 
 log = logging.getLogger("kvlm")
@@ -91,7 +93,7 @@ class Leader:
     def barrier(self) -> None:
         """Wait until every rank has loaded its shard (and mapped the shared file, whose name can then go)."""
         try:
-            self._collective("waiting for every rank to load", dist.barrier)
+            self._collective("waiting for every rank to load", loaded_barrier, self.control)
         finally:
             self._remove_shared_file()
 
