@@ -87,6 +87,11 @@ def load_sequence(pools: tuple[KVMemory, ...], data: bytes, dest_seq_id: int,
         recurrent.load_parts(header["recurrent_span"], recurrent_parts, dest_seq_id)
 
 
+def check_state(pools: tuple[KVMemory, ...], data: bytes) -> None:
+    """Raise StateError unless `data` is a state these pools could load (format, checksum, shapes)."""
+    decode_state(data, _layout(pools, None))
+
+
 def _layout(pools: tuple[KVMemory, ...], recurrent: RecurrentMemory | None) -> dict:
     config = pools[0].config if pools else recurrent.config
     return {"model": model_identity(config), "kv_dtype": pools[0].kv_dtype if pools else None,

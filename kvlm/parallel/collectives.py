@@ -37,11 +37,15 @@ def available() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64") and SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
 
 
-def create_file(size: int) -> Path:
-    """The shared file for `size` ranks, zero-filled; rank 0 removes its name once every rank has mapped it."""
+def create_file(size: int) -> Path | None:
+    """The shared file for `size` ranks, zero-filled; rank 0 removes its name once every rank has mapped it. None
+    if /dev/shm has no room for it (a small container's), rather than a crash (SIGBUS) when a slot is touched."""
     fd, name = tempfile.mkstemp(prefix="kvlm-tp-", dir=SHM_DIR)
     try:
-        os.ftruncate(fd, _file_bytes(size))
+        os.posix_fallocate(fd, 0, _file_bytes(size))
+    except OSError:
+        os.unlink(name)
+        return None
     finally:
         os.close(fd)
     return Path(name)
@@ -88,8 +92,9 @@ class SharedMemoryCollectives:
     def __init__(self, path: Path, rank: int, vocab_shares: list[int], timeout_s: float,
                  failed: Callable[[], bool] = lambda: False) -> None:
         """`failed`: looked at while waiting for the other ranks; True ends the wait with an error."""
-        size = len(vocab_shares)
-        self.rank, self.size, self.vocab_shares, self.timeout_s, self.failed = rank, size, vocab_shares, timeout_s, failed
+        self.rank, self.size, self.vocab_shares = rank, len(vocab_shares), vocab_shares
+        self.timeout_s, self.failed = timeout_s, failed
+        size = self.size
         if not path.exists():  # torch.from_file would make a new, unshared file
             raise FileNotFoundError(f"the tensor-parallel shared file {path} is gone")
         memory = torch.from_file(str(path), shared=True, size=_file_bytes(size), dtype=torch.uint8)
@@ -125,7 +130,9 @@ class SharedMemoryCollectives:
                 n = piece.shape[0]
                 pieces.append(torch.cat([slots[r, : n * width].view(n, width)
                                          for r, width in enumerate(self.vocab_shares)], dim=1))
-        return torch.cat(pieces) if self.rank == 0 and pieces else part
+        if self.rank != 0:
+            return part
+        return torch.cat(pieces) if pieces else part.new_empty((0, sum(self.vocab_shares)))
 
     def _exchange(self, piece: torch.Tensor) -> torch.Tensor:
         """Publish this rank's (flat) piece, wait for everyone's; every rank's piece, [ranks, ...] in its slots."""

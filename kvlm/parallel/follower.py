@@ -17,7 +17,7 @@ log = logging.getLogger("kvlm")
 
 
 def follow(control: dist.ProcessGroup, shared_file: Path | None = None) -> None:
-    """`shared_file`: the all-reduces go through it (ranks on one host), else through gloo."""
+    """`shared_file`: the collectives go through it (ranks on one host), else through gloo."""
     rank = dist.get_rank()
     try:
         _, spec, size, settings = _receive(control)[0]
@@ -67,9 +67,10 @@ class Follower:
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, output_rows: torch.Tensor | None) -> None:
         self.decoder.forward(tokens, positions, self.view, output_rows)  # its logits went to rank 0
+        self.view = None
 
     def _save(self, memory_id: int, seq_id: int) -> None:
-        dist.gather_object(self.memories[memory_id].state_seq_save(seq_id), None, dst=0, group=self.control)
+        dist.gather_object(self.memories[memory_id].state_seq_save(seq_id), None, dst=0)
 
     def _load(self, memory_id: int, parts: list[bytes], dest_seq_id: int) -> None:
         self.memories[memory_id].state_seq_load(parts[dist.get_rank()], dest_seq_id)

@@ -46,10 +46,6 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
-def torchrun_rank() -> int:
-    return int(os.environ["RANK"]) if launched_by_torchrun() else 0
-
-
 def join_torchrun_group(size: int) -> dist.ProcessGroup:
     """This process's place in the group torchrun launched: the world must be the tensor-parallel size."""
     world = int(os.environ["WORLD_SIZE"])
@@ -68,17 +64,27 @@ def start_local_group(size: int, follower_main) -> tuple[dist.ProcessGroup, mp.P
     rank 0. The shared file carries the collectives (kvlm.parallel.collectives) where this host can have one."""
     if dist.is_initialized():
         raise ValueError("a process group is already running in this process: one tensor-parallel model per process")
+    if len(START_CPUS) < size:
+        log.warning("tensor parallel: %d ranks share %d core(s); each rank would need one of its own to keep up",
+                    size, len(START_CPUS))
     shared_file = collectives.create_file(size) if collectives.available() else None
-    store = dist.TCPStore("127.0.0.1", 0, world_size=size, is_master=True, timeout=COLLECTIVE_TIMEOUT,
-                          wait_for_workers=False)
-    with _environment(OMP_PROC_BIND="false"):  # the workers pin themselves to their cores (_pin)
-        shares = [core_share(rank, size) for rank in range(size)]  # a child's own view of its cores is rank 0's
-        workers = mp.start_processes(_local_rank, args=(store.port, size, shares, follower_main, shared_file),
-                                     nprocs=size - 1, join=False, daemon=True, start_method="spawn")
-    log.info("tensor parallel: %d ranks on this host, all-reduce through %s; workers are pids %s", size,
-             "shared memory" if shared_file else "gloo", ", ".join(map(str, workers.pids())))
-    _wait_for_workers(store, workers)
-    dist.init_process_group(BACKEND, store=store, rank=0, world_size=size, timeout=COLLECTIVE_TIMEOUT)
+    workers = None
+    try:
+        store = dist.TCPStore("127.0.0.1", 0, world_size=size, is_master=True, timeout=COLLECTIVE_TIMEOUT,
+                              wait_for_workers=False)
+        with _environment(OMP_PROC_BIND="false"):  # the workers pin themselves to their cores (_pin)
+            shares = [core_share(rank, size) for rank in range(size)]  # a child's own view of its cores is rank 0's
+            workers = mp.start_processes(_local_rank, args=(store.port, size, shares, follower_main, shared_file),
+                                         nprocs=size - 1, join=False, daemon=True, start_method="spawn")
+        log.info("tensor parallel: %d ranks on this host, collectives through %s; workers are pids %s", size,
+                 "shared memory" if shared_file else "gloo", ", ".join(map(str, workers.pids())))
+        _wait_for_workers(store, workers)
+        dist.init_process_group(BACKEND, store=store, rank=0, world_size=size, timeout=COLLECTIVE_TIMEOUT)
+    except BaseException:
+        stop_workers(workers, grace_s=0)
+        if shared_file is not None:
+            shared_file.unlink(missing_ok=True)
+        raise
     _pin(shares[0])
     return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT), workers, shared_file
 
@@ -87,7 +93,8 @@ def _local_rank(index: int, port: int, size: int, shares: list[tuple[int, ...]],
                 shared_file: Path | None) -> None:
     _pin(shares[index + 1])
     _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole terminal's group: rank 0 decides
+    for signum in (signal.SIGINT, signal.SIGTERM):  # a signal to the whole process group: rank 0 decides
+        signal.signal(signum, signal.SIG_IGN)
     store = dist.TCPStore("127.0.0.1", port, world_size=size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
     store.set(_started_key(index + 1), "1")
     dist.init_process_group(BACKEND, store=store, rank=index + 1, world_size=size, timeout=COLLECTIVE_TIMEOUT)

@@ -25,10 +25,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kvlm.parallel.group import (
-    COLLECTIVE_TIMEOUT, TensorParallelError, loaded_barrier, rank_statuses, stop_workers, worker_error,
-)
+from kvlm.memory.seq_state import check_state
 from kvlm.parallel.collectives import make_collectives, vocab_shares
+from kvlm.parallel.group import (
+    COLLECTIVE_TIMEOUT,
+    TensorParallelError,
+    loaded_barrier,
+    rank_statuses,
+    stop_workers,
+    worker_error,
+)
 
 log = logging.getLogger("kvlm")
 
@@ -57,8 +63,8 @@ class Leader:
         self._memory_ids = itertools.count()
         self._lock = threading.Lock()
         self._stopped = False
-        if workers is not None:
-            threading.Thread(target=self._watch, name="kvlm-tp-watch", daemon=True).start()
+        self._busy: tuple[str, float] | None = None  # the collective under way, since when
+        threading.Thread(target=self._watch, name="kvlm-tp-watch", daemon=True).start()
         atexit.register(self.stop)
 
     def mirrored(self, memory, sizes: dict) -> MirroredMemory:
@@ -70,7 +76,8 @@ class Leader:
 
     def send(self, *commands: tuple) -> None:
         """What was recorded since the last message, then `commands`, to every other rank."""
-        message, self._pending = [*self._pending, *commands], []
+        pending, self._pending = self._pending, []
+        message = pending + list(commands)
         self._collective("sending a step", dist.broadcast_object_list, [message], src=0, group=self.control)
 
     def connect(self, decoder) -> None:
@@ -87,13 +94,13 @@ class Leader:
 
     def gather(self, part) -> list:
         parts = [None] * self.size
-        self._collective("gathering", dist.gather_object, part, parts, dst=0, group=self.control)
+        self._collective("gathering", dist.gather_object, part, parts, dst=0)
         return parts
 
     def barrier(self) -> None:
         """Wait until every rank has loaded its shard (and mapped the shared file, whose name can then go)."""
         try:
-            self._collective("waiting for every rank to load", loaded_barrier, self.control)
+            self._collective("waiting for every rank to load", loaded_barrier, self.control, watched=False)
         finally:
             self._remove_shared_file()
 
@@ -101,13 +108,20 @@ class Leader:
         if self.shared_file is not None:
             self.shared_file.unlink(missing_ok=True)
 
-    def _collective(self, what: str, collective, *args, **kwargs):
+    def _collective(self, what: str, collective, *args, watched: bool = True, **kwargs):
+        """`watched`: the watch thread fails the group if this takes longer than the collectives' timeout."""
         if self.failure is not None:
             raise TensorParallelError(self.failure)
+        self._busy = (what, time.monotonic()) if watched else None
         try:
             return collective(*args, **kwargs)
         except RuntimeError as exc:
             raise self.fail(f"{what} failed: {_first_words(exc)}") from exc
+        except BaseException:  # e.g. Ctrl-C: the other ranks are left mid-collective, out of step for good
+            self.fail(f"{what} was interrupted")
+            raise
+        finally:
+            self._busy = None
 
     # --- failure and shutdown ---
     def fail(self, reason: str) -> TensorParallelError:
@@ -124,11 +138,16 @@ class Leader:
         return TensorParallelError(self.failure or "the tensor-parallel model was stopped")
 
     def _watch(self) -> None:
-        """A worker that ends while the model is in use stops the group, even between steps."""
+        """A worker that ends while the model is in use stops the group, even between steps; so does a collective
+        that has waited longer than the timeout (messages to the other ranks have no timeout of their own)."""
+        limit = COLLECTIVE_TIMEOUT.total_seconds()
         while not self._stopped and self.failure is None:
-            if any(process.exitcode is not None for process in self.workers.processes) and not self._stopped:
+            workers = self.workers.processes if self.workers is not None else []
+            busy = self._busy
+            if any(process.exitcode is not None for process in workers) and not self._stopped:
                 self.fail("a worker ended while the model was in use")
-                return
+            elif busy is not None and time.monotonic() - busy[1] > limit + WATCH_INTERVAL_S:
+                self.fail(f"{busy[0]} took more than {limit:.0f} s")
             time.sleep(WATCH_INTERVAL_S)
 
     def stop(self) -> None:
@@ -136,16 +155,17 @@ class Leader:
         if self._stopped:
             return
         self._stopped = True
-        if self.failure is None:
-            try:
+        try:
+            if self.failure is None:
                 self.send(("stop",))
-            except TensorParallelError:
-                pass
-        stop_workers(self.workers, grace_s=STOP_GRACE_S)
-        self._remove_shared_file()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        self.failure = self.failure or "the tensor-parallel model was stopped"
+        except TensorParallelError:
+            pass
+        finally:
+            stop_workers(self.workers, grace_s=STOP_GRACE_S)
+            self._remove_shared_file()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            self.failure = self.failure or "the tensor-parallel model was stopped"
 
 
 class MirroredMemory:
@@ -153,7 +173,7 @@ class MirroredMemory:
 
     def __init__(self, memory, leader: Leader, memory_id: int, sizes: dict) -> None:
         self._memory, self._leader, self._id = memory, leader, memory_id
-        leader.record(("memory", memory_id, sizes))
+        leader.send(("memory", memory_id, sizes))  # now: the other ranks allocate their caches before the first step
         weakref.finalize(self, leader.record, ("drop", memory_id))
 
     def __getattr__(self, name: str):
@@ -167,12 +187,15 @@ class MirroredMemory:
 
     def state_seq_save(self, seq_id: int) -> bytes:
         """Every rank's part (its KV heads), gathered: loadable only by a model with as many ranks."""
+        own = self._memory.state_seq_save(seq_id)  # a bad seq_id raises here, before any other rank is asked
         self._leader.send(("save", self._id, seq_id))
-        return pack_parts(self._leader.gather(self._memory.state_seq_save(seq_id)))
+        return pack_parts(self._leader.gather(own))
 
     def state_seq_load(self, data: bytes, dest_seq_id: int) -> None:
         parts = unpack_parts(data, self._leader.size)
-        self._memory.state_seq_load(parts[0], dest_seq_id)  # checks the state: on error nothing changed anywhere
+        for part in parts[1:]:
+            check_state(self._memory.pools, part)  # every rank's part, so that no other rank can refuse its own
+        self._memory.state_seq_load(parts[0], dest_seq_id)  # on error nothing changed anywhere
         self._leader.record(("load", self._id, parts, dest_seq_id))
 
 
@@ -195,6 +218,9 @@ class LeaderDecoder:
         except Exception as exc:
             raise self._leader.fail(f"rank 0's forward pass failed ({type(exc).__name__}: {exc}), so the other "
                                     f"ranks' passes cannot finish") from exc
+        except BaseException:  # Ctrl-C: the other ranks' passes cannot finish either
+            self._leader.fail("rank 0's forward pass was interrupted")
+            raise
 
 
 def _first_words(exc: Exception) -> str:

@@ -4,7 +4,8 @@ width, so each caches only its KV heads.
 Q, K and V (and their biases) and the MLP's gate and up are split by rows (column parallel: each rank computes
 its heads and its part of the width); the attention output and the MLP's down projection by columns (row
 parallel: each rank's product is a partial sum, added up over the ranks after it, see Decoder.all_reduce).
-Norms, embeddings and the LM head are replicated. The per-rank config says n_head / N, n_head_kv / N, n_ff / N,
+The LM head is split by vocabulary (each rank's logits gathered to rank 0, see Decoder.gather_logits); norms
+and embeddings are replicated. The per-rank config says n_head / N, n_head_kv / N, n_ff / N,
 so the decoder, the KV store and attention's grouping run unchanged on a shard.
 """
 from __future__ import annotations
@@ -68,8 +69,9 @@ def shard_weights(weights: ModelWeights, rank: int, size: int) -> ModelWeights:
             tensor = tensor[:, rank * width : (rank + 1) * width]
         shards[name] = tensor.contiguous()
     # The LM head by vocabulary (its own tensor even when tied: the embedding stays whole).
-    first = sum(vocab_shares(config.vocab_size, size)[:rank])
-    shards["output.weight"] = weights.output[first : first + vocab_shares(config.vocab_size, size)[rank]].contiguous()
+    shares = vocab_shares(config.vocab_size, size)
+    first = sum(shares[:rank])
+    shards["output.weight"] = weights.output[first : first + shares[rank]].contiguous()
     file_types = dict(weights.file_types)
     if weights.output_name in file_types:
         file_types["output.weight"] = file_types[weights.output_name]
@@ -77,9 +79,9 @@ def shard_weights(weights: ModelWeights, rank: int, size: int) -> ModelWeights:
 
 
 def load_shard(spec: str, rank: int, size: int, settings: ComputeSettings) -> Model:
-    """This rank's shard of a model. Its decoder's row-parallel products are partial sums: set its `all_reduce`."""
+    """This rank's shard of a model. Its decoder's row-parallel products are partial sums and its logits cover its
+    share of the vocabulary: set its `all_reduce` and `gather_logits`. The whole model is read first."""
     source = resolve_model(spec, progress=False)
     config, weights, tokenizer = read_model(source)
-    check_tensor_parallel(config, size)
-    weights = shard_weights(weights, rank, size)
+    weights = shard_weights(weights, rank, size)  # checks the size (shard_config)
     return Model(weights.config, Decoder(weights.config, weights, settings), tokenizer, source)
