@@ -1,0 +1,211 @@
+// The formats' readers in 128/256-bit vector instructions (AVX2 and F16C, which every AVX-512 CPU also has): the
+// same levels, scales and offsets as unpack_generic in formats.h, which tests hold them to bit for bit, but handed
+// over in registers, so a product reads a block straight into its dot products.
+//
+// Reader<TYPE> reads a chunk starting at its first block (`n` blocks present, for 32-weight formats):
+//   levels(first, s)  -> the 32 levels of the chunk's sub-block s (0..7)
+//   groups(first, n, scale, offset) -> the 16 groups' scales and offsets, as groups 0-7 and 8-15
+// and the 32-weight formats' readers one block's scale(block) and offset(block), and eight blocks' as vectors,
+// blocks(first, n, scale, offset).
+#pragma once
+
+#include <immintrin.h>
+
+#include "formats.h"
+
+namespace kvlm {
+
+inline __m128i low_nibbles(__m128i q) { return _mm_and_si128(q, _mm_set1_epi8(15)); }
+inline __m128i high_nibbles(__m128i q) { return _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(15)); }
+inline __m256i low_nibbles(__m256i q) { return _mm256_and_si256(q, _mm256_set1_epi8(15)); }
+inline __m256i high_nibbles(__m256i q) { return _mm256_and_si256(_mm256_srli_epi16(q, 4), _mm256_set1_epi8(15)); }
+
+inline __m128i load128(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+inline float f16_value(const uint8_t* p) { return _cvtsh_ss(load_u16(p)); }
+
+// The 32 levels of a block whose 16 bytes hold weights 0-15 in their low nibbles and 16-31 in their high ones.
+inline __m256i nibble_levels(const uint8_t* qs) {
+    const __m128i q = load128(qs);
+    return _mm256_set_m128i(high_nibbles(q), low_nibbles(q));
+}
+
+// 16 (byte) where bit i of the little-endian word at qh is set, for i = 0..31, else 0.
+inline __m256i fifth_bits(const uint8_t* qh) {
+    const __m256i spread = _mm256_shuffle_epi8(  // byte i takes byte i / 8 of the word
+        _mm256_set1_epi32(int(load_u32(qh))),
+        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+    const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201));  // byte i tests bit i % 8
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+}
+
+// Eight f16 at a stride of `stride` bytes (n of them; the rest read as 0), as floats.
+inline __m256 f16_strided(const uint8_t* first, int stride, int n) {
+    alignas(16) uint16_t halves[8] = {};
+    for (int b = 0; b < n; ++b) halves[b] = load_u16(first + b * stride);
+    return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(halves)));
+}
+
+// Per-block values (one per 32 weights) as per-group ones (each twice): groups 0-7, then 8-15.
+inline void per_group(__m256 per_block, __m256 out[2]) {
+    out[0] = _mm256_permutevar8x32_ps(per_block, _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0));
+    out[1] = _mm256_permutevar8x32_ps(per_block, _mm256_set_epi32(7, 7, 6, 6, 5, 5, 4, 4));
+}
+
+template <int TYPE> struct Reader;
+
+template <> struct Reader<Q4_0> {
+    static float scale(const uint8_t* block) { return f16_value(block); }
+    static float offset(const uint8_t* block) { return -8.0f * f16_value(block); }
+    static __m256i levels(const uint8_t* first, int s) { return nibble_levels(first + 18 * s + 2); }
+    static void blocks(const uint8_t* first, int n, __m256& scale, __m256& offset) {
+        scale = f16_strided(first, 18, n);
+        offset = _mm256_mul_ps(scale, _mm256_set1_ps(-8.0f));
+    }
+    static void groups(const uint8_t* first, int n, __m256 scale[2], __m256 offset[2]) {
+        __m256 per_block_scale, per_block_offset;
+        blocks(first, n, per_block_scale, per_block_offset);
+        per_group(per_block_scale, scale);
+        per_group(per_block_offset, offset);
+    }
+};
+
+template <> struct Reader<Q4_1> {
+    static float scale(const uint8_t* block) { return f16_value(block); }
+    static float offset(const uint8_t* block) { return f16_value(block + 2); }
+    static __m256i levels(const uint8_t* first, int s) { return nibble_levels(first + 20 * s + 4); }
+    static void blocks(const uint8_t* first, int n, __m256& scale, __m256& offset) {
+        scale = f16_strided(first, 20, n);
+        offset = f16_strided(first + 2, 20, n);
+    }
+    static void groups(const uint8_t* first, int n, __m256 scale[2], __m256 offset[2]) {
+        __m256 per_block_scale, per_block_offset;
+        blocks(first, n, per_block_scale, per_block_offset);
+        per_group(per_block_scale, scale);
+        per_group(per_block_offset, offset);
+    }
+};
+
+template <> struct Reader<Q5_0> {
+    static float scale(const uint8_t* block) { return f16_value(block); }
+    static float offset(const uint8_t* block) { return -16.0f * f16_value(block); }
+    static __m256i levels(const uint8_t* first, int s) {
+        const uint8_t* block = first + 22 * s;
+        return _mm256_or_si256(nibble_levels(block + 6), fifth_bits(block + 2));
+    }
+    static void blocks(const uint8_t* first, int n, __m256& scale, __m256& offset) {
+        scale = f16_strided(first, 22, n);
+        offset = _mm256_mul_ps(scale, _mm256_set1_ps(-16.0f));
+    }
+    static void groups(const uint8_t* first, int n, __m256 scale[2], __m256 offset[2]) {
+        __m256 per_block_scale, per_block_offset;
+        blocks(first, n, per_block_scale, per_block_offset);
+        per_group(per_block_scale, scale);
+        per_group(per_block_offset, offset);
+    }
+};
+
+template <> struct Reader<Q5_1> {
+    static float scale(const uint8_t* block) { return f16_value(block); }
+    static float offset(const uint8_t* block) { return f16_value(block + 2); }
+    static __m256i levels(const uint8_t* first, int s) {
+        const uint8_t* block = first + 24 * s;
+        return _mm256_or_si256(nibble_levels(block + 8), fifth_bits(block + 4));
+    }
+    static void blocks(const uint8_t* first, int n, __m256& scale, __m256& offset) {
+        scale = f16_strided(first, 24, n);
+        offset = f16_strided(first + 2, 24, n);
+    }
+    static void groups(const uint8_t* first, int n, __m256 scale[2], __m256 offset[2]) {
+        __m256 per_block_scale, per_block_offset;
+        blocks(first, n, per_block_scale, per_block_offset);
+        per_group(per_block_scale, scale);
+        per_group(per_block_offset, offset);
+    }
+};
+
+template <> struct Reader<Q8_0> {
+    static float scale(const uint8_t* block) { return f16_value(block); }
+    static float offset(const uint8_t* block) { return -128.0f * f16_value(block); }
+    static __m256i levels(const uint8_t* first, int s) {
+        return _mm256_xor_si256(load256(first + 34 * s + 2), _mm256_set1_epi8(char(0x80)));
+    }
+    static void blocks(const uint8_t* first, int n, __m256& scale, __m256& offset) {
+        scale = f16_strided(first, 34, n);
+        offset = _mm256_mul_ps(scale, _mm256_set1_ps(-128.0f));
+    }
+    static void groups(const uint8_t* first, int n, __m256 scale[2], __m256 offset[2]) {
+        __m256 per_block_scale, per_block_offset;
+        blocks(first, n, per_block_scale, per_block_offset);
+        per_group(per_block_scale, scale);
+        per_group(per_block_offset, offset);
+    }
+};
+
+// Q4_K and Q5_K: d * scale and -(dmin * min) per 32 weights.
+inline void k_groups(const uint8_t* block, __m256 scale[2], __m256 offset[2]) {
+    uint32_t words[4];
+    k_scales_mins(block + 4, words);
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(words));
+    const __m256 scales = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+    const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)));
+    per_group(_mm256_mul_ps(_mm256_set1_ps(f16_value(block)), scales), scale);
+    per_group(_mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(f16_value(block + 2)), mins), _mm256_set1_ps(-0.0f)), offset);
+}
+
+template <> struct Reader<Q4_K> {
+    static __m256i levels(const uint8_t* block, int s) {
+        const __m256i q = load256(block + 16 + 32 * (s / 2));
+        return s % 2 ? high_nibbles(q) : low_nibbles(q);
+    }
+    static void groups(const uint8_t* block, int, __m256 scale[2], __m256 offset[2]) {
+        k_groups(block, scale, offset);
+    }
+};
+
+template <> struct Reader<Q5_K> {
+    static __m256i levels(const uint8_t* block, int s) {
+        const __m256i q = load256(block + 48 + 32 * (s / 2));
+        const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(load256(block + 16), s), _mm256_set1_epi8(1));
+        return _mm256_or_si256(s % 2 ? high_nibbles(q) : low_nibbles(q), _mm256_slli_epi16(bit, 4));
+    }
+    static void groups(const uint8_t* block, int, __m256 scale[2], __m256 offset[2]) {
+        k_groups(block, scale, offset);
+    }
+};
+
+template <> struct Reader<Q6_K> {
+    // Sub-block s = 4 h + k: nibble k / 2 of the 32 bytes at 64 h + 32 (k % 2), bits 2k of the qh bytes at 32 h.
+    static __m256i levels(const uint8_t* block, int s) {
+        const int h = s / 4, k = s % 4;
+        const __m256i q = load256(block + 64 * h + 32 * (k % 2));
+        const __m256i pair = _mm256_and_si256(_mm256_srli_epi16(load256(block + 128 + 32 * h), 2 * k),
+                                              _mm256_set1_epi8(3));
+        return _mm256_or_si256(k / 2 ? high_nibbles(q) : low_nibbles(q), _mm256_slli_epi16(pair, 4));
+    }
+    static void groups(const uint8_t* block, int, __m256 scale[2], __m256 offset[2]) {
+        const __m128i scales = load128(block + 192);
+        const __m256 d = _mm256_set1_ps(f16_value(block + 208)), center = _mm256_set1_ps(-32.0f);
+        for (int h = 0; h < 2; ++h) {
+            scale[h] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(scales, 8 * h))));
+            offset[h] = _mm256_mul_ps(center, scale[h]);
+        }
+    }
+};
+
+// A chunk into memory (for dequantization): the same readers, stored.
+template <int TYPE> inline void unpack(const uint8_t* first, int n, Chunk& c) {
+    constexpr int per_block = Traits<TYPE>::weights;
+    const int subs = per_block == 32 ? n : 8;
+    for (int s = 0; s < subs; ++s)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(c.levels + 32 * s), Reader<TYPE>::levels(first, s));
+    __m256 scale[2], offset[2];
+    Reader<TYPE>::groups(first, n, scale, offset);
+    for (int h = 0; h < 2; ++h) {
+        _mm256_store_ps(c.scale + 8 * h, scale[h]);
+        _mm256_store_ps(c.offset + 8 * h, offset[h]);
+    }
+}
+
+}  // namespace kvlm

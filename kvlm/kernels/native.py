@@ -1,0 +1,178 @@
+"""kvlm's C++ kernels (csrc/): built once per machine with the system's C++ compiler, loaded with ctypes.
+
+They are plain C++ without torch's headers, so a build takes about a second (a torch extension takes most of a
+minute) and does not depend on torch's ABI; ctypes calls them with the tensors' data pointers. They are compiled for
+the CPU they run on (`-march=native`: AVX-512 VNNI, AVX-512, AVX2 or plain C++, chosen by the compiler from what it
+finds) and cached in $KVLM_HOME/kernels under a key of the sources, the compiler and the CPU's flags. OpenMP comes
+from the libgomp torch has already loaded, so they share torch's threads.
+
+Where no compiler is found, or the build fails, or KVLM_NATIVE=0, `load()` says so in one log line and returns
+None: the caller then takes the pure-torch path (kvlm.kernels.reference) and keeps weights dense.
+
+    python -m kvlm.kernels.native     # build now (the Makefile's install step does), print what was built
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from kvlm.home import kvlm_home
+from kvlm.kernels.blocks import BlockMatrix
+
+log = logging.getLogger("kvlm")
+
+SOURCES = Path(__file__).parent / "csrc"
+SWITCH_VARIABLE = "KVLM_NATIVE"  # "0": never build or load the native kernels
+FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off")
+_OK, _UNSUPPORTED_TYPE, _BAD_SHAPE = 0, 1, 2
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+def compiler() -> str | None:
+    for candidate in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if candidate and shutil.which(candidate):
+            return shutil.which(candidate)
+    return None
+
+
+def build(march: str = "native") -> Path:
+    """The shared library for `march` (gcc's -march: "native", or e.g. "x86-64-v3" for AVX2 alone), built if needed."""
+    cxx = compiler()
+    if cxx is None:
+        raise BuildError("no C++ compiler found (g++, c++ or clang++ on the PATH, or $CXX)")
+    target = kvlm_home() / "kernels" / _key(cxx, march) / "kvlm_kernels.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Another process may build the same library at the same time: each writes its own file, the last rename wins.
+    fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
+    os.close(fd)
+    command = [cxx, *FLAGS, f"-march={march}", "-o", partial, str(SOURCES / "kernels.cpp")]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        Path(partial).unlink(missing_ok=True)
+        raise BuildError(f"{' '.join(command)} failed: {result.stderr.strip()[-2000:]}")
+    os.replace(partial, target)
+    return target
+
+
+def _key(cxx: str, march: str) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(SOURCES.iterdir()):
+        digest.update(path.name.encode() + path.read_bytes())
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    digest.update(f"{version}\n{FLAGS}\n{march}\n{_cpu_flags() if march == 'native' else ''}".encode())
+    return digest.hexdigest()[:24]
+
+
+def _cpu_flags() -> str:
+    """This CPU's feature flags: a library built for one CPU is never loaded on another."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+class NativeKernels:
+    """The library's functions over torch tensors."""
+
+    def __init__(self, path: Path) -> None:
+        import torch  # noqa: F401  - first: the library must find torch's libgomp already loaded
+
+        self.path = path
+        self._lib = ctypes.CDLL(str(path))
+        self._lib.kvlm_isa.restype = ctypes.c_char_p
+        self.isa: str = self._lib.kvlm_isa().decode()
+        i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+        self._lib.kvlm_dequantize.argtypes = [i32, ptr, i64, ptr, i64, ptr, ctypes.c_int, ctypes.c_int]
+        self._lib.kvlm_matmul.argtypes = [ptr, ctypes.c_int, i64, i64, ctypes.c_int, ptr, ptr, ptr, ptr,
+                                          ctypes.c_int, ctypes.c_int]
+
+    def dequantize(self, matrix: BlockMatrix, dtype: torch.dtype = torch.float32,
+                   ids: torch.Tensor | None = None) -> torch.Tensor:
+        """gguf's values of the matrix (or of its rows `ids`), as float32 or rounded to bfloat16."""
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"the native dequantization writes float32 or bfloat16, not {dtype}")
+        rows = matrix.shape[0] if ids is None else ids.numel()
+        ids = None if ids is None else ids.to(torch.int64).contiguous()
+        out = torch.empty(rows, matrix.n_cols, dtype=dtype)
+        status = self._lib.kvlm_dequantize(int(matrix.qtype), matrix.blocks.data_ptr(), matrix.n_cols,
+                                           None if ids is None else ids.data_ptr(), rows, out.data_ptr(),
+                                           int(dtype == torch.bfloat16), torch.get_num_threads())
+        _check(status, [matrix])
+        return out
+
+    def product(self, parts: list[BlockMatrix]) -> NativeProduct:
+        return NativeProduct(self._lib, parts)
+
+
+class NativeProduct:
+    """x @ W.T for W the parts' rows stacked, each part in its own block format; its arguments prepared once."""
+
+    def __init__(self, lib: ctypes.CDLL, parts: list[BlockMatrix]) -> None:
+        if len({p.n_cols for p in parts}) != 1:
+            raise ValueError(f"stacked parts need one width, got {[p.n_cols for p in parts]}")
+        self._call = lib.kvlm_matmul
+        self.parts = parts  # keeps the blocks alive while the pointers below are in use
+        self.in_features = parts[0].n_cols
+        self.out_features = sum(p.shape[0] for p in parts)
+        self._types = (ctypes.c_int32 * len(parts))(*(int(p.qtype) for p in parts))
+        self._weights = (ctypes.c_void_p * len(parts))(*(p.blocks.data_ptr() for p in parts))
+        self._rows = (ctypes.c_int64 * len(parts))(*(p.shape[0] for p in parts))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [m, in_features] float32 or bfloat16 -> [m, out_features] in x's dtype."""
+        if x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"expected float32 or bfloat16 [m, {self.in_features}], got {x.dtype} {list(x.shape)}")
+        x = x.contiguous()
+        y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+        bf16 = int(x.dtype == torch.bfloat16)
+        status = self._call(x.data_ptr(), bf16, x.shape[0], self.in_features, len(self.parts), self._types,
+                            self._weights, self._rows, y.data_ptr(), bf16, torch.get_num_threads())
+        _check(status, self.parts)
+        return y
+
+
+def _check(status: int, parts: list[BlockMatrix]) -> None:
+    if status == _UNSUPPORTED_TYPE:
+        raise ValueError(f"the native kernels do not read {[p.qtype.name for p in parts]}")
+    if status != _OK:
+        raise ValueError(f"the native kernels cannot take these shapes: {[(p.qtype.name, p.shape) for p in parts]}")
+
+
+@lru_cache(maxsize=None)
+def load(march: str = "native") -> NativeKernels | None:
+    """The kernels built for this CPU, or None (said once in the log) where they cannot be had."""
+    if os.environ.get(SWITCH_VARIABLE) == "0":
+        log.info("native kernels off (%s=0): pure-torch products over dense weights", SWITCH_VARIABLE)
+        return None
+    started = time.perf_counter()
+    try:
+        kernels = NativeKernels(build(march))
+    except (BuildError, OSError) as exc:
+        log.warning("native kernels unavailable, using pure-torch products over dense weights: %s", exc)
+        return None
+    log.info("native kernels: %s (%s, ready in %.1f s)", kernels.isa, kernels.path, time.perf_counter() - started)
+    return kernels
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    built = load()
+    raise SystemExit(0 if built is not None else 1)

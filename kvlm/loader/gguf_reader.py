@@ -1,0 +1,173 @@
+"""Reading a GGUF file: its metadata, its tensor table, and each tensor's bytes through a memory map.
+
+Written for kvlm rather than taken from `gguf`'s GGUFReader, which builds a NumPy view for every part of every
+metadata value (seconds for a 150k-token vocabulary) and offers no way to let go of a tensor's pages once read. Here
+the header is parsed in one pass, a tensor's bytes are a view of the map, and `release` drops the pages a tensor
+occupied from this process (the OS keeps them in its page cache), so reading a model one tensor at a time never
+holds more of the file than the tensor in hand.
+
+Format (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md): magic "GGUF", version, tensor count, key/value
+count; the key/values; the tensor infos (name, dimensions innermost first, type, offset); padding to the alignment;
+the tensors' data.
+"""
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from kvlm.errors import ModelFileError
+
+MAGIC = b"GGUF"
+DEFAULT_ALIGNMENT = 32
+# GGUF value types: their struct codes (numbers), or the names of the two that are not numbers.
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+_NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
+          7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]  # torch order: outermost first ([out, in] for a matrix)
+    qtype: GGMLQuantizationType
+    offset: int  # of its first byte in the file
+    nbytes: int
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.shape))
+
+
+class _Cursor:
+    """Reads little-endian values from a buffer, front to back."""
+
+    def __init__(self, buffer, path: Path) -> None:
+        self.buffer, self.at, self.path = buffer, 0, path
+
+    def unpack(self, code: str) -> Any:
+        value = struct.unpack_from("<" + code, self.buffer, self.at)[0]
+        self.at += struct.calcsize(code)
+        return value
+
+    def string(self) -> str:
+        length = self.unpack("Q")
+        raw = bytes(self.buffer[self.at:self.at + length])
+        if len(raw) != length:
+            raise struct.error("a string runs past the end of the file")
+        self.at += length
+        return raw.decode("utf-8", errors="replace")
+
+    def value(self, kind: int) -> Any:
+        if kind in _SCALARS:
+            return self.unpack(_SCALARS[kind])
+        if kind == _STRING:
+            return self.string()
+        if kind == _ARRAY:
+            return self.array()
+        raise ModelFileError(f"{self.path}: not a readable GGUF file (unknown value type {kind} at byte {self.at})")
+
+    def array(self) -> list:
+        kind, count = self.unpack("I"), self.unpack("Q")
+        if kind in _NUMPY:  # numbers in one go: a vocabulary's scores or token types are 100k+ values
+            dtype = np.dtype(_NUMPY[kind]).newbyteorder("<")
+            values = np.frombuffer(self.buffer, dtype=dtype, count=count, offset=self.at)
+            self.at += values.nbytes
+            return values.tolist()
+        return [self.value(kind) for _ in range(count)]
+
+
+class GGUFFile:
+    """An open GGUF file: `metadata`, `tensors` (by name, in file order) and each tensor's bytes."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as f:
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except FileNotFoundError:
+            raise ModelFileError(f"{self.path}: no such GGUF file") from None
+        except (OSError, ValueError) as exc:  # ValueError: an empty file cannot be mapped
+            raise ModelFileError(f"{self.path}: not a readable GGUF file ({exc})") from exc
+        try:
+            self.metadata, self.tensors = self._parse()
+        except (struct.error, UnicodeDecodeError, ValueError, OverflowError, MemoryError) as exc:
+            raise ModelFileError(f"{self.path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+
+    def _parse(self) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
+        cursor = _Cursor(self._map, self.path)
+        if bytes(self._map[:4]) != MAGIC:
+            raise ModelFileError(f"{self.path}: not a readable GGUF file (it does not start with {MAGIC!r})")
+        cursor.at = 4
+        version, n_tensors, n_values = cursor.unpack("I"), cursor.unpack("Q"), cursor.unpack("Q")
+        if version < 2:
+            raise ModelFileError(f"{self.path}: not a readable GGUF file (version {version}; 2 and later are read)")
+        metadata = {}
+        for _ in range(n_values):
+            key = cursor.string()
+            metadata[key] = cursor.value(cursor.unpack("I"))
+        infos = [self._tensor_info(cursor) for _ in range(n_tensors)]
+        alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        data_start = -(-cursor.at // alignment) * alignment
+        tensors = {}
+        for name, shape, qtype, offset in infos:
+            info = TensorInfo(name, shape, qtype, data_start + offset, _tensor_bytes(shape, qtype))
+            self.check_complete(info)
+            tensors[name] = info
+        return metadata, tensors
+
+    def _tensor_info(self, cursor: _Cursor) -> tuple[str, tuple[int, ...], GGMLQuantizationType, int]:
+        name = cursor.string()
+        dims = [cursor.unpack("Q") for _ in range(cursor.unpack("I"))]
+        kind = cursor.unpack("I")
+        try:
+            qtype = GGMLQuantizationType(kind)
+        except ValueError:
+            raise ModelFileError(f"{self.path}: tensor {name} has unknown type {kind}") from None
+        return name, tuple(reversed(dims)), qtype, cursor.unpack("Q")
+
+    @property
+    def size(self) -> int:
+        return len(self._map)
+
+    def data(self, info: TensorInfo) -> np.ndarray:
+        """The tensor's bytes, a read-only view of the map (uint8); check_complete first."""
+        return np.frombuffer(self._map, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+
+    def check_complete(self, info: TensorInfo) -> None:
+        if info.offset + info.nbytes > self.size:
+            raise ModelFileError(
+                f"{self.path}: tensor {info.name} needs bytes {info.offset}..{info.offset + info.nbytes} but the "
+                f"file has {self.size} (it is truncated or damaged)")
+
+    def release(self, start: int, length: int) -> None:
+        """Drop the pages of bytes start..start+length from this process (they stay in the OS page cache)."""
+        first = start // mmap.PAGESIZE * mmap.PAGESIZE
+        last = min(self.size, -(-(start + length) // mmap.PAGESIZE) * mmap.PAGESIZE)
+        if last > first and hasattr(self._map, "madvise"):
+            self._map.madvise(mmap.MADV_DONTNEED, first, last - first)
+
+    def close(self) -> None:
+        try:
+            self._map.close()
+        except BufferError:  # a view of it is still alive somewhere: the map goes when that does
+            pass
+
+
+def _tensor_bytes(shape: tuple[int, ...], qtype: GGMLQuantizationType) -> int:
+    block_weights, block_bytes = GGML_QUANT_SIZES[qtype]
+    return int(np.prod(shape)) // block_weights * block_bytes
+
+
+def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
+    """Every key/value of a GGUF file as str, int, float, bool or lists of those."""
+    gguf = GGUFFile(path)
+    metadata = gguf.metadata
+    gguf.close()
+    return metadata

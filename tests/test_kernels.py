@@ -1,0 +1,187 @@
+"""kvlm's kernels against independent references: dequantization bit for bit against gguf's own, products against
+their exact definition (8-bit activations, then exact arithmetic), for every instruction set the C++ is built for
+here (this CPU's, AVX2 alone, plain C++; AVX-512 without VNNI where the CPU runs it), and the pure-torch path."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, GGUFWriter
+from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
+
+from kvlm.kernels import NATIVE_TYPES, BlockMatrix, reference
+from kvlm.kernels.native import BuildError, NativeKernels, build, compiler
+from kvlm.kernels.quantize import quantize_q4_0, quantize_q4_1, quantize_q8_0
+from kvlm.loader.gguf_reader import GGUFFile
+from kvlm.loader.tensors import GGUFTensors
+
+K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)
+TYPES = sorted(NATIVE_TYPES, key=int)
+# gcc -march values: this CPU's, AVX2 alone, plain x86-64 (no vector readers); AVX-512 without VNNI if this CPU can
+# run it (checked by running the build, below).
+MARCHES = ["native", "x86-64-v3", "x86-64", "skylake-avx512"]
+
+
+def scale_bytes(rng, n: int) -> np.ndarray:
+    """f16 scales as a file has them: mostly small, some negative, zero and subnormal ones too."""
+    values = rng.standard_normal(n).astype(np.float32) * 0.01
+    values[::7] = 0.0
+    values[3::11] = -values[3::11]
+    values[5::13] = 3e-7  # subnormal in f16
+    return values.astype(np.float16).view(np.uint8).reshape(n, 2)
+
+
+def random_blocks(qtype: T, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Rows of blocks with random levels and plausible scales: [rows, row_bytes] uint8."""
+    rng = np.random.default_rng(seed)
+    block_weights, block_bytes = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows * cols // block_weights, block_bytes), dtype=np.uint8)
+    scale_at = {T.Q4_0: [0], T.Q5_0: [0], T.Q8_0: [0], T.Q4_1: [0, 2], T.Q5_1: [0, 2], T.Q4_K: [0, 2],
+                T.Q5_K: [0, 2], T.Q6_K: [208]}[qtype]
+    for at in scale_at:
+        raw[:, at:at + 2] = scale_bytes(rng, raw.shape[0])
+    return raw.reshape(rows, -1)
+
+
+def width_for(qtype: T, chunks: float = 2.5) -> int:
+    """A row width: whole super-blocks for K-quants; for 32-weight formats, a last chunk that is partial."""
+    return 512 if qtype in K_QUANTS else int(256 * chunks) + 32
+
+
+@pytest.fixture(scope="module", params=MARCHES)
+def kernels(request):
+    if compiler() is None:
+        pytest.skip("no C++ compiler here: the pure-torch path is tested instead")
+    try:
+        built = NativeKernels(build(request.param))
+    except BuildError as exc:
+        pytest.skip(f"cannot build for -march={request.param}: {exc}")
+    if request.param == "skylake-avx512" and not runs(built):
+        pytest.skip("this CPU cannot run AVX-512")
+    return built
+
+
+def runs(kernels: NativeKernels) -> bool:
+    """Whether this CPU runs the library's instructions: tried in a child, where an illegal one only kills it."""
+    probe = f"import ctypes; lib = ctypes.CDLL({str(kernels.path)!r}); lib.kvlm_isa()"
+    return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
+
+
+def assert_rounding_close(actual: torch.Tensor, x: torch.Tensor, parts: list[BlockMatrix], relative: float = 1e-5):
+    """Within float32 summation rounding of the definition: relative to the sum of the terms' magnitudes."""
+    expected = reference.quantized_product(x, parts)
+    magnitude = x.abs().double() @ torch.cat([reference.dequantize(p).abs().double() for p in parts]).T
+    error = (actual.double() - expected).abs()
+    assert (error <= relative * magnitude + 1e-6).all(), f"worst {(error / (magnitude + 1e-9)).max().item():.2e}"
+
+
+def exact(values: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Bit for bit (signed zeros and all)."""
+    return torch.equal(values.contiguous().view(torch.int32), expected.contiguous().view(torch.int32))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_the_reference_dequantizes_as_gguf_does(qtype):
+    raw = random_blocks(qtype, 7, width_for(qtype))
+    matrix = BlockMatrix(torch.from_numpy(raw), qtype, width_for(qtype))
+    assert exact(reference.dequantize(matrix), torch.from_numpy(gguf_dequantize(raw, qtype)))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_the_native_kernels_dequantize_as_gguf_does(kernels, qtype):
+    raw = random_blocks(qtype, 37, width_for(qtype))
+    matrix = BlockMatrix(torch.from_numpy(raw), qtype, width_for(qtype))
+    expected = torch.from_numpy(gguf_dequantize(raw, qtype))
+    assert exact(kernels.dequantize(matrix), expected)
+    assert torch.equal(kernels.dequantize(matrix, torch.bfloat16), expected.to(torch.bfloat16))
+    ids = torch.tensor([36, 0, 5, 5])
+    assert exact(kernels.dequantize(matrix, ids=ids), expected[ids])
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 3, 4, 9])
+def test_the_native_product_is_its_definition(kernels, qtype, m):
+    """8-bit activations (per 32, or per 256 for K-quants) times the exact weights: only float rounding differs."""
+    cols = width_for(qtype)
+    matrix = BlockMatrix(torch.from_numpy(random_blocks(qtype, 21, cols, seed=m)), qtype, cols)
+    x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
+    assert_rounding_close(kernels.product([matrix])(x), x, [matrix])
+    bf16 = kernels.product([matrix])(x.bfloat16())
+    assert bf16.dtype == torch.bfloat16
+    assert_rounding_close(bf16, x.bfloat16().float(), [matrix], relative=2**-8)  # the output rounded to bf16
+
+
+def test_stacked_parts_of_different_formats_are_one_product(kernels):
+    """Q/K/V stored as Q4_K, Q4_K and Q6_K (a Q4_K_M file), or Q5_0 and Q8_0, multiplied in one call."""
+    x = torch.randn(5, 512)
+    for qtypes in [(T.Q4_K, T.Q4_K, T.Q6_K), (T.Q5_0, T.Q8_0), (T.Q4_K, T.Q8_0)]:
+        parts = [BlockMatrix(torch.from_numpy(random_blocks(q, 8 + i, 512, seed=i)), q, 512)
+                 for i, q in enumerate(qtypes)]
+        assert_rounding_close(kernels.product(parts)(x), x, parts)
+
+
+def test_a_products_rows_do_not_depend_on_the_threads(kernels):
+    matrix = BlockMatrix(torch.from_numpy(random_blocks(T.Q4_K, 64, 1024)), T.Q4_K, 1024)
+    x = torch.randn(3, 1024)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = kernels.product([matrix])(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(kernels.product([matrix])(x), alone)  # each row is computed by one thread, whole
+
+
+def test_bad_shapes_are_refused(kernels):
+    matrix = BlockMatrix(torch.from_numpy(random_blocks(T.Q8_0, 4, 64)), T.Q8_0, 64)
+    with pytest.raises(ValueError, match=r"expected float32 or bfloat16 \[m, 64\]"):
+        kernels.product([matrix])(torch.randn(2, 32))
+    with pytest.raises(ValueError, match="stacked parts need one width"):
+        kernels.product([matrix, BlockMatrix(torch.from_numpy(random_blocks(T.Q8_0, 4, 96)), T.Q8_0, 96)])
+
+
+@pytest.mark.parametrize("quantize, qtype", [(quantize_q8_0, T.Q8_0), (quantize_q4_0, T.Q4_0),
+                                             (quantize_q4_1, T.Q4_1)])
+def test_requantizing_makes_ggufs_blocks(quantize, qtype):
+    weight = torch.randn(12, 96) * torch.logspace(-3, 1, 12)[:, None]
+    weight[0, :32] = 0.0  # a block of zeros
+    assert np.array_equal(quantize(weight).blocks.numpy(), gguf_quantize(weight.numpy(), qtype))
+
+
+FILE_TYPES = [T.F32, T.F16, T.BF16, *TYPES]
+
+
+def test_every_stored_type_reads_back_as_ggufs_values(tmp_path):
+    """Each type a GGUF file may store, written by gguf's writer, read by kvlm's reader and dequantized: gguf's own
+    values, bit for bit."""
+    writer = GGUFWriter(tmp_path / "types.gguf", "llama")
+    raws = {}
+    for qtype in FILE_TYPES:
+        if qtype in (T.F32, T.F16, T.BF16):
+            floats = np.random.default_rng(int(qtype)).standard_normal((6, 256)).astype(np.float32)
+            raw = gguf_quantize(floats, qtype) if qtype != T.F32 else floats
+        else:
+            raw = random_blocks(qtype, 6, 256 if qtype in K_QUANTS else 288)
+        writer.add_tensor(qtype.name, raw, raw_dtype=qtype)
+        raws[qtype] = raw
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tensors = GGUFTensors(GGUFFile(tmp_path / "types.gguf"))
+    for qtype, raw in raws.items():
+        stored = tensors.read(qtype.name)
+        values = reference.dequantize(stored) if isinstance(stored, BlockMatrix) else stored.float()
+        expected = gguf_dequantize(raw.view(np.uint8) if qtype != T.F32 else raw, qtype)
+        assert exact(values, torch.from_numpy(np.ascontiguousarray(expected))), qtype.name
+
+
+def test_native_kernels_can_be_switched_off():
+    script = "import kvlm.kernels.native as n; print(n.load() is None)"
+    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "KVLM_NATIVE": "0"},
+                          capture_output=True, text=True)
+    assert done.stdout.strip() == "True", done.stderr
