@@ -1,19 +1,10 @@
 """kvlm: a small LLM inference engine for the CPU, built around its KV cache."""
-import os
-
-# Pin OpenMP threads to cores before torch starts them. Unpinned, on small VMs, every parallel op of a
-# batched decode paid for threads migrating between cores: 2-4x slower at 32-64 sequences
-# (bench/multi_sequence). A value the user set wins.
-os.environ.setdefault("OMP_PROC_BIND", "true")
-# The cores this process may use, read before OpenMP pins the main thread to one of them: tensor parallelism
-# shares them out between its ranks on this host.
-START_CPUS = tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else tuple(
-    range(os.cpu_count() or 1))
+from kvlm import startup  # noqa: F401  - first: it pins OpenMP threads before torch starts them
 
 from kvlm.batch import Batch  # noqa: E402
 from kvlm.context import Context, DecodeStatus  # noqa: E402
 from kvlm.engine.llm import LLM  # noqa: E402
 from kvlm.engine.sampling_params import SamplingParams  # noqa: E402
-from kvlm.load import load_model  # noqa: E402
+from kvlm.loader.load import load_model  # noqa: E402
 
 __all__ = ["LLM", "Batch", "Context", "DecodeStatus", "SamplingParams", "load_model"]

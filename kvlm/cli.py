@@ -1,25 +1,27 @@
-"""The `kvlm` command: generate, chat, serve, pull, inspect, perplexity."""
+"""The `kvlm` command: generate, chat, serve, pull, inspect, perplexity, bench."""
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections import Counter
 
 from kvlm.engine.chat_session import ChatSession
+from kvlm.engine.engine import memory_request
 from kvlm.engine.llm import LLM
 from kvlm.engine.request import RequestOutput
 from kvlm.engine.sampling_params import SamplingParams
 from kvlm.errors import KvlmError
-from kvlm.families import RECURRENT_KINDS, SLIDING
-from kvlm.fetch import DEFAULT_MODEL, KNOWN_MODELS, pull
+from kvlm.families import RECURRENT_KINDS
 from kvlm.generate import GenerationSettings, generate
-from kvlm.load import load_model, load_summary
+from kvlm.kernels import native_kernels
 from kvlm.loader.config import ModelConfig
-from kvlm.memory.iswa import sliding_pool_cells
+from kvlm.loader.fetch import DEFAULT_MODEL, KNOWN_MODELS, pull, resolve_model
+from kvlm.loader.load import load_model, open_model
+from kvlm.loader.memory_plan import parse_size, plan_memory
 from kvlm.memory.kv_store import KV_DTYPES, kv_bytes_for
 from kvlm.memory.protocol import recurrent_state_shapes
+from kvlm.memory.sizes import iswa_pools, recurrent_state
 from kvlm.model.settings import AUTO, DTYPES, QUANTS, resolve_settings
 from kvlm.tokenizer import StreamDecoder, checked_template_kwargs
 
@@ -60,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     chat.set_defaults(handler=_chat)
 
     srv = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    _model_arguments(srv, n_ctx=8192)
+    _model_arguments(srv)
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--max-num-seqs", type=int, default=32, help="requests running at once")
@@ -74,13 +76,23 @@ def _parser() -> argparse.ArgumentParser:
                      help="seconds in-flight requests get to finish after SIGINT/SIGTERM")
     srv.set_defaults(handler=_serve)
 
-    pull_cmd = commands.add_parser("pull", help="download a known model into the cache")
+    pull_cmd = commands.add_parser("pull", help="download a known model into the cache",
+                                   epilog="known models: " + "; ".join(f"{name}: {source.description}"
+                                                                      for name, source in sorted(KNOWN_MODELS.items())))
     pull_cmd.add_argument("name", choices=sorted(KNOWN_MODELS))
     pull_cmd.set_defaults(handler=_pull)
 
-    inspect = commands.add_parser("inspect", help="print a model's config and KV cache size")
+    inspect = commands.add_parser("inspect", help="print a model's config, KV cache size and memory plan (reads no "
+                                                  "weights)")
     inspect.add_argument("model", nargs="?", default=DEFAULT_MODEL)
-    inspect.add_argument("--ctx", type=int, default=None, help="context length (default: the model's)")
+    inspect.add_argument("--ctx", type=int, default=None,
+                         help="context length (default: the largest that fits, up to the model's)")
+    inspect.add_argument("--max-num-seqs", type=int, default=1, help="sequences the plan is for (default 1)")
+    inspect.add_argument("--kv-dtype", choices=(AUTO, *KV_DTYPES), default=AUTO)
+    inspect.add_argument("--dtype", choices=(AUTO, *DTYPES), default=AUTO)
+    inspect.add_argument("--quant", choices=(AUTO, None, *QUANTS), default=AUTO, type=_quant,
+                         metavar="{auto,none,int8,int4}")
+    _budget_argument(inspect)
     inspect.set_defaults(handler=_inspect)
 
     ppl = commands.add_parser("perplexity", help="perplexity of a text file, as llama.cpp's llama-perplexity")
@@ -105,16 +117,32 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _model_arguments(parser: argparse.ArgumentParser, n_ctx: int = 4096) -> None:
+def _budget_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--memory-budget", type=_size, default=None, metavar="SIZE",
+                        help="most memory for weights, their dense copies, the KV cache and buffers, e.g. 6GiB "
+                             "(default: what the machine has; dense copies only while a quarter of it stays free)")
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="known name, .gguf path or Hugging Face folder")
     parser.add_argument("--dtype", choices=(AUTO, *DTYPES), default=AUTO,
                         help="activations; auto: bfloat16 where the CPU has bf16 instructions, else float32 "
                              "(float32 is the reference mode)")
     parser.add_argument("--quant", choices=(AUTO, None, *QUANTS), default=AUTO, type=_quant,
                         metavar="{auto,none,int8,int4}",
-                        help="weights; auto: each matrix as precise as the file stores it (Q4 as int4, Q5-Q8 as "
-                             "int8) with bfloat16; none: dense; int8/int4: every layer matrix")
-    parser.add_argument("--n-ctx", type=int, default=n_ctx, help="KV cache cells (tokens of context)")
+                        help="weights; auto: as the file stores them (its quantized blocks, read by native kernels); "
+                             "none: dense; int8/int4: every layer matrix requantized to Q8_0/Q4_1")
+    parser.add_argument("--n-ctx", type=int, default=None,
+                        help="KV cache cells (tokens of context; default: the largest that fits in memory, up to the "
+                             "model's own context length)")
+    _budget_argument(parser)
     parser.add_argument("--batch-invariant", action="store_true",
                         help="float32 logits that do not depend on the batch (oneDNN products, float64 attention)")
     parser.add_argument("--compile", action="store_true",
@@ -167,12 +195,11 @@ def _generate(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
     if args.prompt is not None and args.chat_template_kwargs:
         raise ValueError("--chat-template-kwargs applies to --chat only; a --prompt is tokenized as is")
-    model = _load_model(args)
+    model = _load_model(args, max_num_seqs=1)
     prompt_ids = model.tokenizer.encode(args.prompt) if args.prompt is not None else model.tokenizer.encode_chat(
         [{"role": "user", "content": args.chat}], **args.chat_template_kwargs)
     output = _recompute_every_step(model, prompt_ids, args) if args.no_cache else _stream(
-        LLM(model, n_ctx=args.n_ctx, max_num_seqs=1, swa_full=args.swa_full).stream(prompt_ids, params),
-        quiet=args.json)
+        _llm(model, args, max_num_seqs=1).stream(prompt_ids, params), quiet=args.json)
     if args.json:
         print(json.dumps({"text": output.text, "token_ids": output.token_ids,
                           "prompt_token_ids": output.prompt_token_ids, "finish_reason": output.finish_reason,
@@ -216,13 +243,23 @@ def _print_timings(output: RequestOutput) -> None:
           f"finish: {output.finish_reason}]", file=sys.stderr)
 
 
-def _load_model(args: argparse.Namespace):
+def _load_model(args: argparse.Namespace, max_num_seqs: int, n_ctx: int | None = None):
+    """The model, its memory planned for an engine of `max_num_seqs` sequences (refused before any weight is read
+    if that does not fit)."""
+    request = memory_request(n_ctx or args.n_ctx, max_num_seqs, swa_full=getattr(args, "swa_full", False))
     return load_model(args.model, args.dtype, quant=args.quant, batch_invariant=args.batch_invariant,
-                      compile=args.compile, tensor_parallel_size=args.tensor_parallel_size)
+                      compile=args.compile, tensor_parallel_size=args.tensor_parallel_size, memory=request,
+                      memory_budget=args.memory_budget)
+
+
+def _llm(model, args: argparse.Namespace, max_num_seqs: int) -> LLM:
+    """An engine over the loaded model, with the context planned when it was loaded."""
+    return LLM(model, n_ctx=args.n_ctx or model.plan.n_ctx, max_num_seqs=max_num_seqs, swa_full=args.swa_full,
+               memory_budget=args.memory_budget)
 
 
 def _chat(args: argparse.Namespace) -> int:
-    llm = LLM(_load_model(args), n_ctx=args.n_ctx, max_num_seqs=1, swa_full=args.swa_full)
+    llm = _llm(_load_model(args, max_num_seqs=1), args, max_num_seqs=1)
     session = ChatSession(llm, _sampling_params(args), system=args.system,
                           chat_template_kwargs=args.chat_template_kwargs)
     interactive = sys.stdin.isatty()
@@ -243,12 +280,15 @@ def _write(text: str) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from kvlm.server.serve import ServeSettings, serve  # the web stack loads only for this command
+    from kvlm.server.serve import (  # the web stack loads only for this command
+        ServeSettings,
+        serve,
+    )
 
     return serve(ServeSettings(
         model=args.model, host=args.host, port=args.port, dtype=args.dtype, quant=args.quant, n_ctx=args.n_ctx,
         batch_invariant=args.batch_invariant, compile=args.compile, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_batched_tokens=args.max_num_batched_tokens, memory_budget=args.memory_budget,
         kv_dtype=args.kv_dtype, swa_full=args.swa_full, api_key=args.api_key, served_model_name=args.served_model_name,
         shutdown_timeout=args.shutdown_timeout, tensor_parallel_size=args.tensor_parallel_size))
 
@@ -259,7 +299,14 @@ def _pull(args: argparse.Namespace) -> int:
 
 
 def _perplexity(args: argparse.Namespace) -> int:
-    from kvlm.perplexity import ChunkReport, check_chunks, check_n_ctx, format_final, format_running, iter_perplexity
+    from kvlm.perplexity import (
+        ChunkReport,
+        check_chunks,
+        check_n_ctx,
+        format_final,
+        format_running,
+        iter_perplexity,
+    )
 
     check_n_ctx(args.n_ctx)  # before the model loads
     check_chunks(args.chunks)
@@ -268,7 +315,7 @@ def _perplexity(args: argparse.Namespace) -> int:
             text = f.read()
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"cannot read {args.file}: {exc}") from None
-    model = _load_model(args)
+    model = _load_model(args, max_num_seqs=1, n_ctx=args.n_ctx)
     for item in iter_perplexity(model, text, args.n_ctx, args.chunks, args.kv_dtype):
         if isinstance(item, ChunkReport):
             if not args.json:
@@ -284,8 +331,10 @@ def _bench(args: argparse.Namespace) -> int:
     from kvlm.benchmark import random_prompts, run_benchmark
 
     _check_positive(num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len)
-    model = _load_model(args)
-    llm = LLM(model, n_ctx=max(args.n_ctx, args.input_len + args.output_len), max_num_seqs=args.num_prompts)
+    n_ctx = max(args.n_ctx, args.input_len + args.output_len) if args.n_ctx else None
+    model = _load_model(args, max_num_seqs=args.num_prompts, n_ctx=n_ctx)
+    llm = LLM(model, n_ctx=n_ctx or model.plan.n_ctx, max_num_seqs=args.num_prompts,
+              memory_budget=args.memory_budget)
     result = run_benchmark(llm, random_prompts(model.config.vocab_size, args.num_prompts, args.input_len, args.seed),
                            args.output_len)
     result["tensor_parallel_size"] = args.tensor_parallel_size
@@ -307,18 +356,25 @@ def _check_positive(**values: int) -> None:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    config, file_types = load_summary(args.model)
-    n_ctx = args.ctx or config.n_ctx_train
+    source = resolve_model(args.model)
+    config, weights, _ = open_model(source)
+    settings = resolve_settings(args.dtype, args.quant)
+    request = memory_request(args.ctx, args.max_num_seqs, kv_dtype=args.kv_dtype, enable_prefix_caching=False)
+    plan = plan_memory(config, weights, settings, request, args.memory_budget, native_kernels() is not None,
+                       where=source.name)
+    n_ctx = plan.n_ctx
     for key, value in config.describe().items():
         print(f"{key:20} {value}")
-    stored = Counter(file_types.values())
-    print(f"{'stored as':20} {', '.join(f'{n} {t}' for t, n in stored.most_common()) or 'float tensors'}")
-    print(f"{'compute (defaults)':20} {resolve_settings().describe()}")
-    print(f"{'n_ctx':20} {n_ctx}")
+    stored = Counter(weights.file_type(name) for name in weights.names())
+    print(f"{'stored as':20} {', '.join(f'{n} {t}' for t, n in stored.most_common())}")
+    print(f"{'compute':20} {settings.describe()}")
+    print(f"{'n_ctx':20} {n_ctx}" + ("" if args.ctx else " (the largest that fits, up to the model's own)"))
+    for label, text in plan.lines():
+        print(f"{'memory: ' + label:20} {text}")
     if any(kind in RECURRENT_KINDS for kind in config.layer_kinds):
         _inspect_recurrent(config, n_ctx)
         return 0
-    pools = iswa_pools(config, n_ctx)
+    pools = iswa_pools(config, n_ctx, INSPECT_N_SEQ_MAX, INSPECT_N_UBATCH)
     if pools is None:
         for dtype in KV_DTYPES:
             size = kv_bytes_for(config, n_ctx, dtype)
@@ -361,35 +417,9 @@ def _inspect_recurrent(config: ModelConfig, n_ctx: int) -> None:
           f"f32: {shapes} per sequence")
 
 
-def recurrent_state(config: ModelConfig) -> tuple[int, int]:
-    """(attention layers, bytes of one sequence's recurrent state: float32, summed over the recurrent layers) as
-    the recurrent and hybrid memories allocate them."""
-    n_attention, state = 0, 0
-    for kind in config.layer_kinds:
-        shapes = recurrent_state_shapes(config, kind)
-        if shapes is None:
-            n_attention += 1
-        else:
-            state += sum(math.prod(shape) for shape in shapes) * RECURRENT_STATE_BYTES
-    return n_attention, state
-
-
-RECURRENT_STATE_BYTES = 4  # a recurrent state is float32 (kvlm.memory.recurrent)
-
 # What `kvlm inspect` sizes the sliding pool for: one sequence, micro-batches of 512 (llama.cpp's defaults).
 INSPECT_N_SEQ_MAX = 1
 INSPECT_N_UBATCH = 512
-
-
-def iswa_pools(config: ModelConfig, n_ctx: int, n_seq_max: int = INSPECT_N_SEQ_MAX,
-               n_ubatch: int = INSPECT_N_UBATCH) -> tuple[tuple[str, int, int], tuple[str, int, int]] | None:
-    """(name, layers, cells) of the full and the sliding pool iSWA memory would allocate (as kvlm.memory.iswa
-    sizes them), or None for a model without sliding-window layers (one unified pool)."""
-    n_sliding = sum(kind == SLIDING for kind in config.layer_kinds)
-    if n_sliding == 0:
-        return None
-    sliding_cells = sliding_pool_cells(n_ctx, config.sliding_window, n_seq_max, n_ubatch)
-    return ("full", config.n_layer - n_sliding, n_ctx), ("sliding", n_sliding, sliding_cells)
 
 
 def _bytes(size: int) -> str:

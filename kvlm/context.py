@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from kvlm.batch import Batch, InvalidBatch, sanitize
-from kvlm.load import Model
+from kvlm.loader.load import Model
 from kvlm.memory.kv_store import KV_DTYPES
 from kvlm.memory.protocol import memory_for
 

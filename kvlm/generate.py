@@ -10,7 +10,7 @@ import torch
 from kvlm.batch import Batch
 from kvlm.context import Context, DecodeStatus
 from kvlm.errors import CacheError, KvlmError
-from kvlm.load import Model
+from kvlm.loader.load import Model
 from kvlm.sampling import sample_token
 
 

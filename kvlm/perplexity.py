@@ -28,7 +28,7 @@ import torch
 from kvlm.batch import Batch
 from kvlm.context import Context, DecodeStatus
 from kvlm.errors import KvlmError
-from kvlm.load import Model
+from kvlm.loader.load import Model
 from kvlm.memory.kv_store import AUTO, resolve_kv_dtype
 from kvlm.tokenizer import Tokenizer
 

@@ -2,18 +2,12 @@
 references, transformers' own readings of the same files; and the helpers tests share (`from conftest import`)."""
 from __future__ import annotations
 
-import os
-
 import kvlm  # noqa: F401  (first: it sets up OpenMP before torch loads)
 import pytest
 import torch
 
 from kvlm import Batch, Context, DecodeStatus
-from kvlm.fetch import DEFAULT_MODEL, pull
-
-# Tests load many models once each: writing packed copies of them would only cost time and disk.
-# tests/test_pack_cache.py turns the cache on in a directory of its own.
-os.environ["KVLM_PACK_CACHE"] = "0"
+from kvlm.loader.fetch import DEFAULT_MODEL, pull
 
 
 @pytest.fixture(scope="session")
@@ -23,7 +17,7 @@ def smollm2_gguf_path():
 
 @pytest.fixture(scope="session")
 def smollm2(smollm2_gguf_path):
-    from kvlm.load import load_model
+    from kvlm.loader.load import load_model
 
     return load_model(str(smollm2_gguf_path), "float32")
 
@@ -124,7 +118,7 @@ def memory_state(ctx: Context, seqs=range(8)) -> tuple:
 
 def on_two_ranks(path):
     """A float32 model split over two processes (tensor parallelism), for a fixture: stopped when it is done."""
-    from kvlm.load import load_model
+    from kvlm.loader.load import load_model
 
     model = load_model(str(path), "float32", tensor_parallel_size=2)
     yield model

@@ -62,7 +62,7 @@ def alone(smollm2):
 
 @pytest.fixture(scope="module")
 def invariant_model(smollm2_gguf_path):
-    from kvlm.load import load_model
+    from kvlm.loader.load import load_model
 
     return load_model(str(smollm2_gguf_path), "float32", batch_invariant=True)
 

@@ -11,9 +11,12 @@ import pytest
 import torch
 
 from kvlm import Batch, Context, DecodeStatus
-from kvlm.load import load_model, load_summary
+from kvlm.loader.load import load_model, load_summary
 from kvlm.model.cpu import CpuFeatures, detect, onednn_packs
-from kvlm.model.linear import RowAdaptiveLinear, make_linear
+from kvlm.generate import GenerationSettings, generate
+from kvlm.kernels import native_kernels, reference
+from kvlm.kernels.quantize import quantize_q4_0
+from kvlm.model.linear import QuantizedLinear, quantized_linear
 from kvlm.model.settings import FROM_FILE, resolve_settings
 
 AVX512_BF16 = CpuFeatures("test CPU", "AVX512", frozenset({"avx512_bw", "avx512_vl", "avx512_dq", "avx512_bf16"}))
@@ -24,76 +27,80 @@ AVX2_ONLY = CpuFeatures("test CPU", "AVX2", frozenset({"avx2", "fma3"}))
 AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
-@pytest.mark.parametrize("cpu, dtype, quant", [
-    (AVX512_BF16, "bfloat16", FROM_FILE),
-    (AMX, "bfloat16", FROM_FILE),
-    (AVX512_NO_BF16, "float32", None),
-    (AVX2_ONLY, "float32", None),
+@pytest.mark.parametrize("cpu, dtype", [
+    (AVX512_BF16, "bfloat16"), (AMX, "bfloat16"), (AVX512_NO_BF16, "float32"), (AVX2_ONLY, "float32"),
 ])
-def test_auto_picks_bfloat16_only_with_native_bf16(cpu, dtype, quant):
-    settings = resolve_settings(cpu=cpu)
-    assert (settings.dtype, settings.quant) == (dtype, quant)
+def test_auto_picks_bfloat16_only_with_native_bf16_and_keeps_the_files_blocks(cpu, dtype):
+    settings = resolve_settings(cpu=cpu, kernels=True)
+    assert (settings.dtype, settings.quant) == (dtype, FROM_FILE)
     assert "test CPU" in settings.reason
+    without_kernels = resolve_settings(cpu=cpu, kernels=False)
+    assert (without_kernels.dtype, without_kernels.quant) == (dtype, None)
+    assert "native kernels are unavailable" in without_kernels.reason
 
 
 def test_explicit_settings_win_and_float32_is_the_reference():
-    assert resolve_settings("float32", cpu=AVX512_BF16).quant is None
-    assert resolve_settings(quant="int4", cpu=AVX2_ONLY).dtype == "bfloat16"  # the int kernels need it
-    assert resolve_settings("bfloat16", None, cpu=AVX2_ONLY).quant is None
-    invariant = resolve_settings(batch_invariant=True, cpu=AVX512_BF16)
+    assert resolve_settings("float32", cpu=AVX512_BF16, kernels=True).quant is None
+    assert resolve_settings("bfloat16", cpu=AVX2_ONLY, kernels=True).quant == FROM_FILE
+    assert resolve_settings("bfloat16", None, cpu=AVX2_ONLY, kernels=True).quant is None
+    assert resolve_settings("float32", "int4", kernels=True).quant == "int4"  # the kernels take float32 too
+    invariant = resolve_settings(batch_invariant=True, cpu=AVX512_BF16, kernels=True)
     assert (invariant.dtype, invariant.quant) == ("float32", None)
 
 
 @pytest.mark.parametrize("settings, message", [
     ({"dtype": "float16"}, "dtype must be one of auto, float32, bfloat16, got 'float16'"),
     ({"quant": "int3"}, "quant must be one of auto, None, int8, int4, got 'int3'"),
-    ({"dtype": "float32", "quant": "int8"}, "quant 'int8' needs dtype bfloat16"),
     ({"dtype": "bfloat16", "batch_invariant": True}, "batch_invariant needs dense float32 weights"),
+    ({"quant": "int8", "kernels": False}, "quant 'int8' needs kvlm's native kernels"),
 ])
 def test_bad_settings_are_refused_naming_the_value(settings, message):
     with pytest.raises(ValueError, match=message):
         resolve_settings(**settings)
 
 
-@pytest.mark.parametrize("types, kernel", [
-    (["Q4_1"], "int4"), (["Q4_0", "Q4_K"], "int4"), (["Q4_K", "Q5_0"], "int8"), (["Q6_K"], "int8"),
-    (["Q8_0"], "int8"), (["Q4_K", "F16"], None), (["float"], None), (["BF16"], None),
+@pytest.mark.parametrize("types, storage", [
+    (["Q4_1"], FROM_FILE), (["Q4_0", "Q4_K"], FROM_FILE), (["Q4_K", "Q5_0", "Q6_K"], FROM_FILE), (["Q8_0"], FROM_FILE),
+    (["Q4_K", "F16"], None), (["bfloat16"], None), (["BF16"], None), (["IQ4_XS"], None),
 ])
-def test_each_matrix_keeps_the_precision_of_its_most_precise_part(types, kernel):
-    assert resolve_settings("bfloat16").matrix_quant(types) == kernel
+def test_a_matrix_keeps_its_files_blocks_where_the_kernels_read_every_part(types, storage):
+    assert resolve_settings("bfloat16", kernels=True).matrix_storage(types) == storage
 
 
 def test_the_files_own_quantization_is_kept(smollm2_gguf_path, qwen_gguf_path):
     """SmolLM2 stores its layers in Q4_1 and its (tied) head in Q8_0; Qwen2.5 mixes Q4_K with Q5_0..Q8_0."""
-    settings = resolve_settings("bfloat16")
+    settings = resolve_settings("bfloat16", kernels=True)
     _, smol_types = load_summary(str(smollm2_gguf_path))
-    assert settings.matrix_quant([smol_types["blk.0.ffn_up.weight"]]) == "int4"
-    assert settings.matrix_quant([smol_types["token_embd.weight"]]) == "int8"
+    assert {smol_types["blk.0.ffn_up.weight"], smol_types["token_embd.weight"]} == {"Q4_1", "Q8_0"}
     _, qwen_types = load_summary(str(qwen_gguf_path))
-    kernels = {settings.matrix_quant([t]) for name, t in qwen_types.items() if name.endswith("ffn_down.weight")}
-    assert kernels <= {"int4", "int8"} and len(kernels) == 2
+    down = {t for name, t in qwen_types.items() if name.endswith("ffn_down.weight")}
+    assert down == {"Q4_K", "Q6_K"} and settings.matrix_storage(sorted(down)) == FROM_FILE
 
 
+@pytest.mark.skipif(native_kernels() is None, reason="no native kernels here: matrices are dense")
 @pytest.mark.skipif(not onednn_packs(torch.bfloat16), reason="oneDNN cannot pack bf16 on this CPU: no copy is made")
 def test_a_quantized_matrix_uses_its_bf16_copy_for_many_rows():
     torch.manual_seed(0)
-    weight = torch.randn(96, 64)
-    adaptive = make_linear(weight, torch.bfloat16, "int4", dense_copy=True)
-    assert isinstance(adaptive, RowAdaptiveLinear)
-    quantized, dense = adaptive.quantized, adaptive.dense
-    few = torch.randn(RowAdaptiveLinear.MAX_QUANTIZED_ROWS, 64, dtype=torch.bfloat16)
-    many = torch.randn(RowAdaptiveLinear.MAX_QUANTIZED_ROWS + 1, 64, dtype=torch.bfloat16)
-    assert torch.equal(adaptive(few), quantized(few))
-    assert torch.equal(adaptive(many), dense(many))
-    # The copy holds the quantized weights themselves: the two differ only by rounding.
-    torch.testing.assert_close(quantized(many).float(), dense(many).float(), atol=0.05, rtol=0.02)
+    blocks = quantize_q4_0(torch.randn(96, 64))
+    linear = quantized_linear([blocks], torch.bfloat16, native_kernels(), dense_copy=True)
+    assert linear.dense is not None
+    few = torch.randn(QuantizedLinear.MAX_QUANTIZED_ROWS, 64, dtype=torch.bfloat16)
+    many = torch.randn(QuantizedLinear.MAX_QUANTIZED_ROWS + 1, 64, dtype=torch.bfloat16)
+    assert torch.equal(linear(few), linear.native(few))
+    assert torch.equal(linear(many), linear.dense(many))
+    # The copy holds the file's weights themselves; the native product quantizes the activations to 8 bits first.
+    exact = many.double() @ reference.dequantize(blocks).double().T
+    torch.testing.assert_close(linear.dense(many).double(), exact, atol=0.05, rtol=0.01)  # bf16 rounding
+    torch.testing.assert_close(linear.native(many).double(), reference.quantized_product(many, [blocks]),
+                               atol=0.05, rtol=0.01)
 
 
 def test_smollm2_at_the_fast_settings_describes_its_kernels(smollm2_gguf_path):
     model = load_model(str(smollm2_gguf_path), "bfloat16")
     description = model.decoder.describe()
     assert "bfloat16 activations" in description
-    assert "120 int4" in description and "1 int8" in description  # 30 layers x 4 stacked matrices, the head
+    kept = "120 Q4_1" in description and "1 Q8_0" in description  # 30 layers x 4 stacked matrices, the head
+    assert kept if native_kernels() is not None else "121 dense packed" in description
 
 
 TEXT = (
@@ -127,29 +134,56 @@ def test_the_bf16_quantized_path_keeps_float32s_choices(smollm2_gguf_path, smoll
 
 
 FALLBACK_SCRIPT = """
-import json, kvlm
+import json, logging, kvlm
+logging.basicConfig(level=logging.INFO)
 from kvlm.model.settings import resolve_settings
-from kvlm.load import load_model
+from kvlm.loader.load import load_model
 from kvlm.generate import GenerationSettings, generate
 auto = resolve_settings()
 model = load_model({path!r}, "bfloat16")  # asked for explicitly: must still work, just slower
 ids = model.tokenizer.encode("The capital of France is")
 print(json.dumps({{"dtype": auto.dtype, "quant": auto.quant, "reason": auto.reason,
+                   "describe": model.decoder.describe(),
                    "tokens": generate(model, ids, GenerationSettings(max_tokens=4, ignore_eos=True)).token_ids}}))
 """
 
 
-def test_without_fast_instructions_the_defaults_fall_back_to_float32(smollm2_gguf_path, smollm2):
-    env = {**os.environ, **AVX2_ENV}
-    script = FALLBACK_SCRIPT.format(path=str(smollm2_gguf_path))
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+def run_fallback(path, env: dict) -> tuple[dict, str]:
+    script = FALLBACK_SCRIPT.format(path=str(path))
+    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, **env}, capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert (result["dtype"], result["quant"]) == ("float32", None)
-    assert "AVX2" in result["reason"]
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+def test_without_fast_instructions_the_defaults_fall_back_to_float32(smollm2_gguf_path):
+    result, _ = run_fallback(smollm2_gguf_path, AVX2_ENV)
+    assert result["dtype"] == "float32" and "AVX2" in result["reason"]
+    assert len(result["tokens"]) == 4
+
+
+def test_without_a_compiler_the_weights_are_dense_and_it_still_talks(smollm2_gguf_path, tmp_path):
+    """No native kernels (no C++ compiler, nothing built before): one log line says so, matrices are dense."""
+    env = {"KVLM_HOME": str(tmp_path), "PATH": str(tmp_path), "CXX": ""}
+    result, log = run_fallback(smollm2_gguf_path, env)
+    assert result["quant"] is None and "dense" in result["describe"]
+    assert log.count("native kernels unavailable") == 1 and "no C++ compiler" in log
     assert len(result["tokens"]) == 4
 
 
 def test_this_machine_is_described():
     cpu = detect()
     assert cpu.kernel_level in cpu.describe()
+
+
+@pytest.mark.skipif(native_kernels() is None, reason="requantizing needs the native kernels")
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_requantized_smollm2_starts_like_float32(smollm2_gguf_path, smollm2, quant):
+    """--quant int8/int4: every layer matrix requantized to Q8_0/Q4_1 (the head to Q8_0 at least)."""
+    quantized = load_model(str(smollm2_gguf_path), "bfloat16", quant=quant)
+    expected = ["121 Q8_0"] if quant == "int8" else ["120 Q4_1", "1 Q8_0"]
+    assert all(part in quantized.decoder.describe() for part in expected)
+    settings = GenerationSettings(max_tokens=4, ignore_eos=True)
+    for prompt in ("The capital of France is", "def add(a, b):\n    return", "Water boils at"):
+        ids = smollm2.tokenizer.encode(prompt)
+        assert generate(quantized, ids, settings).token_ids[:2] == generate(smollm2, ids, settings).token_ids[:2]

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvlm import cli, fetch
+from kvlm import cli
+from kvlm.loader import fetch
 from kvlm.errors import ModelFetchError
 
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from kvlm.errors import ModelFileError
 from kvlm.families import gemma3
-from kvlm.loader.gguf_metadata import read_gguf_metadata
+from kvlm.loader.gguf_reader import read_gguf_metadata
 from kvlm.tokenizer import StreamDecoder, Tokenizer
 
 SPACE = "\u2581"

@@ -17,7 +17,7 @@ import kvlm.cli
 import kvlm.engine.llm
 import kvlm.server.serve
 from kvlm import Context, load_model
-from kvlm.cli import iswa_pools
+from kvlm.memory.sizes import iswa_pools, recurrent_state
 from kvlm.engine.engine import Engine
 from kvlm.memory.kv_store import KV_DTYPES, kv_bytes_for
 
@@ -149,7 +149,7 @@ def test_inspect_recurrent_sizes_are_what_the_memory_allocates(recurrent_folder,
     name, c, folder = recurrent_folder
     model = load_model(str(folder), "float32")
     n_attention, state, kv = expected_sizes(name, c, 300)
-    assert kvlm.cli.recurrent_state(model.config) == (n_attention, state)
+    assert recurrent_state(model.config) == (n_attention, state)
     memory = Context(model, n_ctx=300, n_batch=512, n_ubatch=512, n_seq_max=1, kv_dtype=dtype).memory
     slots = memory.recurrent if name == "lfm2" else memory
     assert slots.kv_bytes == state

@@ -12,10 +12,11 @@ from safetensors.torch import save_file
 
 from gguf_factory import gguf_metadata, gguf_tensors, llama_config, random_llama, write_gguf
 from kvlm.errors import ModelFileError, UnsupportedModelError
-from kvlm.load import load_model
+from kvlm.loader.load import load_model
 from kvlm.loader.config import ModelConfig
-from kvlm.loader.gguf_file import load_gguf, read_gguf_config
-from kvlm.loader.hf_folder import load_hf_folder
+from kvlm.loader.gguf_file import open_gguf_model, read_gguf_config
+from kvlm.loader.hf_folder import open_hf_folder
+from kvlm.loader.tensors import GGUFTensors, SafetensorsTensors
 
 
 @pytest.fixture(scope="module")
@@ -52,13 +53,13 @@ def gguf_path(tmp_path) -> Path:
 
 def test_the_unchanged_file_loads(gguf_path, metadata, tensors):
     """So each failure below comes from the one thing its test changed."""
-    config, _, _ = load_gguf(write_gguf(gguf_path, metadata, tensors))
+    config, _, _ = open_gguf_model(write_gguf(gguf_path, metadata, tensors))
     assert (config.n_layer, config.n_head, config.n_head_kv) == (2, 2, 1)
 
 
 def test_unknown_architecture_is_named_with_the_supported_ones(gguf_path, tiny, tensors):
     write_gguf(gguf_path, gguf_metadata(tiny.config, arch="mamba"), tensors, arch="mamba")
-    for load in (load_gguf, read_gguf_config):
+    for load in (open_gguf_model, read_gguf_config):
         assert_file_error(load, gguf_path, "'mamba'", "supported: llama")
 
 
@@ -68,7 +69,7 @@ def test_unknown_architecture_is_named_with_the_supported_ones(gguf_path, tiny, 
 )
 def test_missing_metadata_key_is_named(gguf_path, metadata, tensors, key):
     del metadata[f"llama.{key}"]
-    assert_file_error(load_gguf, write_gguf(gguf_path, metadata, tensors), f"llama.{key}", "missing")
+    assert_file_error(open_gguf_model, write_gguf(gguf_path, metadata, tensors), f"llama.{key}", "missing")
 
 
 @pytest.mark.parametrize(
@@ -78,13 +79,13 @@ def test_missing_metadata_key_is_named(gguf_path, metadata, tensors, key):
 )
 def test_metadata_describing_an_invalid_model_is_a_file_error(gguf_path, metadata, tensors, key, value, field):
     metadata[f"llama.{key}"] = value
-    assert_file_error(load_gguf, write_gguf(gguf_path, metadata, tensors), field)
+    assert_file_error(open_gguf_model, write_gguf(gguf_path, metadata, tensors), field)
 
 
 @pytest.mark.parametrize("name", ["blk.1.ffn_up.weight", "blk.0.attn_k.weight", "output_norm.weight"])
 def test_missing_tensor_is_named_with_its_shape(gguf_path, metadata, tensors, name):
     shape = list(tensors.pop(name).shape)
-    assert_file_error(load_gguf, write_gguf(gguf_path, metadata, tensors), name, "missing", f"expected shape {shape}")
+    assert_file_error(open_gguf_model, write_gguf(gguf_path, metadata, tensors), name, "missing", f"expected shape {shape}")
 
 
 @pytest.mark.parametrize("name", ["token_embd.weight", "blk.0.attn_k.weight", "blk.1.attn_norm.weight"])
@@ -92,12 +93,12 @@ def test_wrong_tensor_shape_gives_found_and_expected(gguf_path, metadata, tensor
     shape = list(tensors[name].shape)
     wrong = [shape[0] + 2, *shape[1:]]
     tensors[name] = np.zeros(wrong, dtype=np.float32)
-    assert_file_error(load_gguf, write_gguf(gguf_path, metadata, tensors), name, f"shape {wrong}, expected {shape}")
+    assert_file_error(open_gguf_model, write_gguf(gguf_path, metadata, tensors), name, f"shape {wrong}, expected {shape}")
 
 
 @pytest.mark.parametrize("keep", [lambda n: n - 1, lambda n: n - 100, lambda n: n // 2, lambda n: 64, lambda n: 0],
                          ids=["last_byte", "last_100_bytes", "half", "into_metadata", "empty"])
-@pytest.mark.parametrize("load", [load_gguf, read_gguf_config, load_model], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("load", [open_gguf_model, read_gguf_config, load_model], ids=lambda f: f.__name__)
 def test_truncated_file_is_a_file_error(gguf_path, metadata, tensors, keep, load):
     # gguf's reader checks every tensor's extent when it opens the file, so the open itself fails.
     data = write_gguf(gguf_path, metadata, tensors).read_bytes()
@@ -109,12 +110,12 @@ def test_truncated_file_is_a_file_error(gguf_path, metadata, tensors, keep, load
                          ids=["random_bytes", "gguf_magic_then_zeros", "text"])
 def test_not_a_gguf_file(gguf_path, contents):
     gguf_path.write_bytes(contents)
-    for load in (load_gguf, load_model):
+    for load in (open_gguf_model, load_model):
         assert_file_error(load, gguf_path, "not a readable GGUF file")
 
 
 def test_absent_file(tmp_path):
-    assert_file_error(load_gguf, tmp_path / "absent.gguf", "no such GGUF file")
+    assert_file_error(open_gguf_model, tmp_path / "absent.gguf", "no such GGUF file")
 
 
 # Hugging Face folders
@@ -138,20 +139,20 @@ def write_hf_folder(folder: Path, config: dict, tensors: dict[str, torch.Tensor]
 
 
 def test_the_unchanged_folder_loads(tmp_path, hf_config, hf_tensors):
-    config, _ = load_hf_folder(write_hf_folder(tmp_path, hf_config, hf_tensors))
+    config, _ = open_hf_folder(write_hf_folder(tmp_path, hf_config, hf_tensors))
     assert (config.n_layer, config.n_head, config.n_head_kv) == (2, 2, 1)
 
 
 def test_unsupported_model_type_is_named_with_the_supported_ones(tmp_path, hf_config, hf_tensors):
     hf_config["model_type"] = "gpt2"
-    assert_file_error(load_hf_folder, write_hf_folder(tmp_path, hf_config, hf_tensors), "'gpt2'", "supported: llama")
+    assert_file_error(open_hf_folder, write_hf_folder(tmp_path, hf_config, hf_tensors), "'gpt2'", "supported: llama")
 
 
 def test_missing_folder_tensor_is_named_as_in_the_folder(tmp_path, hf_config, hf_tensors):
     name = "model.layers.1.mlp.up_proj.weight"
     shape = list(hf_tensors.pop(name).shape)
     folder = write_hf_folder(tmp_path, hf_config, hf_tensors)
-    assert_file_error(load_hf_folder, folder, name, "missing", f"expected shape {shape}")
+    assert_file_error(open_hf_folder, folder, name, "missing", f"expected shape {shape}")
 
 
 def test_wrong_folder_tensor_shape_gives_found_and_expected(tmp_path, hf_config, hf_tensors):
@@ -159,7 +160,7 @@ def test_wrong_folder_tensor_shape_gives_found_and_expected(tmp_path, hf_config,
     shape = list(hf_tensors[name].shape)
     hf_tensors[name] = torch.zeros(shape[0], shape[1] + 1)
     folder = write_hf_folder(tmp_path, hf_config, hf_tensors)
-    assert_file_error(load_hf_folder, folder, name, f"shape {[shape[0], shape[1] + 1]}, expected {shape}")
+    assert_file_error(open_hf_folder, folder, name, f"shape {[shape[0], shape[1] + 1]}, expected {shape}")
 
 
 @pytest.mark.parametrize(
@@ -170,13 +171,13 @@ def test_wrong_folder_tensor_shape_gives_found_and_expected(tmp_path, hf_config,
 def test_unreadable_config_json(tmp_path, hf_tensors, hf_config, config_text, detail):
     folder = write_hf_folder(tmp_path, hf_config, hf_tensors)
     (folder / "config.json").write_text(config_text)
-    assert_file_error(load_hf_folder, folder, "config.json", detail)
+    assert_file_error(open_hf_folder, folder, "config.json", detail)
 
 
 def test_absent_config_json(tmp_path, hf_tensors, hf_config):
     folder = write_hf_folder(tmp_path, hf_config, hf_tensors)
     (folder / "config.json").unlink()
-    assert_file_error(load_hf_folder, folder, "config.json", "cannot read")
+    assert_file_error(open_hf_folder, folder, "config.json", "cannot read")
 
 
 @pytest.mark.parametrize(
@@ -188,14 +189,14 @@ def test_absent_config_json(tmp_path, hf_tensors, hf_config):
 def test_config_json_describing_an_invalid_model(tmp_path, hf_tensors, hf_config, change, detail):
     hf_config.update(change)
     hf_config = {key: value for key, value in hf_config.items() if value is not None}
-    assert_file_error(load_hf_folder, write_hf_folder(tmp_path, hf_config, hf_tensors), "config.json", detail)
+    assert_file_error(open_hf_folder, write_hf_folder(tmp_path, hf_config, hf_tensors), "config.json", detail)
 
 
 def test_damaged_safetensors_file(tmp_path, hf_config, hf_tensors):
     folder = write_hf_folder(tmp_path, hf_config, hf_tensors)
     weights = folder / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-10])
-    assert_file_error(load_hf_folder, folder, "model.safetensors", "not a readable safetensors file")
+    assert_file_error(open_hf_folder, folder, "model.safetensors", "not a readable safetensors file")
 
 
 # ModelConfig validation
@@ -226,34 +227,28 @@ def test_model_config_rejects_invalid_values_naming_the_field(change, field):
 def test_unknown_architecture_is_a_typed_error(gguf_path, tiny, tensors, tmp_path, hf_config, hf_tensors):
     write_gguf(gguf_path, gguf_metadata(tiny.config, arch="mamba"), tensors, arch="mamba")
     with pytest.raises(UnsupportedModelError, match="'mamba'.*supported: llama, qwen2, qwen3"):
-        load_gguf(gguf_path)
+        open_gguf_model(gguf_path)
     hf_config["architectures"] = ["GPT2LMHeadModel"]
     hf_config["model_type"] = "gpt2"
     with pytest.raises(UnsupportedModelError, match="'GPT2LMHeadModel'.*Qwen2ForCausalLM"):
-        load_hf_folder(write_hf_folder(tmp_path, hf_config, hf_tensors))
+        open_hf_folder(write_hf_folder(tmp_path, hf_config, hf_tensors))
 
 
-def test_a_missing_tensor_fails_before_any_weight_is_dequantized(gguf_path, metadata, tensors, monkeypatch):
-    import kvlm.loader.gguf_file as gguf_file
-
-    read = []
-    monkeypatch.setattr(gguf_file, "dequantize", lambda *args: read.append(args) or pytest.fail("weights read"))
+def test_a_missing_tensor_fails_before_any_weight_is_read(gguf_path, metadata, tensors, monkeypatch):
+    monkeypatch.setattr(GGUFTensors, "read", lambda *args: pytest.fail("weights read"))
     del tensors["blk.1.ffn_down.weight"]  # the very last layer tensor: every other one is fine
-    assert_file_error(load_gguf, write_gguf(gguf_path, metadata, tensors), "blk.1.ffn_down.weight", "missing")
-    assert read == []
+    assert_file_error(load_model, write_gguf(gguf_path, metadata, tensors), "blk.1.ffn_down.weight", "missing")
 
 
 def test_a_missing_folder_tensor_fails_before_any_weight_is_read(tmp_path, hf_config, hf_tensors, monkeypatch):
-    import kvlm.loader.hf_folder as hf_folder
-
-    monkeypatch.setattr(hf_folder, "_read_tensors", lambda *args: pytest.fail("weights read"))
+    monkeypatch.setattr(SafetensorsTensors, "read", lambda *args: pytest.fail("weights read"))
     del hf_tensors["model.layers.1.mlp.down_proj.weight"]
     folder = write_hf_folder(tmp_path, hf_config, hf_tensors)
-    assert_file_error(load_hf_folder, folder, "model.layers.1.mlp.down_proj.weight", "missing")
+    assert_file_error(load_model, folder, "model.layers.1.mlp.down_proj.weight", "missing")
 
 
 def test_a_qwen2_file_without_its_biases_names_the_missing_bias(gguf_path, tiny, tensors):
-    message = assert_file_error(load_gguf, write_gguf(gguf_path, gguf_metadata(tiny.config, arch="qwen2"), tensors,
+    message = assert_file_error(open_gguf_model, write_gguf(gguf_path, gguf_metadata(tiny.config, arch="qwen2"), tensors,
                                                       arch="qwen2"), "attn_q.bias", "missing")
     assert "blk.0" in message
 
@@ -263,14 +258,14 @@ def test_a_qwen3_q_norm_of_the_wrong_shape_is_named(gguf_path, tiny, tensors):
     tensors.update({f"blk.{i}.attn_{p}_norm.weight": np.ones(head_dim, np.float32) for i in range(2) for p in "qk"})
     tensors["blk.1.attn_q_norm.weight"] = np.ones(head_dim + 2, np.float32)
     path = write_gguf(gguf_path, gguf_metadata(tiny.config, arch="qwen3"), tensors, arch="qwen3")
-    assert_file_error(load_gguf, path, "blk.1.attn_q_norm.weight", f"shape [{head_dim + 2}], expected [{head_dim}]")
+    assert_file_error(open_gguf_model, path, "blk.1.attn_q_norm.weight", f"shape [{head_dim + 2}], expected [{head_dim}]")
 
 
 @pytest.mark.parametrize("option", ["attention_bias", "mlp_bias", "use_sliding_window"])
 def test_config_options_kvlm_does_not_implement_are_refused(tmp_path, hf_config, hf_tensors, option):
     hf_config[option] = True
     with pytest.raises(UnsupportedModelError, match=f"{option}=True is not supported"):
-        load_hf_folder(write_hf_folder(tmp_path, hf_config, hf_tensors))
+        open_hf_folder(write_hf_folder(tmp_path, hf_config, hf_tensors))
 
 
 def test_an_unknown_rope_type_is_named(tmp_path, hf_config, hf_tensors, gguf_path, metadata, tensors):
@@ -278,16 +273,16 @@ def test_an_unknown_rope_type_is_named(tmp_path, hf_config, hf_tensors, gguf_pat
     hf_config.update(rope_theta=10000.0, rope_scaling={"rope_type": "xpos", "factor": 2.0})
     folder = write_hf_folder(tmp_path, hf_config, hf_tensors)
     with pytest.raises(UnsupportedModelError, match=f"{folder / 'config.json'}: .*'xpos'"):
-        load_hf_folder(folder)
+        open_hf_folder(folder)
     metadata["llama.rope.scaling.type"] = "xpos"
     with pytest.raises(UnsupportedModelError, match=f"{gguf_path}: .*'xpos'"):
-        load_gguf(write_gguf(gguf_path, metadata, tensors))
+        open_gguf_model(write_gguf(gguf_path, metadata, tensors))
 
 
 def test_rope_scaling_that_is_not_an_object_is_named(tmp_path, hf_config, hf_tensors):
     hf_config.pop("rope_parameters", None)
     hf_config.update(rope_theta=10000.0, rope_scaling="linear")
-    assert_file_error(load_hf_folder, write_hf_folder(tmp_path, hf_config, hf_tensors), "rope_scaling", "'linear'")
+    assert_file_error(open_hf_folder, write_hf_folder(tmp_path, hf_config, hf_tensors), "rope_scaling", "'linear'")
 
 
 def test_a_qwen3_config_without_head_dim_gets_transformers_default(tmp_path):
@@ -301,7 +296,7 @@ def test_a_qwen3_config_without_head_dim_gets_transformers_default(tmp_path):
 
 def test_bad_compute_settings_fail_before_the_model_is_looked_up():
     for settings, message in [({"dtype": "bfloat16", "batch_invariant": True}, "batch_invariant needs dense float32 weights"),
-                              ({"dtype": "float32", "quant": "int4"}, "needs dtype bfloat16"),
+                              ({"quant": "int3"}, "quant must be one of"),
                               ({"dtype": "float16"}, "dtype must be one of")]:
         with pytest.raises(ValueError, match=message):
             load_model("no-such-model", **settings)  # a lookup would raise ModelFetchError instead

@@ -7,7 +7,7 @@ import torch
 
 from conftest import full_sequence_logits, reference_logits
 from kvlm import LLM, SamplingParams
-from kvlm.load import load_model
+from kvlm.loader.load import load_model
 
 TOLERANCE = 1e-4
 N_GREEDY = 24

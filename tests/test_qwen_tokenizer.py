@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlm.loader.gguf_metadata import read_gguf_metadata
+from kvlm.loader.gguf_reader import read_gguf_metadata
 from kvlm.tokenizer import StreamDecoder, Tokenizer
 
 TEXTS = [

@@ -17,9 +17,10 @@ from gguf import GGMLQuantizationType
 from conftest import full_sequence_logits, max_diff, prefill_then_decode_logits, reference_logits
 from gguf_factory import llama_config, random_llama, save_hf_folder, write_model_gguf
 from kvlm.generate import GenerationSettings, generate
-from kvlm.load import load_model
-from kvlm.loader.gguf_file import load_gguf
-from kvlm.loader.hf_folder import load_hf_folder
+from kvlm.loader.load import load_model
+from kvlm.kernels import BlockMatrix, dequantize
+from kvlm.loader.gguf_file import open_gguf_model
+from kvlm.loader.hf_folder import open_hf_folder
 from kvlm.model.ops import grouped_attention
 
 TOLERANCE = 1e-4
@@ -132,14 +133,16 @@ def test_gguf_greedy_equals_transformers_generate(gguf_path, hf_from_gguf):
 
 def test_gguf_weights_are_the_folder_weights(gguf_path, quant, hf_folder):
     """Exactly equal from an F32 file, so the un-permutation is the exact inverse of llama.cpp's."""
-    config, weights, _ = load_gguf(gguf_path)
-    folder_config, folder_weights = load_hf_folder(hf_folder)
+    config, weights, _ = open_gguf_model(gguf_path)
+    folder_config, folder_weights = open_hf_folder(hf_folder)
     # GGUF stores the epsilon as float32, as llama.cpp does; the name comes from each source.
     assert config.rms_norm_eps == pytest.approx(folder_config.rms_norm_eps, rel=1e-6)
     assert replace(config, name="", rms_norm_eps=0.0) == replace(folder_config, name="", rms_norm_eps=0.0)
-    assert weights.tensors.keys() == folder_weights.tensors.keys()
-    for name, tensor in weights.tensors.items():
-        expected = folder_weights.tensors[name]
+    assert weights.names() == folder_weights.names()
+    for name in weights.names():
+        stored = weights.read(name)
+        tensor = dequantize(stored) if isinstance(stored, BlockMatrix) else stored.float()
+        expected = folder_weights.read(name).float()
         # Q8_0 rounds each block of 32 to 1/127 of its largest value, so half of that at most.
         tolerance = 0.0 if quant == GGMLQuantizationType.F32 else expected.abs().max().item() / 200
         assert max_diff(tensor, expected) <= tolerance, name

@@ -82,7 +82,7 @@ def test_changing_the_last_prompt_token_leaves_earlier_rows_bit_identical(smollm
 
 
 def test_bfloat16_greedy_tracks_float32(smollm2_gguf_path, smollm2, hf_smollm2_tokenizer):
-    from kvlm.load import load_model
+    from kvlm.loader.load import load_model
 
     bf16 = load_model(str(smollm2_gguf_path), "bfloat16")
     ids = hf_smollm2_tokenizer("The capital of France is").input_ids

@@ -1,5 +1,6 @@
 """Tensor-parallel shards (issue 15): how a model's tensors are cut between ranks, and which sizes are refused.
-test_tensor_parallel_engine.py and test_tensor_parallel_qwen.py run sharded models on two processes."""
+Each rank reads only its part of each tensor (issue 22). test_tensor_parallel_engine.py and
+test_tensor_parallel_qwen.py run sharded models on two processes."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,43 +10,77 @@ import torch
 
 from gguf_factory import llama_config, random_llama, save_hf_folder
 from kvlm.families import CONV
-from kvlm.fetch import resolve_model
-from kvlm.load import read_model
-from kvlm.parallel.shard import COLUMN_PARALLEL, ROW_PARALLEL, check_tensor_parallel, shard_config, shard_weights
+from kvlm.kernels import BlockMatrix, dequantize
+from kvlm.loader.gguf_file import open_gguf_model
+from kvlm.loader.hf_folder import open_hf_folder
+from kvlm.loader.shard import COLUMN_PARALLEL, ROW_PARALLEL, check_tensor_parallel, ff_shares, make_shard
 
 
 @pytest.fixture(scope="module")
-def weights(tmp_path_factory):
+def folder(tmp_path_factory):
     """GQA 8:4: two ranks get 4 query heads and 2 KV heads each."""
     config = llama_config(hidden_size=128, n_head=8, n_head_kv=4, n_layer=3, intermediate_size=192)
-    folder = save_hf_folder(random_llama(config, seed=3), tmp_path_factory.mktemp("tp-llama"))
-    return read_model(resolve_model(str(folder)))[1]
+    return save_hf_folder(random_llama(config, seed=3), tmp_path_factory.mktemp("tp-llama"))
 
 
-def test_each_rank_holds_its_share_of_the_heads_and_the_mlp(weights):
-    shard = shard_config(weights.config, 2)
+def sharded(weights, rank: int, size: int):
+    """The same weights, reading rank `rank`'s parts only."""
+    weights.shard = make_shard(weights.config, {n: weights.file_type(n) for n in weights.names()}, rank, size)
+    weights.config = weights.shard.config
+    return weights
+
+
+def values(stored) -> torch.Tensor:
+    return dequantize(stored) if isinstance(stored, BlockMatrix) else stored.float()
+
+
+def test_each_rank_holds_its_share_of_the_heads_and_the_mlp(folder):
+    shard = sharded(open_hf_folder(folder)[1], 0, 2).config
     assert (shard.n_head, shard.n_head_kv, shard.n_ff) == (4, 2, 96)
 
 
-def test_the_ranks_shards_put_together_are_the_whole_model(weights):
+def check_parts_make_the_whole(open_file) -> None:
     """Column-parallel tensors are cut by rows, row-parallel ones by columns, the LM head by vocabulary (its own
     tensor even when tied to the embedding); everything else is replicated."""
-    shards = [shard_weights(weights, rank, 2).tensors for rank in range(2)]
-    assert torch.equal(torch.cat([s["output.weight"] for s in shards]), weights.output)
-    for name, tensor in weights.tensors.items():
-        if name == "output.weight":
-            continue
+    whole = open_file()
+    shards = [sharded(open_file(), rank, 2) for rank in range(2)]
+    heads = [values(s.output()) for s in shards]
+    assert torch.equal(torch.cat(heads), values(whole.read(whole.output_name)))
+    for name in whole.names():
+        expected = values(whole.read(name))
+        parts = [values(s.read(name)) for s in shards]
         part = name.split(".")[2] if name.startswith("blk.") else ""
         if part in COLUMN_PARALLEL:
-            assert torch.equal(torch.cat([s[name] for s in shards]), tensor), name
+            assert torch.equal(torch.cat(parts), expected), name
         elif part in ROW_PARALLEL:
-            assert torch.equal(torch.cat([s[name] for s in shards], dim=1), tensor), name
+            assert torch.equal(torch.cat(parts, dim=1), expected), name
         else:
-            assert all(torch.equal(s[name], tensor) for s in shards), name
+            assert all(torch.equal(p, expected) for p in parts), name
 
 
-def test_a_size_that_does_not_divide_the_heads_is_refused(weights):
-    config = dataclasses.replace(weights.config, n_head=9, n_head_kv=3)
+def test_the_ranks_shards_put_together_are_the_whole_model(folder):
+    check_parts_make_the_whole(lambda: open_hf_folder(folder)[1])
+
+
+def test_a_quantized_files_shards_are_its_blocks_cut_at_block_boundaries(qwen_gguf_path):
+    """Qwen2.5-0.5B's down projections are Q4_K/Q6_K rows of 4864 = 19 blocks of 256: ranks get 10 and 9 blocks
+    (2560 and 2304 wide), and read only those bytes."""
+    shards = [sharded(open_gguf_model(qwen_gguf_path)[1], rank, 2) for rank in range(2)]
+    assert [s.config.n_ff for s in shards] == [2560, 2304]
+    down = [s.read("blk.0.ffn_down.weight") for s in shards]
+    assert all(isinstance(d, BlockMatrix) for d in down) and [d.n_cols for d in down] == [2560, 2304]
+    check_parts_make_the_whole(lambda: open_gguf_model(qwen_gguf_path)[1])
+
+
+def test_the_mlp_is_split_at_whole_blocks():
+    assert ff_shares(192, 2) == [96, 96]
+    assert ff_shares(4864, 2, 256) == [2560, 2304]
+    with pytest.raises(ValueError, match="the MLP width 256 holds 1 blocks of 256: too few for 2 ranks"):
+        ff_shares(256, 2, 256)
+
+
+def test_a_size_that_does_not_divide_the_heads_is_refused(folder):
+    config = dataclasses.replace(open_hf_folder(folder)[0], n_head=9, n_head_kv=3)
     with pytest.raises(ValueError, match=r"tensor_parallel_size 2 does not divide n_head = 9, n_head_kv = 3 .*"
                                          r"sizes that work: 1, 3\)"):
         check_tensor_parallel(config, 2)
@@ -53,8 +88,9 @@ def test_a_size_that_does_not_divide_the_heads_is_refused(weights):
         check_tensor_parallel(config, 0)
 
 
-def test_recurrent_layers_are_refused(weights):
-    config = dataclasses.replace(weights.config, layer_kinds=(CONV, *weights.config.layer_kinds[1:]), conv_kernel=3)
+def test_recurrent_layers_are_refused(folder):
+    config = open_hf_folder(folder)[0]
+    config = dataclasses.replace(config, layer_kinds=(CONV, *config.layer_kinds[1:]), conv_kernel=3)
     with pytest.raises(ValueError, match=f"not supported for models with {CONV} layers"):
         check_tensor_parallel(config, 2)
     check_tensor_parallel(config, 1)

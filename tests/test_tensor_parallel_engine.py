@@ -29,6 +29,7 @@ from kvlm import Batch, Context, DecodeStatus, load_model
 from kvlm.engine.llm import LLM
 from kvlm.engine.sampling_params import SamplingParams
 from kvlm.memory.protocol import Memory
+from kvlm.loader.tensors import GGUFTensors
 from kvlm.parallel import launch
 from kvlm.parallel.leader import MUTATING, READS
 
@@ -144,7 +145,7 @@ def test_a_size_that_does_not_divide_the_heads_is_refused_before_loading(smollm2
         raise AssertionError("refused too late: a process was started or weights were read")
 
     monkeypatch.setattr(launch, "start_local_group", never)
-    monkeypatch.setattr(launch, "load_shard", never)
+    monkeypatch.setattr(GGUFTensors, "read", never)
     with pytest.raises(ValueError, match=r"tensor_parallel_size 2 does not divide n_head = 9, n_head_kv = 3 .*"
                                          r"sizes that work: 1, 3"):
         load_model(str(smollm2_gguf_path), "float32", tensor_parallel_size=2)

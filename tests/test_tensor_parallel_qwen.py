@@ -46,8 +46,16 @@ def prompt_logits(model, ids: list[int]) -> torch.Tensor:
 
 
 def test_each_rank_holds_half_the_heads(one, two):
-    assert (two.config.n_head, two.config.n_head_kv, two.config.n_ff) == (7, 1, 2432)
+    """The MLP's 4864 columns of down projections are 19 blocks of 256 (Q4_K/Q6_K): rank 0 takes 10 of them."""
+    assert (two.config.n_head, two.config.n_head_kv, two.config.n_ff) == (7, 1, 2560)
     assert (one.config.n_head, one.config.n_head_kv, one.config.n_ff) == (14, 2, 4864)
+
+
+def test_a_rank_holds_its_share_of_the_weights(one, two):
+    """Rank 0 holds its share of every layer and of the LM head, and the whole (replicated) embedding."""
+    embedding = one.decoder.token_embd.nbytes
+    share = (two.decoder.nbytes - embedding) / (one.decoder.nbytes - embedding)
+    assert 0.45 <= share <= 0.56, share
 
 
 def test_prompt_logits_on_two_ranks_match_one(one, two):

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as Backend
 
 from kvlm.errors import KvlmError, ModelFileError
-from kvlm.loader.gguf_metadata import read_gguf_metadata
+from kvlm.loader.gguf_reader import read_gguf_metadata
 from kvlm.tokenizer import StreamDecoder, Tokenizer
 
 transformers = pytest.importorskip("transformers")

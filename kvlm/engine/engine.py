@@ -14,7 +14,8 @@ from kvlm.engine.sampling_params import SamplingParams
 from kvlm.engine.scheduler import Scheduled, Scheduler
 from kvlm.engine.stop import StopChecker
 from kvlm.errors import KvlmError
-from kvlm.load import Model
+from kvlm.loader.load import Model, plan_for_loaded
+from kvlm.loader.memory_plan import MemoryRequest
 from kvlm.memory.kv_store import AUTO, resolve_kv_dtype
 
 log = logging.getLogger("kvlm")
@@ -26,11 +27,26 @@ class EngineError(KvlmError):
     """The engine could not run a step (a decode failed for a reason other than lack of room)."""
 
 
+def memory_request(n_ctx: int | None = None, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
+                   kv_dtype: str = AUTO, enable_prefix_caching: bool = True, block_size: int = 16,
+                   swa_full: bool = False) -> MemoryRequest:
+    """What an engine of these settings asks of a model's memory: its Context's sizes (one more sequence for the
+    prefix cache; a block's worth of positions kept beyond a sliding window)."""
+    return MemoryRequest(n_ctx, max_num_seqs + 1, kv_dtype, max_num_batched_tokens, swa_full,
+                         block_size - 1 if enable_prefix_caching else 0)
+
+
 class Engine:
-    def __init__(self, model: Model, n_ctx: int = 4096, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
-                 kv_dtype: str = AUTO, enable_prefix_caching: bool = True, block_size: int = 16,
-                 swa_full: bool = False) -> None:
+    def __init__(self, model: Model, n_ctx: int | None = None, max_num_seqs: int = 16,
+                 max_num_batched_tokens: int = 512, kv_dtype: str = AUTO, enable_prefix_caching: bool = True,
+                 block_size: int = 16, swa_full: bool = False, memory_budget: int | None = None) -> None:
+        """`n_ctx` None: the largest that fits in memory, up to the model's own context length; a context that does
+        not fit is refused (MemoryPlanError) before it is allocated."""
         self.model = model
+        request = memory_request(n_ctx, max_num_seqs, max_num_batched_tokens, kv_dtype, enable_prefix_caching,
+                                 block_size, swa_full)
+        self.plan = plan_for_loaded(model, request, memory_budget)
+        n_ctx = self.plan.n_ctx
         kv_dtype = resolve_kv_dtype(kv_dtype, model.decoder.dtype)
         self.context = Context(model, n_ctx=n_ctx, n_batch=max_num_batched_tokens,
                                n_ubatch=max_num_batched_tokens, n_seq_max=max_num_seqs + 1, kv_dtype=kv_dtype,

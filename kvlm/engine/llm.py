@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
-from kvlm.engine.engine import Engine
+from kvlm.engine.engine import Engine, memory_request
 from kvlm.engine.request import RequestOutput
 from kvlm.engine.sampling_params import SamplingParams
-from kvlm.fetch import DEFAULT_MODEL
-from kvlm.load import Model, load_model
+from kvlm.loader.fetch import DEFAULT_MODEL
+from kvlm.loader.load import Model, load_model
 from kvlm.memory.kv_store import AUTO
 from kvlm.tokenizer import checked_template_kwargs
 
@@ -31,15 +31,23 @@ class StreamChunk:
 
 class LLM:
     def __init__(self, model: str | Model = DEFAULT_MODEL, dtype: str = AUTO, *, quant: str | None = AUTO,
-                 batch_invariant: bool = False, n_ctx: int = 4096, max_num_seqs: int = 16,
+                 batch_invariant: bool = False, n_ctx: int | None = None, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 512, kv_dtype: str = AUTO, enable_prefix_caching: bool = True,
-                 compile: bool = False, swa_full: bool = False, tensor_parallel_size: int = 1) -> None:
+                 compile: bool = False, swa_full: bool = False, tensor_parallel_size: int = 1,
+                 memory_budget: int | None = None) -> None:
         """`swa_full`: for models with sliding-window layers, keep every cell of those layers (more memory; a
         cached prefix is then always reusable) instead of only each sequence's window. `tensor_parallel_size` N:
-        the model's heads and MLP split over N processes (this one and N - 1 it starts; see kvlm.parallel)."""
+        the model's heads and MLP split over N processes (this one and N - 1 it starts; see kvlm.parallel).
+
+        `n_ctx` None is the largest context that fits in memory, up to the model's own. `memory_budget` (bytes)
+        caps weights, their dense copies, the KV cache and buffers. What does not fit is refused before it is
+        loaded or allocated (MemoryPlanError, each part named)."""
+        request = memory_request(n_ctx, max_num_seqs, max_num_batched_tokens, kv_dtype, enable_prefix_caching,
+                                 swa_full=swa_full)
         if not isinstance(model, Model):
             model = load_model(model, dtype, quant=quant, batch_invariant=batch_invariant, compile=compile,
-                               tensor_parallel_size=tensor_parallel_size)
+                               tensor_parallel_size=tensor_parallel_size, memory=request, memory_budget=memory_budget)
+            n_ctx = model.plan.n_ctx  # as planned before loading
         elif tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size applies when LLM loads the model; for a loaded model, pass it "
                              "to load_model")
@@ -47,7 +55,8 @@ class LLM:
         self.tokenizer = self.model.tokenizer
         self.engine = Engine(self.model, n_ctx=n_ctx, max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens, kv_dtype=kv_dtype,
-                             enable_prefix_caching=enable_prefix_caching, swa_full=swa_full)
+                             enable_prefix_caching=enable_prefix_caching, swa_full=swa_full,
+                             memory_budget=memory_budget)
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

@@ -1,42 +1,38 @@
-"""Loading a GGUF file: its ModelConfig and its tensors, dequantized and in Hugging Face layout."""
+"""A GGUF file's ModelConfig, and its tensors checked against it (every one present, of its shape, whole) before
+any is read."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
-from gguf.quants import dequantize
 
 from kvlm.errors import ModelFileError, UnsupportedModelError
 from kvlm.families import ATTENTION, CONV, family_named
 from kvlm.loader.config import ModelConfig
-from kvlm.loader.gguf_metadata import metadata_of, open_gguf
+from kvlm.loader.gguf_reader import GGUFFile, TensorInfo
+from kvlm.loader.tensors import GGUFTensors
 from kvlm.loader.weights import ModelWeights, expected_shapes
 from kvlm.model import rope
 
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.x: per-dimension divisors of the RoPE frequencies
 
 
-def load_gguf(path: str | Path) -> tuple[ModelConfig, ModelWeights, dict[str, Any]]:
-    """Config, float32 weights and raw metadata of a GGUF model file.
+def open_gguf_model(path: str | Path) -> tuple[ModelConfig, ModelWeights, dict[str, Any]]:
+    """Config, weights (to be read one at a time) and raw metadata of a GGUF model file.
 
-    Every tensor's presence, shape and size is checked before any is dequantized.
+    Every tensor's presence, shape and size is checked here; none is read yet.
     """
-    reader = open_gguf(path)
-    metadata = metadata_of(reader)
-    config = _config_of(reader, metadata, path)
-    tensors = {t.name: t for t in reader.tensors}
-    for ours, theirs in config.family.gguf_names:  # a whole-model tensor the family names otherwise
-        if theirs in tensors:
-            tensors[ours] = tensors.pop(theirs)
-    shapes = expected_shapes(config)
-    for name, shape in shapes.items():
-        _check_tensor(path, tensors.get(name), name, shape, reshaped=name.endswith(config.family.gguf_reshaped))
-    weights = {name: _read_tensor(path, tensors[name], shape, config) for name, shape in shapes.items()}
-    types = {name: GGMLQuantizationType(tensors[name].tensor_type).name for name in shapes}
-    return config, ModelWeights(config, weights, types), metadata
+    gguf = GGUFFile(path)
+    config = _config_of(gguf, path)
+    family = config.family
+    renamed = {ours: theirs for ours, theirs in family.gguf_names if theirs in gguf.tensors}
+    permuted = {"attn_q.weight": config.n_head, "attn_k.weight": config.n_head_kv} if family.permuted_qk else {}
+    tensors = GGUFTensors(gguf, renamed, permuted)
+    for name, shape in expected_shapes(config).items():
+        info = gguf.tensors.get(renamed.get(name, name))
+        _check_tensor(gguf, info, name, shape, reshaped=name.endswith(family.gguf_reshaped))
+    return config, ModelWeights(config, tensors), gguf.metadata
 
 
 def read_gguf_config(path: str | Path) -> ModelConfig:
@@ -45,18 +41,18 @@ def read_gguf_config(path: str | Path) -> ModelConfig:
 
 def read_gguf_summary(path: str | Path) -> tuple[ModelConfig, dict[str, str]]:
     """The config and each tensor's stored type (e.g. "Q4_K"), without reading any weights."""
-    reader = open_gguf(path)
-    types = {t.name: GGMLQuantizationType(t.tensor_type).name for t in reader.tensors}
-    return _config_of(reader, metadata_of(reader), path), types
+    gguf = GGUFFile(path)
+    return _config_of(gguf, path), {name: info.qtype.name for name, info in gguf.tensors.items()}
 
 
-def _config_of(reader: GGUFReader, metadata: dict[str, Any], path: str | Path) -> ModelConfig:
-    tensors = {t.name: t for t in reader.tensors}
-    freqs = tensors.get(ROPE_FREQS)
+def _config_of(gguf: GGUFFile, path: str | Path) -> ModelConfig:
+    freqs = gguf.tensors.get(ROPE_FREQS)
+    freq_factors = None
     if freqs is not None:
-        _check_tensor(path, freqs, ROPE_FREQS, (int(np.prod(freqs.shape.tolist())),))  # complete, any length
-    freq_factors = None if freqs is None else _dequantize(path, freqs).reshape(-1).tolist()
-    return config_from_metadata(metadata, path, tied="output.weight" not in tensors, freq_factors=freq_factors)
+        _check_tensor(gguf, freqs, ROPE_FREQS, (freqs.n_elements,))  # complete, any length
+        freq_factors = GGUFTensors(gguf).read(ROPE_FREQS).float().reshape(-1).tolist()
+    return config_from_metadata(gguf.metadata, path, tied="output.weight" not in gguf.tensors,
+                                freq_factors=freq_factors)
 
 
 def config_from_metadata(
@@ -141,41 +137,12 @@ def _check_full_rotary(metadata: dict[str, Any], config: ModelConfig, path) -> N
         )
 
 
-def _check_tensor(path, tensor, name: str, shape: tuple[int, ...], reshaped: bool = False) -> None:
+def _check_tensor(gguf: GGUFFile, info: TensorInfo | None, name: str, shape: tuple[int, ...],
+                  reshaped: bool = False) -> None:
     """Present, of the expected shape (or, `reshaped`, as many values), and holding all its bytes."""
-    if tensor is None:
+    path = gguf.path
+    if info is None:
         raise ModelFileError(f"{path}: tensor {name} is missing (expected shape {list(shape)})")
-    found = tuple(int(n) for n in reversed(tensor.shape.tolist()))
-    if (np.prod(found) != np.prod(shape)) if reshaped else (found != shape):
-        raise ModelFileError(f"{path}: tensor {name} has shape {list(found)}, expected {list(shape)}")
-    block, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
-    expected_bytes = int(np.prod(shape)) // block * type_size
-    if tensor.data.nbytes != expected_bytes:
-        raise ModelFileError(
-            f"{path}: tensor {name} holds {tensor.data.nbytes} bytes, expected {expected_bytes} "
-            "(the file is truncated or damaged)"
-        )
-
-
-def _read_tensor(path, tensor, shape: tuple[int, ...], config: ModelConfig) -> torch.Tensor:
-    values = torch.from_numpy(np.require(_dequantize(path, tensor), np.float32, ["C", "W"]).reshape(shape))
-    if config.family.permuted_qk and tensor.name.endswith("attn_q.weight"):
-        values = unpermute_rope_rows(values, config.n_head)
-    elif config.family.permuted_qk and tensor.name.endswith("attn_k.weight"):
-        values = unpermute_rope_rows(values, config.n_head_kv)
-    return values
-
-
-def _dequantize(path, tensor) -> np.ndarray:
-    try:
-        return dequantize(tensor.data, GGMLQuantizationType(tensor.tensor_type))
-    except NotImplementedError as exc:
-        raise ModelFileError(
-            f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which gguf cannot dequantize"
-        ) from exc
-
-
-def unpermute_rope_rows(weight: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Undo llama.cpp's Q/K row permutation so RoPE pairs dims (i, i + d/2) as Hugging Face does."""
-    rows, cols = weight.shape
-    return weight.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+    if (np.prod(info.shape) != np.prod(shape)) if reshaped else (info.shape != shape):
+        raise ModelFileError(f"{path}: tensor {name} has shape {list(info.shape)}, expected {list(shape)}")
+    gguf.check_complete(info)

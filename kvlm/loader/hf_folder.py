@@ -1,18 +1,17 @@
-"""Loading a Hugging Face model folder: config.json plus *.safetensors, renamed to GGUF names."""
+"""A Hugging Face model folder: config.json, and *.safetensors tensors under GGUF names, checked before any is read."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import torch
-from safetensors import SafetensorError
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from kvlm.errors import ModelFileError, UnsupportedModelError
 from kvlm.families import ATTENTION, CONV, SLIDING, family_for_hf
 from kvlm.loader.config import ModelConfig
-from kvlm.model import rope
+from kvlm.loader.tensors import SafetensorsTensors
 from kvlm.loader.weights import ModelWeights, expected_shapes
+from kvlm.model import rope
 
 _LAYER_NAMES = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -28,28 +27,28 @@ _HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 _GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
 
-def load_hf_folder(folder: str | Path) -> tuple[ModelConfig, ModelWeights]:
-    """Config and float32 weights; every tensor's presence and shape is checked before any is read."""
+def open_hf_folder(folder: str | Path) -> tuple[ModelConfig, ModelWeights]:
+    """Config and weights (to be read one at a time); every tensor's presence and shape is checked from the
+    safetensors headers before any is read."""
     folder = Path(folder)
     config = config_from_hf(folder)
     family = config.family
-    files = sorted(folder.glob("*.safetensors"))
     shapes = expected_shapes(config)
-    found = {gguf_name(name, family): (file, name, _as_gguf_shape(shape))
-             for file in files for name, shape in _tensor_shapes(file)}
+    found = {gguf_name(name, family): (file, name, _as_gguf_shape(shape), dtype)
+             for file in sorted(folder.glob("*.safetensors")) for name, shape, dtype in _tensor_headers(file)}
     for name, shape in shapes.items():
         _check_shape(folder, found.get(name), name, shape, family)
-    weights = {}
-    for file in files:
-        wanted = {hf: name for name, (f, hf, _) in found.items() if f == file and name in shapes}
-        weights.update({wanted[hf]: tensor.float().reshape(shapes[wanted[hf]])
-                        for hf, tensor in _read_tensors(file, wanted).items()})
-    if family.hf_norm_offset:  # stored as w - offset, multiplied as offset + w: GGUF files store the sum
-        offset = family.hf_norm_offset
-        weights = {name: w + offset if name.endswith("norm.weight") else w for name, w in weights.items()}
-    for suffix, convert in family.hf_values:
-        weights = {name: convert(w) if name.endswith(suffix) else w for name, w in weights.items()}
-    return config, ModelWeights(config, weights)
+    convert = {}
+    for name in shapes:
+        if family.hf_norm_offset and name.endswith("norm.weight"):
+            # stored as w - offset, multiplied as offset + w: GGUF files store the sum
+            convert[name] = lambda w, offset=family.hf_norm_offset: w + offset
+        for suffix, function in family.hf_values:
+            if name.endswith(suffix):
+                convert[name] = function
+    tensors = SafetensorsTensors({name: found[name][:2] for name in shapes}, convert, shapes,
+                                 {name: _DTYPE_NAMES.get(found[name][3], "float32") for name in shapes})
+    return config, ModelWeights(config, tensors)
 
 
 def config_from_hf(folder: Path) -> ModelConfig:
@@ -171,19 +170,15 @@ def _layer_names(family) -> dict[str, str]:
     return _LAYER_NAMES if family is None else {**_LAYER_NAMES, **dict(family.hf_layer_names)}
 
 
-def _tensor_shapes(file: Path) -> list[tuple[str, tuple[int, ...]]]:
-    """Names and shapes from a safetensors header, without reading any data."""
-    try:
-        with safe_open(file, "pt") as f:
-            return [(name, tuple(f.get_slice(name).get_shape())) for name in f.keys()]
-    except (SafetensorError, OSError) as exc:
-        raise ModelFileError(f"{file}: not a readable safetensors file ({exc})") from exc
+_DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
-def _read_tensors(file: Path, names) -> dict[str, torch.Tensor]:
+def _tensor_headers(file: Path) -> list[tuple[str, tuple[int, ...], str]]:
+    """Names, shapes and dtypes from a safetensors header, without reading any data."""
     try:
         with safe_open(file, "pt") as f:
-            return {name: f.get_tensor(name) for name in names}
+            slices = {name: f.get_slice(name) for name in f.keys()}
+            return [(name, tuple(part.get_shape()), part.get_dtype()) for name, part in slices.items()]
     except (SafetensorError, OSError) as exc:
         raise ModelFileError(f"{file}: not a readable safetensors file ({exc})") from exc
 

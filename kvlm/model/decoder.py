@@ -4,7 +4,7 @@ What differs between families (biases, QK-norm, RoPE scaling) is data in the con
 """
 from __future__ import annotations
 
-import os
+import dataclasses
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -13,14 +13,31 @@ import torch
 import torch.nn.functional as F
 
 from kvlm.families import ATTENTION, CONV, MAMBA, SLIDING
+from kvlm.kernels import BlockMatrix, dequantize, native_kernels
+from kvlm.kernels.quantize import QUANTIZERS
 from kvlm.loader.config import ModelConfig
+from kvlm.loader.tensors import Stored
 from kvlm.loader.weights import ModelWeights
 from kvlm.memory.view import KVView
-from kvlm.model.linear import Linear, linear_kind, make_linear
+from kvlm.model.embedding import Embedding
+from kvlm.model.linear import (
+    DenseLinear,
+    Linear,
+    PackedLinear,
+    QuantizedLinear,
+    dense_linear,
+    linear_kind,
+    quantized_linear,
+)
 from kvlm.model.ops import apply_rope, gated_mlp, rms_norm
-from kvlm.model.recurrent import Mamba2Weights, ShortConvWeights, mamba2_mixer, short_conv
+from kvlm.model.recurrent import (
+    Mamba2Weights,
+    ShortConvWeights,
+    mamba2_mixer,
+    short_conv,
+)
 from kvlm.model.rope import Rope
-from kvlm.model.settings import ComputeSettings
+from kvlm.model.settings import FROM_FILE, ComputeSettings
 
 
 @dataclass
@@ -59,8 +76,9 @@ class MambaLayerWeights:
 class Decoder:
     """`settings` say the activation dtype and how each matrix is stored (see kvlm.model.settings).
 
-    A weight-only quantized matrix keeps a packed bf16 copy for many rows at once (prefill, large batches)
-    while the dense copies of all matrices take at most a quarter of the machine's memory.
+    The weights are read one tensor at a time, each turned into its kernel's form as it is read. A matrix kept in
+    its file's blocks also gets a packed copy in the activation dtype for many rows at once (prefill, large
+    batches) when `dense_copies` says the memory plan has room for them (see kvlm.loader.memory_plan).
 
     `settings.batch_invariant` (float32 only, as vLLM's VLLM_BATCH_INVARIANT) makes a token's logits independent of
     what else is in its batch and of how the batch is cut into micro-batches, bit for bit on one machine:
@@ -69,18 +87,19 @@ class Decoder:
     (up to ~1.5e-4 from transformers on SmolLM2, about as far as transformers' own float32 is from float64).
     """
 
-    def __init__(self, config: ModelConfig, weights: ModelWeights, settings: ComputeSettings) -> None:
+    def __init__(self, config: ModelConfig, weights: ModelWeights, settings: ComputeSettings,
+                 dense_copies: bool = False) -> None:
         self.settings = settings
         self.config = config
         self.dtype = self.settings.torch_dtype
         self.batch_invariant = self.settings.batch_invariant
-        self._dense_copy = _dense_copies_fit(weights)
+        self.dense_copies = dense_copies
         self.layers = [self._layer(weights, i) for i in range(config.n_layer)]
-        self.token_embd = weights.tensors["token_embd.weight"].to(self.dtype)
-        self.output_norm = weights.tensors["output_norm.weight"].to(self.dtype)
-        # The output head is the largest matrix; never below int8, which keeps it close to Q8_0/F16 precision.
-        head_quant = self.settings.matrix_quant([weights.file_type(weights.output_name)])
-        self.output = self._linear(weights.output, "int8" if head_quant == "int4" else head_quant)
+        self.output_norm = self._vector(weights.read("output_norm.weight"))
+        table = weights.read("token_embd.weight")
+        self.token_embd = Embedding(table if self._keeps_blocks(table) else self._dense(table), self.dtype)
+        tied = weights.output_name == "token_embd.weight" and weights.shard is None
+        self.output = self._head(weights, table if tied else weights.output())
         self.rope = Rope(config.rope, config.head_dim)
         self.rope_local = Rope(config.rope_local, config.head_dim) if config.rope_local else self.rope
         self.embedding_scale = torch.tensor(config.n_embd ** 0.5).to(self.dtype) if config.family.scaled_embedding \
@@ -95,61 +114,97 @@ class Decoder:
 
     def describe(self) -> str:
         """The chosen settings and how many matrices each kernel got, for logs and `kvlm inspect`."""
-        linears = [self.output] + [m for layer in self.layers for m in vars(layer).values() if isinstance(m, Linear)]
-        counts = Counter(linear_kind(m) for m in linears)
+        counts = Counter(linear_kind(m) for m in self.matrices())
         kinds = ", ".join(f"{n} {kind}" for kind, n in counts.most_common())
         return f"{self.settings.describe()}; matrices: {kinds}"
 
-    def _linear(self, weight: torch.Tensor, quant: str | None) -> Linear:
-        return make_linear(weight, self.dtype, quant, self.batch_invariant, self._dense_copy)
+    def matrices(self) -> list[Linear]:
+        return [self.output] + [m for layer in self.layers for m in vars(layer).values() if isinstance(m, Linear)]
+
+    @property
+    def nbytes(self) -> int:
+        """The memory its weights take: blocks, dense copies, tables and vectors (shared storage counted once)."""
+        seen: set[int] = set()
+        return sum(_held(part, seen) for part in (self.token_embd, self.output, self.output_norm, *self.layers))
+
+    def _keeps_blocks(self, stored: Stored) -> bool:
+        return isinstance(stored, BlockMatrix) and self.settings.matrix_storage([stored.qtype.name]) == FROM_FILE
+
+    def _dense(self, stored: Stored) -> torch.Tensor:
+        """A tensor's values in the activation dtype (float32 for the reference mode: gguf's exact values)."""
+        if isinstance(stored, BlockMatrix):
+            return dequantize(stored, self.dtype)
+        return stored.to(self.dtype)
+
+    def _vector(self, stored: Stored) -> torch.Tensor:
+        return self._dense(stored)
+
+    def _matrix(self, parts: list[Stored], storage: str | None) -> Linear:
+        """One matrix from parts stacked by rows, held as `storage` says (see ComputeSettings.matrix_storage)."""
+        if storage == FROM_FILE:
+            return quantized_linear(parts, self.dtype, native_kernels(), self.dense_copies)
+        weight = torch.cat([self._dense(part) if storage is None else self._float(part) for part in parts])
+        if storage is None:
+            return dense_linear(weight, self.dtype, self.batch_invariant)
+        return quantized_linear([QUANTIZERS[storage](weight)], self.dtype, native_kernels(), self.dense_copies)
+
+    @staticmethod
+    def _float(stored: Stored) -> torch.Tensor:
+        return dequantize(stored) if isinstance(stored, BlockMatrix) else stored.float()
 
     def _stacked(self, weights: ModelWeights, i: int, parts: tuple[str, ...]) -> Linear:
-        """One matrix from several stacked by rows, stored as precisely as its most precise part."""
-        types = [weights.file_type(weights.layer_name(i, p)) for p in parts]
-        return self._linear(torch.cat([weights.layer(i, p) for p in parts]), self.settings.matrix_quant(types))
+        """One matrix from several stacked by rows (one product instead of several)."""
+        names = [weights.layer_name(i, p) for p in parts]
+        storage = self.settings.matrix_storage([weights.file_type(n) for n in names])
+        return self._matrix([weights.read(n) for n in names], storage)
 
-    def _layer(self, weights: ModelWeights, i: int) -> LayerWeights | ConvLayerWeights:
+    def _head(self, weights: ModelWeights, stored: Stored) -> Linear:
+        """The LM head: never requantized below 8 bits (a 4-bit head costs more quality than the rest)."""
+        storage = self.settings.matrix_storage([weights.file_type(weights.output_name)])
+        return self._matrix([stored], "int8" if storage == "int4" else storage)
+
+    def _layer(self, weights: ModelWeights, i: int) -> LayerWeights | ConvLayerWeights | MambaLayerWeights:
         if self.config.layer_kinds[i] == CONV:
             return self._conv_layer(weights, i)
         if self.config.layer_kinds[i] == MAMBA:
             return self._mamba_layer(weights, i)
         qkv = ("attn_q", "attn_k", "attn_v")
+        vector = lambda part, kind="weight": self._vector(weights.layer(i, part, kind))  # noqa: E731
         return LayerWeights(
-            attn_norm=weights.layer(i, "attn_norm").to(self.dtype),
+            attn_norm=vector("attn_norm"),
             qkv=self._stacked(weights, i, qkv),
-            qkv_bias=torch.cat([weights.layer(i, p, "bias") for p in qkv]).to(self.dtype)
-            if self.config.family.qkv_bias else None,
-            qk_norm=self._qk_norm(weights, i) if self.config.family.qk_norm else None,
+            qkv_bias=torch.cat([vector(p, "bias") for p in qkv]) if self.config.family.qkv_bias else None,
+            qk_norm=self._qk_norm(vector("attn_q_norm"), vector("attn_k_norm")) if self.config.family.qk_norm else None,
             attn_output=self._stacked(weights, i, ("attn_output",)),
-            ffn_norm=weights.layer(i, "ffn_norm").to(self.dtype),
+            ffn_norm=vector("ffn_norm"),
             gate_up=self._stacked(weights, i, ("ffn_gate", "ffn_up")),
             down=self._stacked(weights, i, ("ffn_down",)),
-            **({name: weights.layer(i, name).to(self.dtype) for name in ("post_attention_norm", "post_ffw_norm")}
+            **({name: vector(name) for name in ("post_attention_norm", "post_ffw_norm")}
                if self.config.family.sandwich_norms else {}),
         )
 
     def _conv_layer(self, weights: ModelWeights, i: int) -> ConvLayerWeights:
-        conv = ShortConvWeights(*(weights.layer(i, f"shortconv.{part}").to(self.dtype)
+        conv = ShortConvWeights(*(self._dense(weights.layer(i, f"shortconv.{part}"))
                                   for part in ("in_proj", "conv", "out_proj")))
-        return ConvLayerWeights(attn_norm=weights.layer(i, "attn_norm").to(self.dtype), conv=conv,
-                                ffn_norm=weights.layer(i, "ffn_norm").to(self.dtype),
+        return ConvLayerWeights(attn_norm=self._dense(weights.layer(i, "attn_norm")), conv=conv,
+                                ffn_norm=self._dense(weights.layer(i, "ffn_norm")),
                                 gate_up=self._stacked(weights, i, ("ffn_gate", "ffn_up")),
                                 down=self._stacked(weights, i, ("ffn_down",)))
 
     def _mamba_layer(self, weights: ModelWeights, i: int) -> MambaLayerWeights:
-        c, layer = self.config, lambda part, kind="weight": weights.layer(i, part, kind).to(self.dtype)
-        a = weights.tensors[f"blk.{i}.ssm_a"]
+        c, layer = self.config, lambda part, kind="weight": self._dense(weights.layer(i, part, kind))
+        a = self._float(weights.read(f"blk.{i}.ssm_a"))
         mixer = Mamba2Weights(
             in_proj=layer("ssm_in"), conv=layer("ssm_conv1d"), conv_bias=layer("ssm_conv1d", "bias"),
-            dt_bias=weights.layer(i, "ssm_dt", "bias"), A_log=torch.log(-a), D=weights.tensors[f"blk.{i}.ssm_d"],
+            dt_bias=self._float(weights.layer(i, "ssm_dt", "bias")), A_log=torch.log(-a),
+            D=self._float(weights.read(f"blk.{i}.ssm_d")),
             norm=layer("ssm_norm"), out_proj=layer("ssm_out"), n_heads=c.n_head, head_dim=c.head_dim,
             d_state=c.ssm_state, n_groups=c.ssm_groups, eps=c.rms_norm_eps, time_step_limit=c.ssm_dt_limit)
         return MambaLayerWeights(attn_norm=layer("attn_norm"), mixer=mixer)
 
-    def _qk_norm(self, weights: ModelWeights, i: int) -> torch.Tensor:
+    def _qk_norm(self, q_norm: torch.Tensor, k_norm: torch.Tensor) -> torch.Tensor:
         c = self.config
-        q_norm, k_norm = weights.layer(i, "attn_q_norm"), weights.layer(i, "attn_k_norm")
-        return torch.cat([q_norm.expand(c.n_head, -1), k_norm.expand(c.n_head_kv, -1)]).to(self.dtype)
+        return torch.cat([q_norm.expand(c.n_head, -1), k_norm.expand(c.n_head_kv, -1)])
 
     @torch.inference_mode()
     def forward(
@@ -165,7 +220,7 @@ class Decoder:
     def logits(self, tokens: torch.Tensor, positions: torch.Tensor, kv,
                output_rows: torch.Tensor | None) -> torch.Tensor:
         """`forward` without its inference mode, for graphs to trace; `kv` is anything with KVView's `attend`."""
-        x = self.token_embd[tokens]
+        x = self.token_embd(tokens)
         if self.embedding_scale is not None:
             x = x * self.embedding_scale
         kinds = set(self.config.layer_kinds)
@@ -236,14 +291,22 @@ class Decoder:
         return layer.attn_output(kv.attend(index, q, k, v, self.batch_invariant))
 
 
-def _dense_copies_fit(weights: ModelWeights) -> bool:
-    """Whether bf16 copies of every matrix take at most a quarter of physical memory."""
-    dense_bytes = 2 * sum(t.numel() for t in weights.tensors.values() if t.dim() == 2)
-    return dense_bytes <= _physical_memory() // 4
-
-
-def _physical_memory() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return 0
+def _held(value, seen: set[int]) -> int:
+    """Bytes held by a weight, a Linear, an Embedding or a dataclass of them; storage in `seen` is not counted."""
+    if isinstance(value, torch.Tensor):
+        pointer = value.untyped_storage().data_ptr()
+        if pointer in seen:
+            return 0
+        seen.add(pointer)
+        return value.untyped_storage().nbytes()
+    if isinstance(value, BlockMatrix):
+        return _held(value.blocks, seen)
+    if isinstance(value, Embedding):
+        return _held(value.blocks if value.blocks is not None else value.dense, seen)
+    if isinstance(value, QuantizedLinear):
+        return sum(_held(part, seen) for part in value.parts) + (value.dense.nbytes if value.dense is not None else 0)
+    if isinstance(value, (DenseLinear, PackedLinear)):
+        return value.nbytes
+    if dataclasses.is_dataclass(value):
+        return sum(_held(getattr(value, f.name), seen) for f in dataclasses.fields(value))
+    return 0

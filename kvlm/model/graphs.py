@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from kvlm.fetch import kvlm_home
+from kvlm.home import kvlm_home
 from kvlm.memory.view import KVView
 from kvlm.model.attention import attention_dtype
 from kvlm.model.ops import attention_with_own_rows

@@ -1,5 +1,5 @@
-"""Ranks 1..N-1 of a tensor-parallel model: load this rank's shard as rank 0 says, then repeat rank 0's memory
-calls and run its forward passes (see kvlm.parallel.leader) until it says stop."""
+"""Ranks 1..N-1 of a tensor-parallel model: load this rank's shard with the function rank 0 sends, then repeat
+rank 0's memory calls and run its forward passes (see kvlm.parallel.leader) until it says stop."""
 from __future__ import annotations
 
 import logging
@@ -11,7 +11,6 @@ import torch.distributed as dist
 from kvlm.memory.protocol import memory_for
 from kvlm.parallel.collectives import make_collectives, vocab_shares
 from kvlm.parallel.group import COLLECTIVE_TIMEOUT, loaded_barrier
-from kvlm.parallel.shard import load_shard
 
 log = logging.getLogger("kvlm")
 
@@ -20,9 +19,9 @@ def follow(control: dist.ProcessGroup, shared_file: Path | None = None) -> None:
     """`shared_file`: the collectives go through it (ranks on one host), else through gloo."""
     rank = dist.get_rank()
     try:
-        _, spec, size, settings = _receive(control)[0]
-        decoder = load_shard(spec, rank, size, settings).decoder
-        wire = make_collectives(rank, vocab_shares(decoder.config.vocab_size, size), shared_file,
+        _, load = _receive(control)[0]
+        decoder = load(rank).decoder
+        wire = make_collectives(rank, vocab_shares(decoder.config.vocab_size, dist.get_world_size()), shared_file,
                                 COLLECTIVE_TIMEOUT.total_seconds())
         decoder.all_reduce, decoder.gather_logits = wire.all_reduce, wire.gather_vocab
         loaded_barrier(control)

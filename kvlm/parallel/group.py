@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kvlm import START_CPUS
 from kvlm.errors import KvlmError
 from kvlm.parallel import collectives
+from kvlm.startup import START_CPUS
 
 log = logging.getLogger("kvlm")
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import uvicorn
 
-from kvlm.engine.engine import Engine
-from kvlm.load import load_model
+from kvlm.engine.engine import Engine, memory_request
+from kvlm.loader.load import load_model
 from kvlm.memory.kv_store import AUTO
 from kvlm.server.app import create_app
 from kvlm.server.kv_report import recurrent_part
@@ -26,7 +26,7 @@ class ServeSettings:
     quant: str | None = AUTO
     batch_invariant: bool = False
     compile: bool = False  # compiled decode and prefill graphs (kvlm.model.graphs)
-    n_ctx: int = 8192
+    n_ctx: int | None = None  # None: the largest that fits in memory, up to the model's own
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     kv_dtype: str = AUTO  # the model's dtype
@@ -35,6 +35,7 @@ class ServeSettings:
     served_model_name: str | None = None
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGINT/SIGTERM
     tensor_parallel_size: int = 1  # processes the model's heads and MLP are split over (kvlm.parallel)
+    memory_budget: int | None = None  # bytes for weights, copies, KV cache and buffers (None: the machine's)
 
 
 def served_name(model: str) -> str:
@@ -84,15 +85,19 @@ def _log_memory(memory, kv_dtype: str, max_num_seqs: int) -> None:
 
 def serve(settings: ServeSettings) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    request = memory_request(settings.n_ctx, settings.max_num_seqs, settings.max_num_batched_tokens, settings.kv_dtype,
+                             swa_full=settings.swa_full)
     model = load_model(settings.model, settings.dtype, quant=settings.quant, batch_invariant=settings.batch_invariant,
-                       compile=settings.compile, tensor_parallel_size=settings.tensor_parallel_size)
-    engine = Engine(model, n_ctx=settings.n_ctx, max_num_seqs=settings.max_num_seqs,
+                       compile=settings.compile, tensor_parallel_size=settings.tensor_parallel_size, memory=request,
+                       memory_budget=settings.memory_budget)
+    engine = Engine(model, n_ctx=settings.n_ctx or model.plan.n_ctx, max_num_seqs=settings.max_num_seqs,
                     max_num_batched_tokens=settings.max_num_batched_tokens, kv_dtype=settings.kv_dtype,
-                    swa_full=settings.swa_full)
+                    swa_full=settings.swa_full, memory_budget=settings.memory_budget)
     name = settings.served_model_name or served_name(settings.model)
     memory = engine.context.memory
     log.info("model %s (%s) from %s", name, model.config.architecture, model.source)
     log.info("compute: %s", model.decoder.describe())
+    log.info("memory: %s", "; ".join(f"{label} {text}" for label, text in engine.plan.lines()))
     _log_memory(memory, engine.context.kv_dtype, settings.max_num_seqs)
     app = create_app(engine, name, settings.api_key)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",

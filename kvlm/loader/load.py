@@ -1,0 +1,175 @@
+"""From a model name or path to a ready model, in one path:
+
+    name -> file (fetch) -> header: config, every tensor checked, nothing read (gguf_file / hf_folder)
+         -> memory plan: weights + copies + KV against what this process has (memory_plan)
+         -> tensors streamed one at a time into their kernels' form (Decoder) -> tokenizer -> Model
+
+A tensor-parallel model is the same path on every rank, each reading only its shard (shard.py); the ranks are
+started by kvlm.parallel, which knows nothing of files.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from kvlm.kernels import native_kernels
+from kvlm.loader.config import ModelConfig
+from kvlm.loader.fetch import DEFAULT_MODEL, resolve_model
+from kvlm.loader.gguf_file import open_gguf_model, read_gguf_summary
+from kvlm.loader.hf_folder import config_from_hf, open_hf_folder
+from kvlm.loader.memory_plan import (
+    MemoryPlan,
+    MemoryRequest,
+    fit,
+    plan_memory,
+    weight_bytes,
+)
+from kvlm.loader.shard import check_tensor_parallel, make_shard
+from kvlm.loader.weights import ModelWeights
+from kvlm.model.decoder import Decoder
+from kvlm.model.graphs import StepGraphs, check_compiler
+from kvlm.model.settings import AUTO, ComputeSettings, resolve_settings
+from kvlm.tokenizer import Tokenizer
+
+
+@dataclass
+class Model:
+    config: ModelConfig
+    decoder: Decoder
+    tokenizer: Tokenizer
+    source: Path
+    plan: MemoryPlan | None = None  # the memory planned when it was loaded (None for a tensor-parallel worker)
+    graphs: StepGraphs | None = None  # compiled decode and prefill steps, when loaded with compile=True
+    tensor_parallel: Any = None  # the other ranks (kvlm.parallel.leader.Leader), with tensor_parallel_size > 1
+
+
+def load_model(
+    spec: str = DEFAULT_MODEL, dtype: str = AUTO, *, quant: str | None = AUTO, fetch: bool = True,
+    progress: bool = True, batch_invariant: bool = False, compile: bool = False, tensor_parallel_size: int = 1,
+    memory: MemoryRequest | None = None, memory_budget: int | None = None,
+) -> Model:
+    """`spec` is a known model name (fetched on first use), a .gguf file or a Hugging Face folder.
+
+    The defaults are the fast setting for this CPU (see kvlm.model.settings): bfloat16 where it has native
+    bf16 instructions, each matrix kept in the blocks its file stores it in. `dtype="float32"` is the reference
+    mode; `quant` ("int8" or "int4") requantizes every layer matrix; `batch_invariant` (float32) makes logits
+    independent of the batch (see `Decoder`). `compile` runs decode steps and prompt chunks through graphs
+    compiled by torch.compile (see kvlm.model.graphs). `tensor_parallel_size` N > 1 splits every layer's heads
+    and MLP over N processes (see kvlm.parallel): this one is rank 0 and starts the others.
+
+    `memory` is the memory the model will be asked for (n_ctx None: the largest that fits); `memory_budget`
+    (bytes) caps weights + copies + KV + buffers. A model that does not fit is refused before any weight is read
+    (MemoryPlanError, naming each part); `Model.plan` says what was planned.
+    """
+    if compile and batch_invariant:
+        raise ValueError("compile and batch_invariant exclude each other: compiled graphs sum in the order their "
+                         "shapes suit, so a batch-invariant model runs eagerly")
+    if compile and tensor_parallel_size != 1:
+        raise ValueError("compile and tensor parallelism exclude each other: a compiled graph cannot stop at each "
+                         "rank's all-reduce; a tensor-parallel model runs eagerly")
+    if compile:
+        check_compiler()
+    settings = resolve_settings(dtype, quant, batch_invariant)
+    source = resolve_model(spec, fetch=fetch, progress=progress)
+    memory = memory or MemoryRequest()
+    if tensor_parallel_size != 1:
+        return _load_tensor_parallel(source, settings, tensor_parallel_size, memory, memory_budget, progress)
+    model = load_rank(str(source), 0, 1, settings, memory, memory_budget, progress)
+    if compile:
+        model.graphs = StepGraphs(model.decoder)
+    return model
+
+
+def open_model(source: Path) -> tuple[ModelConfig, ModelWeights, Any]:
+    """The config, the (unread) weights, and what the tokenizer is built from, of a GGUF file or a folder."""
+    if source.is_dir():
+        config, weights = open_hf_folder(source)
+        return config, weights, source
+    return open_gguf_model(source)
+
+
+def load_rank(spec: str, rank: int = 0, size: int = 1, settings: ComputeSettings | None = None,
+              memory: MemoryRequest | None = None, budget: int | None = None, progress: bool = False,
+              dense_copies: bool | None = None) -> Model:
+    """The model, or (size > 1) rank `rank`'s shard of it, read one tensor at a time.
+
+    A process of its own plans its memory first (`dense_copies` None); the ranks of a tensor-parallel group are
+    told rank 0's decision instead. Only rank 0 builds the tokenizer.
+    """
+    settings = settings or resolve_settings()
+    source = resolve_model(spec, progress=False)
+    config, weights, tokenizer_source = open_model(source)
+    if size > 1:
+        weights.shard = make_shard(config, {n: weights.file_type(n) for n in weights.names()}, rank, size)
+        weights.config = config = weights.shard.config
+    plan = None
+    if dense_copies is None:
+        plan = plan_memory(config, weights, settings, memory or MemoryRequest(), budget, native_kernels() is not None,
+                           where=source.name)
+        dense_copies = plan.dense_copies
+    with _progress_bar(source, weights, settings, plan, progress) as bar:
+        weights.on_read = lambda name, nbytes: bar.update(nbytes)
+        decoder = Decoder(config, weights, settings, dense_copies)
+    weights.source.close()
+    if rank > 0:
+        return Model(config, decoder, None, source)
+    tokenizer = (Tokenizer.from_hf_folder(tokenizer_source) if isinstance(tokenizer_source, Path)
+                 else Tokenizer.from_gguf_metadata(tokenizer_source))
+    return Model(config, decoder, tokenizer, source, plan)
+
+
+def _progress_bar(source: Path, weights: ModelWeights, settings: ComputeSettings, plan: MemoryPlan | None,
+                  show: bool) -> tqdm:
+    """A bar over the file's bytes as its tensors are read, after a line saying what is being done."""
+    total = sum(weights.entry(name).nbytes for name in weights.names())
+    if show:
+        memory = "" if plan is None else f"; planned {plan.total / 2**20:.0f} MiB with the KV cache"
+        print(f"kvlm: loading {source.name} ({total / 2**20:.0f} MiB): {settings.dtype} activations, weights "
+              f"{'as the file stores them' if settings.quant == 'file' else settings.quant or 'dense'}{memory}",
+              file=sys.stderr, flush=True)
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=source.name, disable=not show,
+                leave=False)
+
+
+def _load_tensor_parallel(source: Path, settings: ComputeSettings, size: int, memory: MemoryRequest,
+                          budget: int | None, progress: bool) -> Model:
+    """Rank 0 plans for the whole group on this host (each rank's shard, and its share of the KV cache), then
+    every rank loads its shard with rank 0's decision on dense copies."""
+    from kvlm.parallel.launch import (
+        launch_tensor_parallel,  # torch.distributed loads only for this
+    )
+
+    config, weights, _ = open_model(source)
+    check_tensor_parallel(config, size)  # before any weight is read
+    weights.shard = make_shard(config, {n: weights.file_type(n) for n in weights.names()}, 0, size)
+    held, copyable = weight_bytes(weights.shard.config, weights, settings, native_kernels() is not None)
+    plan = fit(weights.shard.config, held, copyable, settings, memory, budget, where=source.name, ranks=size)
+    weights.source.close()
+    load = functools.partial(load_rank, str(source), size=size, settings=settings, dense_copies=plan.dense_copies)
+    model = launch_tensor_parallel(size, functools.partial(_rank, load, progress))
+    model.plan = plan
+    return model
+
+
+def _rank(load, progress: bool, rank: int) -> Model:
+    return load(rank=rank, progress=progress and rank == 0)
+
+
+def plan_for_loaded(model: Model, request: MemoryRequest, budget: int | None = None) -> MemoryPlan:
+    """The plan of a loaded model's memory (its weights as they are held), refused (MemoryPlanError) if it does not
+    fit, before anything is allocated."""
+    ranks = model.tensor_parallel.size if model.tensor_parallel is not None else 1
+    return fit(model.config, model.decoder.nbytes, 0, model.decoder.settings, request, budget, where=model.source.name,
+               ranks=ranks, loaded=True)
+
+
+def load_summary(spec: str = DEFAULT_MODEL, *, fetch: bool = True,
+                 progress: bool = True) -> tuple[ModelConfig, dict[str, str]]:
+    """The config and how the file stores each tensor (GGUF type names; empty for a Hugging Face folder)."""
+    source = resolve_model(spec, fetch=fetch, progress=progress)
+    return (config_from_hf(source), {}) if source.is_dir() else read_gguf_summary(source)

@@ -1,0 +1,292 @@
+"""The memory plan: before any weight is read, what the weights, their dense copies and the KV cache will take,
+and whether that fits the memory this process has.
+
+From the file's header alone (each tensor's shape and stored type), the compute settings and the memory asked for
+(n_ctx, sequences, KV dtype), it counts:
+
+- weights: each matrix as the decoder will hold it (a quantized file's blocks as they are; dense in the activation
+  dtype otherwise), vectors, the embedding (a tied LM head shares its blocks);
+- copies: packed dense copies of the quantized matrices, which make products of many rows (prefill, large
+  batches) faster; made only within the budget;
+- KV: what the model's memory kind allocates for n_ctx cells and n_seq_max sequences (kvlm.memory.sizes);
+- compute: working buffers (logits of a whole micro-batch, a transient dequantized slice, activations).
+
+The limit is the memory this process may have: its cgroup's limit where there is one, else physical memory. A plan
+whose weights + KV + compute exceed what is left of it (less a margin) is refused with each part named and what
+would fit; `budget` (`--memory-budget`) caps it further. Dense copies are made only while weights + copies + KV +
+compute stay within three quarters of the limit (or within an explicit budget). When n_ctx is not given, it is
+the largest that fits, up to the model's own context length (as llama.cpp's --fit).
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from kvlm.errors import KvlmError
+from kvlm.loader.config import ModelConfig
+from kvlm.loader.weights import ModelWeights
+from kvlm.memory.kv_store import AUTO, KV_DTYPES, resolve_kv_dtype
+from kvlm.memory.sizes import memory_bytes
+from kvlm.model.cpu import onednn_packs
+from kvlm.model.linear import TRANSIENT_BYTES
+from kvlm.model.settings import FROM_FILE, ComputeSettings
+
+MiB = 1 << 20
+COPIES_FRACTION = 0.75  # dense copies only while everything stays within this share of the limit
+MARGIN_FRACTION = 0.05  # of the limit, kept free for the OS and whatever else runs
+CTX_STEP = 256  # a fitted n_ctx is a multiple of this
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_CGROUP = Path("/proc/self/cgroup")
+STACKED = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gate_up", "ffn_up": "gate_up"}
+LINEAR_PARTS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
+
+
+class MemoryPlanError(KvlmError):
+    """The model and its memory do not fit: nothing was read."""
+
+
+@dataclass(frozen=True)
+class MemoryRequest:
+    """The memory a caller will ask of the model: n_ctx None for the largest that fits."""
+
+    n_ctx: int | None = None
+    n_seq_max: int = 1
+    kv_dtype: str = AUTO
+    n_ubatch: int = 512
+    swa_full: bool = False
+    keep_extra: int = 0  # positions a sequence keeps beyond its window (the engine's prefix-cache block)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    weights: int
+    copies: int          # of the dense copies made (0 when none are)
+    copies_wanted: int   # what all of them would take
+    kv: int
+    compute: int
+    limit: int
+    limit_source: str
+    in_use: int          # this process's resident memory when planned (Python, torch, the tokenizer)
+    budget: int | None   # explicit, or None
+    n_ctx: int
+    kv_dtype: str
+    n_seq_max: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.copies + self.kv + self.compute
+
+    @property
+    def dense_copies(self) -> bool:
+        return self.copies > 0
+
+    def lines(self) -> list[tuple[str, str]]:
+        """(label, text) for `kvlm inspect` and the server's log."""
+        copies = (f"{_mib(self.copies)} (packed {_mib(self.copies)} for prefill and large batches)" if self.copies
+                  else f"none ({_mib(self.copies_wanted)} would exceed the budget)" if self.copies_wanted else "none")
+        cap = f"budget {_mib(self.budget)}" if self.budget is not None else \
+            f"{self.limit_source} {_mib(self.limit)}, {_mib(self.in_use)} in use"
+        return [("weights", _mib(self.weights)), ("copies", copies),
+                ("kv cache", f"{_mib(self.kv)} (n_ctx {self.n_ctx}, {self.kv_dtype}, {self.n_seq_max} sequences)"),
+                ("buffers", _mib(self.compute)), ("total", f"{_mib(self.total)} of {cap}")]
+
+
+def plan_memory(config: ModelConfig, weights: ModelWeights, settings: ComputeSettings, request: MemoryRequest,
+                budget: int | None = None, kernels: bool = True, where: str = "the model") -> MemoryPlan:
+    """The plan for loading `weights` with `settings` and allocating `request`'s memory; MemoryPlanError if it
+    does not fit (each part named, and what would)."""
+    held, copyable = weight_bytes(config, weights, settings, kernels)
+    return fit(config, held, copyable, settings, request, budget, where)
+
+
+def fit(config: ModelConfig, held: int, copyable: int, settings: ComputeSettings, request: MemoryRequest,
+        budget: int | None = None, where: str = "the model", ranks: int = 1, loaded: bool = False) -> MemoryPlan:
+    """The plan for weights that take `held` bytes (`copyable` more with dense copies) and `request`'s memory.
+
+    `ranks` > 1: `config`, `held` and `copyable` are one tensor-parallel rank's, and that many ranks share this
+    machine (each with its share of the KV cache and buffers of its own). `loaded`: the weights are in this
+    process's memory already (so not counted twice)."""
+    if budget is not None and (not isinstance(budget, int) or budget <= 0):
+        raise ValueError(f"memory_budget must be a positive number of bytes, got {budget!r}")
+    kv_dtype = resolve_kv_dtype(request.kv_dtype, settings.torch_dtype)
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {AUTO}, {', '.join(KV_DTYPES)}, got {request.kv_dtype!r}")
+    limit, source = memory_limit()
+    in_use = max(0, resident_bytes() - (held * ranks if loaded else 0))
+    usable = budget if budget is not None else int(limit * (1 - MARGIN_FRACTION)) - in_use
+    compute = compute_bytes(config, request) * ranks
+    held, copyable = held * ranks, copyable * ranks
+    kv_of = lambda n_ctx, dtype=kv_dtype: ranks * memory_bytes(  # noqa: E731
+        config, n_ctx, request.n_seq_max, dtype, request.n_ubatch, request.swa_full, request.keep_extra)
+    n_ctx = request.n_ctx if request.n_ctx is not None else _largest_ctx(config, usable - held - compute, kv_of)
+    plan = MemoryPlan(held, 0, copyable, kv_of(max(n_ctx, 1)), compute, limit, source, in_use, budget,
+                      max(n_ctx, 1), kv_dtype, request.n_seq_max)
+    if n_ctx < 1 or plan.total > usable:
+        raise MemoryPlanError(_refusal(config, plan, usable, kv_of, where))
+    room = budget if budget is not None else int(limit * COPIES_FRACTION) - in_use
+    if copyable and plan.total + copyable <= room:
+        plan = replace(plan, copies=copyable)
+    return plan
+
+
+def weight_bytes(config: ModelConfig, weights: ModelWeights, settings: ComputeSettings,
+                 kernels: bool = True) -> tuple[int, int]:
+    """(bytes the decoder will hold, bytes its dense copies would add), from the tensors' entries alone."""
+    dtype_bytes = settings.torch_dtype.itemsize
+    groups: dict[tuple, list[str]] = {}
+    held = copyable = 0
+    for name in weights.names():
+        entry = weights.entry(name)
+        parts = name.split(".")
+        part = parts[2] if name.startswith("blk.") and len(parts) > 3 else ""
+        if len(entry.shape) == 1 or (part not in LINEAR_PARTS and name not in ("token_embd.weight", "output.weight")):
+            held += math.prod(entry.shape) * (4 if len(entry.shape) == 1 and _float32_vector(name) else dtype_bytes)
+        elif part in LINEAR_PARTS and parts[3] == "weight":
+            groups.setdefault((parts[1], STACKED.get(part, part)), []).append(name)
+    for names in groups.values():
+        matrix_held, matrix_copy = _entry_bytes([weights.entry(n) for n in names], settings, kernels, dtype_bytes)
+        held, copyable = held + matrix_held, copyable + matrix_copy
+    embedding = weights.entry("token_embd.weight")
+    embedding_blocks = kernels and settings.matrix_storage([embedding.stored_as]) == FROM_FILE
+    held += embedding.nbytes if embedding_blocks else math.prod(embedding.shape) * dtype_bytes
+    head = weights.head_entry()
+    if weights.output_name == "output.weight" or weights.shard is not None:  # a tensor of its own
+        head_held, head_copy = _entry_bytes([head], settings, kernels, dtype_bytes, head=True)
+    elif embedding_blocks:  # the tied head multiplies by the embedding's own blocks
+        head_held, head_copy = 0, math.prod(head.shape) * dtype_bytes
+    else:  # the embedding stays a table; the head gets a packed copy of it
+        head_held, head_copy = math.prod(head.shape) * dtype_bytes, 0
+    return held + head_held, copyable + head_copy
+
+
+def _float32_vector(name: str) -> bool:
+    """Mamba2's A, D and time-step bias stay float32 whatever the activations."""
+    return name.endswith(("ssm_a", "ssm_d", "ssm_dt.bias"))
+
+
+def _entry_bytes(entries: list, settings: ComputeSettings, kernels: bool, dtype_bytes: int,
+                 head: bool = False) -> tuple[int, int]:
+    """(held, dense copy) bytes of one matrix stacked from parts with these entries."""
+    numel = sum(math.prod(e.shape) for e in entries)
+    storage = settings.matrix_storage([e.stored_as for e in entries]) if kernels else None
+    if head and storage == "int4":
+        storage = "int8"
+    if storage is None:
+        return numel * dtype_bytes, 0
+    held = sum(e.nbytes for e in entries) if storage == FROM_FILE else numel // 32 * (34 if storage == "int8" else 20)
+    return held, numel * dtype_bytes if onednn_packs(settings.torch_dtype) else 0
+
+
+def compute_bytes(config: ModelConfig, request: MemoryRequest) -> int:
+    """Working buffers: a micro-batch's logits (float32, every token an output at worst, as in perplexity), its
+    activations (float32 at worst), and the slice a product of many rows dequantizes at once."""
+    tokens = request.n_ubatch
+    widest = max(config.n_ff * 2, config.n_head * config.head_dim + 2 * config.n_head_kv * config.head_dim,
+                 config.ssm_inner * 2 + 2 * config.ssm_groups * config.ssm_state + config.n_head)
+    return tokens * config.vocab_size * 4 + tokens * (widest + 4 * config.n_embd) * 4 + TRANSIENT_BYTES
+
+
+def _largest_ctx(config: ModelConfig, room: int, kv_of) -> int:
+    """The largest n_ctx up to the model's own whose memory fits in `room` bytes (a multiple of CTX_STEP unless it
+    is the model's own); 0 if not even CTX_STEP fits."""
+    if kv_of(config.n_ctx_train) <= room:
+        return config.n_ctx_train
+    low, high = 0, config.n_ctx_train // CTX_STEP  # in steps: low fits (or is 0), high does not
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if kv_of(middle * CTX_STEP) <= room else (low, middle)
+    return low * CTX_STEP
+
+
+def _refusal(config: ModelConfig, plan: MemoryPlan, usable: int, kv_of, where: str) -> str:
+    cap = (f"the memory budget is {_mib(plan.budget)}" if plan.budget is not None else
+           f"this process can use {_mib(usable)} ({plan.limit_source} {_mib(plan.limit)}, less {_mib(plan.in_use)} "
+           f"already in use and a {MARGIN_FRACTION:.0%} margin)")
+    need = (f"weights {_mib(plan.weights)} + KV cache {_mib(plan.kv)} (n_ctx {plan.n_ctx}, {plan.kv_dtype}, "
+            f"{plan.n_seq_max} sequences) + compute buffers {_mib(plan.compute)} = {_mib(plan.total)}")
+    room = usable - plan.weights - plan.compute
+    if room <= 0:
+        advice = (f"the weights and buffers alone need {_mib(plan.weights + plan.compute)}: use a more quantized file "
+                  "or a machine with more memory")
+    else:
+        options = []
+        for dtype in dict.fromkeys([plan.kv_dtype, *sorted(KV_DTYPES, key=lambda d: -kv_of(4096, d))]):
+            n_ctx = _largest_ctx(config, room, lambda n, dtype=dtype: kv_of(n, dtype))
+            if n_ctx >= CTX_STEP:
+                options.append(f"--n-ctx {n_ctx}" + ("" if dtype == plan.kv_dtype else f" with --kv-dtype {dtype}"))
+        advice = "what would fit: " + ("; ".join(options) if options else "no context: use more memory")
+    return f"{where} does not fit in memory: {need}, but {cap}. {advice[0].upper()}{advice[1:]}."
+
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def parse_size(text: str) -> int:
+    """"6GiB", "6G", "512MiB", "6GB" (powers of 1000), "123456" (bytes) -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(i?)(b?)\s*", text.lower())
+    unit = None if match is None else match[2] + ("b" if match[4] and not match[3] else "")
+    if match is None or unit not in _UNITS or (match[3] and not match[2]):
+        raise ValueError(f"not a size: {text!r} (write bytes, or a number with K, M, G, T, e.g. 6GiB)")
+    return int(float(match[1]) * _UNITS[unit])
+
+
+def _mib(n: int | None) -> str:
+    return f"{(n or 0) / MiB:.0f} MiB"
+
+
+def memory_limit() -> tuple[int, str]:
+    """(bytes, where from): this process's cgroup memory limit where it has one below physical memory, else
+    physical memory."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    cgroup = _cgroup_limit()
+    return (cgroup, "cgroup limit") if cgroup is not None and cgroup < physical else (physical, "physical memory")
+
+
+def _cgroup_limit() -> int | None:
+    """The tightest memory limit of this process's cgroup and its parents (v2 memory.max, v1 limit_in_bytes)."""
+    limits = []
+    try:
+        lines = PROC_CGROUP.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # cgroup v2
+            base, name = CGROUP_ROOT, "memory.max"
+        elif "memory" in controllers.split(","):
+            base, name = CGROUP_ROOT / "memory", "memory.limit_in_bytes"
+        else:
+            continue
+        folder = base / path.lstrip("/")
+        for directory in [folder, *folder.parents]:
+            if not directory.is_relative_to(base):
+                break
+            try:
+                text = (directory / name).read_text().strip()
+            except OSError:
+                continue
+            if text.isdigit():  # "max" (v2) means none
+                limits.append(int(text))
+    return min(limits) if limits else None
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def peak_resident_bytes() -> int:
+    """The most resident memory this process has had (VmHWM). Unlike getrusage's ru_maxrss, which Linux carries
+    over through exec from a parent's fork, it is this program's own."""
+    try:
+        line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM:"))
+        return int(line.split()[1]) * 1024
+    except (OSError, ValueError, StopIteration):
+        return 0

@@ -1,0 +1,122 @@
+"""The memory plan (issue 22): what a model will take is known from its file's header before any weight is read; a
+model or context that does not fit is refused with each part named and what would fit; an unspecified n_ctx is the
+largest that fits; dense copies only within the budget; the plan matches what the loaded decoder holds."""
+from __future__ import annotations
+
+import pytest
+
+from kvlm.engine.llm import LLM
+from kvlm.kernels import native_kernels
+from kvlm.loader import memory_plan
+from kvlm.loader.load import load_model
+from kvlm.loader.memory_plan import MemoryPlanError, MemoryRequest, parse_size
+from kvlm.loader.tensors import GGUFTensors
+
+MiB = 1 << 20
+
+
+def limited(monkeypatch, limit: int, in_use: int = 100 * MiB) -> None:
+    """This process may use `limit` bytes (as if its cgroup said so), `in_use` of which it already holds."""
+    monkeypatch.setattr(memory_plan, "memory_limit", lambda: (limit, "cgroup limit"))
+    monkeypatch.setattr(memory_plan, "resident_bytes", lambda: in_use)
+
+
+def never_read(monkeypatch) -> None:
+    monkeypatch.setattr(GGUFTensors, "read", lambda *args: pytest.fail("a weight was read"))
+
+
+def test_a_model_that_does_not_fit_is_refused_before_any_weight_is_read(qwen_gguf_path, monkeypatch):
+    limited(monkeypatch, 1024 * MiB)
+    never_read(monkeypatch)
+    with pytest.raises(MemoryPlanError) as refused:
+        load_model(str(qwen_gguf_path), memory=MemoryRequest(n_ctx=32768, n_seq_max=2))
+    message = str(refused.value)
+    for part in ("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf does not fit in memory", "weights 463 MiB",
+                 "KV cache 384 MiB (n_ctx 32768, bf16, 2 sequences)", "compute buffers", "cgroup limit 1024 MiB",
+                 "What would fit: --n-ctx", "with --kv-dtype q8_0"):
+        assert part in message, f"{part!r} not in {message!r}"
+
+
+def test_when_the_weights_alone_do_not_fit_the_advice_says_so(qwen_gguf_path, monkeypatch):
+    limited(monkeypatch, 512 * MiB)
+    never_read(monkeypatch)
+    with pytest.raises(MemoryPlanError, match="The weights and buffers alone need .* more quantized file"):
+        load_model(str(qwen_gguf_path))
+
+
+def test_an_explicit_budget_caps_the_plan(qwen_gguf_path, monkeypatch):
+    never_read(monkeypatch)
+    with pytest.raises(MemoryPlanError, match="but the memory budget is 700 MiB"):
+        load_model(str(qwen_gguf_path), memory=MemoryRequest(n_ctx=32768), memory_budget=700 * MiB)
+    with pytest.raises(ValueError, match="memory_budget must be a positive number of bytes, got -1"):
+        load_model(str(qwen_gguf_path), memory_budget=-1)
+
+
+def test_n_ctx_not_given_is_the_largest_that_fits(qwen_gguf_path, smollm2_gguf_path, monkeypatch):
+    plenty = load_model(str(smollm2_gguf_path), memory=MemoryRequest())
+    assert plenty.plan.n_ctx == plenty.config.n_ctx_train == 8192
+    limited(monkeypatch, 1300 * MiB)
+    model = load_model(str(qwen_gguf_path), memory=MemoryRequest(n_seq_max=2))
+    assert 256 <= model.plan.n_ctx < model.config.n_ctx_train and model.plan.n_ctx % 256 == 0
+    assert model.plan.total <= 1300 * MiB * 0.95 - 100 * MiB
+
+
+def test_one_step_more_context_would_not_fit(qwen_gguf_path, monkeypatch):
+    limited(monkeypatch, 1300 * MiB)
+    model = load_model(str(qwen_gguf_path), memory=MemoryRequest(n_seq_max=2), memory_budget=None)
+    with pytest.raises(MemoryPlanError, match="does not fit in memory"):
+        load_model(str(qwen_gguf_path), memory=MemoryRequest(n_ctx=model.plan.n_ctx + 256, n_seq_max=2))
+
+
+@pytest.mark.skipif(native_kernels() is None, reason="dense copies are of quantized matrices, which need the kernels")
+def test_dense_copies_only_within_the_budget(smollm2_gguf_path):
+    roomy = load_model(str(smollm2_gguf_path), memory=MemoryRequest(n_ctx=1024))
+    assert roomy.plan.copies > 0 and "bf16 copy" in roomy.decoder.describe()
+    tight = load_model(str(smollm2_gguf_path), memory=MemoryRequest(n_ctx=1024),
+                       memory_budget=roomy.plan.total - roomy.plan.copies + MiB)
+    assert tight.plan.copies == 0 and "copy" not in tight.decoder.describe()
+    assert tight.plan.copies_wanted == roomy.plan.copies
+
+
+@pytest.mark.parametrize("dtype", ["auto", "float32"])
+def test_the_plan_is_what_the_decoder_holds(smollm2_gguf_path, qwen_gguf_path, dtype):
+    """Counted from the header before loading, compared with the loaded decoder's own tensors."""
+    for path in (smollm2_gguf_path, qwen_gguf_path):
+        model = load_model(str(path), dtype, memory=MemoryRequest(n_ctx=512))
+        assert model.plan.weights + model.plan.copies == pytest.approx(model.decoder.nbytes, rel=0.01), path.name
+
+
+def test_llm_refuses_a_context_that_does_not_fit_a_loaded_model(smollm2_gguf_path, monkeypatch):
+    model = load_model(str(smollm2_gguf_path), memory=MemoryRequest(n_ctx=512))
+    limited(monkeypatch, 800 * MiB, in_use=model.decoder.nbytes + 100 * MiB)
+    with pytest.raises(MemoryPlanError, match=r"KV cache .*n_ctx 65536"):
+        LLM(model, n_ctx=65536)
+    assert LLM(model).engine.n_ctx < 8192  # what fits
+
+
+def test_a_cgroup_limit_is_found(tmp_path, monkeypatch):
+    """cgroup v1 and v2 files as Linux lays them out; the tightest of a cgroup and its parents counts."""
+    (tmp_path / "kvlm" / "job").mkdir(parents=True)
+    (tmp_path / "kvlm" / "memory.max").write_text("2147483648\n")
+    (tmp_path / "kvlm" / "job" / "memory.max").write_text("max\n")
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/kvlm/job\n")
+    monkeypatch.setattr(memory_plan, "CGROUP_ROOT", tmp_path)
+    monkeypatch.setattr(memory_plan, "PROC_CGROUP", proc)
+    assert memory_plan.memory_limit() == (2147483648, "cgroup limit")
+    (tmp_path / "memory" / "box").mkdir(parents=True)
+    (tmp_path / "memory" / "box" / "memory.limit_in_bytes").write_text("1073741824\n")
+    proc.write_text("4:memory:/box\n")
+    assert memory_plan.memory_limit() == (1073741824, "cgroup limit")
+
+
+@pytest.mark.parametrize("text, size", [("6GiB", 6 << 30), ("6G", 6 << 30), ("512MiB", 512 << 20), ("6GB", 6 * 10**9),
+                                        ("123456", 123456), ("1.5g", 3 << 29)])
+def test_sizes_are_read_as_people_write_them(text, size):
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["6X", "lots", "GiB", "6i"])
+def test_a_size_that_is_not_one_names_itself(text):
+    with pytest.raises(ValueError, match=f"not a size: '{text}'"):
+        parse_size(text)
