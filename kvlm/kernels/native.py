@@ -104,14 +104,19 @@ class NativeKernels:
         self._lib.kvlm_matmul.argtypes = [ptr, ctypes.c_int, i64, i64, ctypes.c_int, ptr, ptr, ptr, ptr,
                                           ctypes.c_int, ctypes.c_int]
 
-    def dequantize(self, matrix: BlockMatrix, dtype: torch.dtype = torch.float32,
-                   ids: torch.Tensor | None = None) -> torch.Tensor:
-        """gguf's values of the matrix (or of its rows `ids`), as float32 or rounded to bfloat16."""
+    def dequantize(self, matrix: BlockMatrix, dtype: torch.dtype = torch.float32, ids: torch.Tensor | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """gguf's values of the matrix (or of its rows `ids`), as float32 or rounded to bfloat16; into `out` if
+        given (a buffer used again costs no page faults, which take longer than the dequantization itself)."""
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"the native dequantization writes float32 or bfloat16, not {dtype}")
         rows = matrix.shape[0] if ids is None else ids.numel()
         ids = None if ids is None else ids.to(torch.int64).contiguous()
-        out = torch.empty(rows, matrix.n_cols, dtype=dtype)
+        if out is None:
+            out = torch.empty(rows, matrix.n_cols, dtype=dtype)
+        elif out.dtype != dtype or out.shape != (rows, matrix.n_cols) or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous {dtype} [{rows}, {matrix.n_cols}], got {out.dtype} "
+                             f"{list(out.shape)}")
         status = self._lib.kvlm_dequantize(int(matrix.qtype), matrix.blocks.data_ptr(), matrix.n_cols,
                                            None if ids is None else ids.data_ptr(), rows, out.data_ptr(),
                                            int(dtype == torch.bfloat16), torch.get_num_threads())

@@ -1,10 +1,10 @@
-"""Reading a GGUF file: its metadata, its tensor table, and each tensor's bytes through a memory map.
+"""Reading a GGUF file: its metadata, its tensor table, and each tensor's bytes.
 
 Written for kvlm rather than taken from `gguf`'s GGUFReader, which builds a NumPy view for every part of every
-metadata value (seconds for a 150k-token vocabulary) and offers no way to let go of a tensor's pages once read. Here
-the header is parsed in one pass, a tensor's bytes are a view of the map, and `release` drops the pages a tensor
-occupied from this process (the OS keeps them in its page cache), so reading a model one tensor at a time never
-holds more of the file than the tensor in hand.
+metadata value (seconds for a 150k-token vocabulary) and maps the tensors' data into the process. Here the header is
+parsed in one pass through a memory map, and a tensor's bytes are read (pread) straight into the memory that will
+hold them: the file's pages stay in the OS page cache, never in this process, so reading a model one tensor at a
+time holds no more of the file than the tensors already read.
 
 Format (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md): magic "GGUF", version, tensor count, key/value
 count; the key/values; the tensor infos (name, dimensions innermost first, type, offset); padding to the alignment;
@@ -13,6 +13,7 @@ the tensors' data.
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from kvlm.errors import ModelFileError
 
 MAGIC = b"GGUF"
+READ_BYTES = 64 << 20  # per read call
 DEFAULT_ALIGNMENT = 32
 # GGUF value types: their struct codes (numbers), or the names of the two that are not numbers.
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -136,22 +138,22 @@ class GGUFFile:
     def size(self) -> int:
         return len(self._map)
 
-    def data(self, info: TensorInfo) -> np.ndarray:
-        """The tensor's bytes, a read-only view of the map (uint8); check_complete first."""
-        return np.frombuffer(self._map, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+    def read_into(self, out, offset: int) -> None:
+        """The file's bytes from `offset` into `out` (a contiguous tensor or array: as many bytes as it holds)."""
+        view = memoryview(out.numpy() if hasattr(out, "numpy") else out).cast("B")
+        with open(self.path, "rb", buffering=0) as f:
+            done = 0
+            while done < len(view):
+                n = os.preadv(f.fileno(), [view[done:done + READ_BYTES]], offset + done)
+                if n <= 0:
+                    raise ModelFileError(f"{self.path}: the file ends before byte {offset + len(view)}")
+                done += n
 
     def check_complete(self, info: TensorInfo) -> None:
         if info.offset + info.nbytes > self.size:
             raise ModelFileError(
                 f"{self.path}: tensor {info.name} needs bytes {info.offset}..{info.offset + info.nbytes} but the "
                 f"file has {self.size} (it is truncated or damaged)")
-
-    def release(self, start: int, length: int) -> None:
-        """Drop the pages of bytes start..start+length from this process (they stay in the OS page cache)."""
-        first = start // mmap.PAGESIZE * mmap.PAGESIZE
-        last = min(self.size, -(-(start + length) // mmap.PAGESIZE) * mmap.PAGESIZE)
-        if last > first and hasattr(self._map, "madvise"):
-            self._map.madvise(mmap.MADV_DONTNEED, first, last - first)
 
     def close(self) -> None:
         try:

@@ -213,7 +213,9 @@ def _refusal(config: ModelConfig, plan: MemoryPlan, usable: int, kv_of, where: s
                   "or a machine with more memory")
     else:
         options = []
-        for dtype in dict.fromkeys([plan.kv_dtype, *sorted(KV_DTYPES, key=lambda d: -kv_of(4096, d))]):
+        smaller = sorted((d for d in KV_DTYPES if kv_of(CTX_STEP, d) < kv_of(CTX_STEP, plan.kv_dtype)),
+                         key=lambda d: -kv_of(CTX_STEP, d))
+        for dtype in [plan.kv_dtype, *smaller]:
             n_ctx = _largest_ctx(config, room, lambda n, dtype=dtype: kv_of(n, dtype))
             if n_ctx >= CTX_STEP:
                 options.append(f"--n-ctx {n_ctx}" + ("" if dtype == plan.kv_dtype else f" with --kv-dtype {dtype}"))

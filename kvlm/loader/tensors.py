@@ -1,15 +1,16 @@
 """A model file's tensors, read one at a time: what the file stores, under GGUF names, in torch's layout.
 
 `read(name, rows, cols)` returns a 2-D tensor of a block format kvlm's kernels read as a `BlockMatrix` (the
-file's bytes, copied out of the map), and anything else as a dense tensor in the file's own float dtype (float32
-for other quantized formats, dequantized by gguf). `rows` and `cols` select a part (a tensor-parallel shard), so
-only that part is ever read. Pages of the file a read touched are released once copied.
+file's bytes, read into memory of its own), and anything else as a dense tensor in the file's own float dtype
+(float32 for other quantized formats, dequantized by gguf). `rows` and `cols` select a part (a tensor-parallel
+shard), so only that part is ever read.
 
 The quirks of each kind of file are handled here, once: llama.cpp's permuted Q/K rows in llama GGUF files, tensors
 a family names or shapes otherwise, Hugging Face names, norms stored minus an offset, and Mamba2's A_log.
 """
 from __future__ import annotations
 
+import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ from kvlm.loader.gguf_reader import GGUFFile, TensorInfo
 Stored = BlockMatrix | torch.Tensor
 FLOAT_TYPES = {GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F16: torch.float16,
                GGMLQuantizationType.BF16: torch.bfloat16}
-COPY_CHUNK_BYTES = 64 << 20  # a large tensor is copied out of the map in pieces, each released once copied
+HUGE_PAGE = 2 << 20
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class GGUFTensors:
         self.gguf = gguf
         self.renamed = renamed or {}
         self.permuted = permuted or {}
+        self.arena = WeightArena()
 
     def close(self) -> None:
         self.gguf.close()
@@ -77,55 +79,72 @@ class GGUFTensors:
             return self._blocks(info, row_index, cols)
         return self._dense(info, row_index, cols)
 
-    def _row_views(self, info: TensorInfo):
-        """The tensor's bytes as [rows, row_bytes], and the function that releases a range of its rows."""
-        rows = info.shape[0] if len(info.shape) > 1 else 1
-        data = self.gguf.data(info).reshape(rows, -1)
-        row_bytes = data.shape[1]
-        return data, lambda first, last: self.gguf.release(info.offset + first * row_bytes, (last - first) * row_bytes)
+    def _rows(self, info: TensorInfo, rows) -> torch.Tensor:
+        """Rows of the tensor's bytes as uint8 [n, row_bytes] in memory of its own (a vector is one row): read
+        with pread, so the file's pages never enter this process. A gather (Q/K rows in Hugging Face order) reads
+        the rows it spans, then picks."""
+        n_rows = info.shape[0] if len(info.shape) > 1 else 1
+        row_bytes = info.nbytes // n_rows
+        if rows is None or isinstance(rows, slice):
+            first, last, _ = (rows or slice(None)).indices(n_rows)
+            out = self.arena.take((last - first) * row_bytes).view(last - first, row_bytes)
+            self.gguf.read_into(out, info.offset + first * row_bytes)
+            return out
+        first, last = int(rows.min()), int(rows.max()) + 1
+        span = torch.empty(last - first, row_bytes, dtype=torch.uint8)
+        self.gguf.read_into(span, info.offset + first * row_bytes)
+        out = self.arena.take(len(rows) * row_bytes).view(len(rows), row_bytes)
+        return torch.index_select(span, 0, rows - first, out=out)
 
     def _blocks(self, info: TensorInfo, rows, cols: slice | None) -> BlockMatrix:
-        data, release = self._row_views(info)
-        selected = as_rows(rows, data.shape[0])
-        matrix = BlockMatrix(_copy_rows(data, selected, release), info.qtype, info.shape[1])
+        matrix = BlockMatrix(self._rows(info, rows), info.qtype, info.shape[1])
         return matrix if cols is None else matrix.columns(cols.start, cols.stop)
 
     def _dense(self, info: TensorInfo, rows, cols: slice | None) -> torch.Tensor:
-        data, release = self._row_views(info)
-        if info.qtype in FLOAT_TYPES and len(info.shape) > 1:  # only the rows asked for are read
-            raw = _copy_rows(data, as_rows(rows, data.shape[0]), release)
+        vector = len(info.shape) == 1
+        if info.qtype in FLOAT_TYPES:  # a matrix's rows asked for; a vector whole (it is small)
+            raw = self._rows(info, None if vector else rows)
             values = raw.view(FLOAT_TYPES[info.qtype]).reshape(-1, *info.shape[1:])
-        elif info.qtype in FLOAT_TYPES:  # a vector: small, read whole
-            values = _copy_rows(data, as_rows(None, 1), release).view(FLOAT_TYPES[info.qtype]).reshape(info.shape)
-            values = values if rows is None else values[rows]
+            values = values.reshape(info.shape)[rows if rows is not None else slice(None)] if vector else values
         else:
             try:
-                values = torch.from_numpy(gguf_dequantize(data, info.qtype).copy()).reshape(info.shape)
+                whole = gguf_dequantize(self._rows(info, None).numpy(), info.qtype)
             except NotImplementedError as exc:
                 raise ModelFileError(f"{self.gguf.path}: tensor {info.name} has type {info.qtype.name}, which "
                                      "gguf cannot dequantize") from exc
-            release(0, data.shape[0])
+            values = torch.from_numpy(whole).reshape(info.shape)
             values = values if rows is None else values[rows]
         return values if cols is None else values[:, cols].contiguous()
 
 
-def _copy_rows(data: np.ndarray, rows: torch.Tensor, release: Callable[[int, int], None]) -> torch.Tensor:
-    """Rows of a mapped [rows, row_bytes] array, copied into memory of our own, in pieces of COPY_CHUNK_BYTES; the
-    pages of each piece are released from the map once copied."""
-    out = torch.empty(len(rows), data.shape[1], dtype=torch.uint8)
-    contiguous = len(rows) > 0 and bool((rows[1:] - rows[:-1] == 1).all())
-    step = max(1, COPY_CHUNK_BYTES // max(1, data.shape[1]))
-    for start in range(0, len(rows), step):
-        part = rows[start:start + step]
-        if contiguous:
-            first, last = int(part[0]), int(part[-1]) + 1
-            out[start:start + len(part)].numpy()[:] = data[first:last]
-            release(first, last)
-        else:
-            out[start:start + len(part)].numpy()[:] = data[part.numpy()]
-    if not contiguous and len(rows):
-        release(int(rows.min()), int(rows.max()) + 1)
-    return out
+class WeightArena:
+    """Memory for a model's weights: read back to back into areas of transparent huge pages. A load then takes
+    hundreds of times fewer page faults, and the kernels streaming the weights fewer TLB misses. Whatever an area
+    has left when a tensor does not fit is never touched, so never resident (but for the last huge page used)."""
+
+    AREA_BYTES = 256 << 20
+    ALIGN = 64
+
+    def __init__(self) -> None:
+        self._area: torch.Tensor | None = None
+        self._used = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        size = -(-nbytes // self.ALIGN) * self.ALIGN
+        if size > self.AREA_BYTES // 2:  # a tensor of its own: at most one huge page more than it needs
+            return _huge_pages(nbytes)
+        if self._area is None or self._used + size > self._area.numel():
+            self._area, self._used = _huge_pages(self.AREA_BYTES), 0
+        self._used += size
+        return self._area[self._used - size:self._used - size + nbytes]
+
+
+def _huge_pages(nbytes: int) -> torch.Tensor:
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(nbytes, dtype=torch.uint8)
+    area = mmap.mmap(-1, -(-nbytes // HUGE_PAGE) * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    area.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(area, dtype=torch.uint8)[:nbytes]  # the tensor keeps the map alive
 
 
 def _unpermuted_rows(n_rows: int, rows: slice | None, n_head: int) -> torch.Tensor:

@@ -294,11 +294,10 @@ class Decoder:
 def _held(value, seen: set[int]) -> int:
     """Bytes held by a weight, a Linear, an Embedding or a dataclass of them; storage in `seen` is not counted."""
     if isinstance(value, torch.Tensor):
-        pointer = value.untyped_storage().data_ptr()
-        if pointer in seen:
+        if value.data_ptr() in seen:
             return 0
-        seen.add(pointer)
-        return value.untyped_storage().nbytes()
+        seen.add(value.data_ptr())
+        return value.numel() * value.element_size()
     if isinstance(value, BlockMatrix):
         return _held(value.blocks, seen)
     if isinstance(value, Embedding):

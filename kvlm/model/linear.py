@@ -8,6 +8,7 @@ dequantizes itself for that one product (a transient the size of the matrix, gon
 """
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -70,7 +71,7 @@ class QuantizedLinear:
 
     def __init__(self, parts: list[BlockMatrix], dtype: torch.dtype, kernels: NativeKernels,
                  dense: PackedLinear | None = None) -> None:
-        self.parts, self.dtype, self.dense = parts, dtype, dense
+        self.parts, self.dtype, self.dense, self.kernels = parts, dtype, dense, kernels
         self.native = kernels.product(parts)
         self.out_features = self.native.out_features
         _OPAQUE[id(self)] = self
@@ -88,14 +89,17 @@ class QuantizedLinear:
         return self._through_slices(x)
 
     def _through_slices(self, x: torch.Tensor) -> torch.Tensor:
-        """x times the weights dequantized a slice of rows at a time: never more than TRANSIENT_BYTES of them."""
+        """x times the weights dequantized a slice of rows at a time, into one reused buffer of TRANSIENT_BYTES."""
         out = x.new_empty(x.shape[0], self.out_features)
+        scratch = _scratch(self.dtype)
         column = 0
         for part in self.parts:
-            step = max(1, TRANSIENT_BYTES // (part.n_cols * x.element_size()))
+            step = max(1, scratch.numel() // part.n_cols)
             for first in range(0, part.shape[0], step):
                 rows = part.rows(slice(first, first + step))
-                out[:, column:column + rows.shape[0]] = F.linear(x, dequantize(rows, self.dtype))
+                weights = scratch[:rows.shape[0] * part.n_cols].view(rows.shape[0], part.n_cols)
+                self.kernels.dequantize(rows, self.dtype, out=weights)
+                out[:, column:column + rows.shape[0]] = F.linear(x, weights)
                 column += rows.shape[0]
         return out
 
@@ -110,6 +114,13 @@ class QuantizedLinear:
 
 
 Linear = DenseLinear | PackedLinear | QuantizedLinear
+
+
+@functools.cache
+def _scratch(dtype: torch.dtype) -> torch.Tensor:
+    """The buffer products of many rows dequantize into: one per dtype, used by one product at a time (the engine
+    runs its steps on one thread)."""
+    return torch.empty(TRANSIENT_BYTES // torch.empty(0, dtype=dtype).element_size(), dtype=dtype)
 
 
 # Products by handle, for graphs: inductor can neither lower oneDNN's blocked weights nor call ctypes, so a

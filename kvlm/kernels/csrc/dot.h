@@ -93,6 +93,8 @@ inline const char* dot_isa() { return "avx512-vnni"; }
 inline const char* dot_isa() { return "avx512"; }
 #endif
 
+constexpr int PREFETCH_BLOCKS = 8;  // how far ahead of a row's super-block its weights are fetched
+
 inline __m512i join(__m256i low, __m256i high) { return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1); }
 
 // Sums of 4 consecutive level x activation products in each of 16 int32 lanes.
@@ -178,6 +180,8 @@ inline void k_row(const uint8_t* row, int64_t k, const Tile<TILE>& tile, float o
     for (int t = 0; t < TILE; ++t) { acc[t] = _mm512_setzero_ps(); acc_offset[t] = _mm256_setzero_ps(); }
     for (int64_t c = 0; c < k / 256; ++c) {
         const uint8_t* block = row + c * B::bytes;
+        for (int line = 0; line < B::bytes; line += 64)  // the hardware prefetcher alone falls behind on long rows
+            _mm_prefetch(reinterpret_cast<const char*>(block + PREFETCH_BLOCKS * B::bytes + line), _MM_HINT_T0);
         __m512i scales16;      // the sub-block scales as int16
         __m256i offset_per_group;  // int16 per group of 16: multiplies the group's activation sum
         float d, d_offset;     // the float factors of the integer sums and of the offsets

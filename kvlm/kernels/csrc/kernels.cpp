@@ -67,19 +67,32 @@ void store(void* out, bool bf16, int64_t at, float v) {
     else static_cast<float*>(out)[at] = v;
 }
 
-// A row's weights as gguf computes them: scale * (level - center), or scale * level + offset rounded once.
-// Either way the same bits as gguf's dequantize.
-template <int TYPE> void dequantize_row(const uint8_t* row, int64_t n_cols, void* out, bool bf16) {
-    constexpr int center = Traits<TYPE>::center;
+// One group's weights as gguf computes them: scale * (level - center), or scale * level + offset rounded once.
+// Either way the same bits as gguf's dequantize. Straight-line code over 16 values, which the compiler vectorizes.
+template <int CENTER, class Out> inline void dequantize_group(const uint8_t* levels, float scale, float offset,
+                                                              Out* out) {
+    float values[GROUP];
+    for (int i = 0; i < GROUP; ++i)
+        values[i] = CENTER ? scale * float(int(levels[i]) - CENTER) : std::fma(scale, float(levels[i]), offset);
+    if constexpr (sizeof(Out) == 4) {
+        std::memcpy(out, values, sizeof(values));
+    } else {
+        for (int i = 0; i < GROUP; ++i) {  // float_to_bf16, without branches
+            uint32_t bits;
+            std::memcpy(&bits, &values[i], 4);
+            const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+            out[i] = uint16_t((bits & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);
+        }
+    }
+}
+
+template <int TYPE, class Out> void dequantize_row(const uint8_t* row, int64_t n_cols, Out* out) {
     Chunk c;
     for (int64_t index = 0; index * CHUNK < n_cols; ++index) {
         const int groups = read_chunk<TYPE>(row, n_cols, index, c);
-        for (int i = 0; i < groups * GROUP; ++i) {
-            const float scale = c.scale[i / GROUP];
-            const float v = center ? scale * float(int(c.levels[i]) - center)
-                                   : std::fma(scale, float(c.levels[i]), c.offset[i / GROUP]);
-            store(out, bf16, index * CHUNK + i, v);
-        }
+        for (int g = 0; g < groups; ++g)
+            dequantize_group<Traits<TYPE>::center>(c.levels + g * GROUP, c.scale[g], c.offset[g],
+                                                  out + index * CHUNK + g * GROUP);
     }
 }
 
@@ -121,14 +134,14 @@ int kvlm_dequantize(int32_t type, const uint8_t* weights, int64_t n_cols, const 
     const int weights_per_block = block_weights(type);
     if (weights_per_block == 0) return UNSUPPORTED_TYPE;
     if (n_cols % weights_per_block) return BAD_SHAPE;
-    const int64_t element = dst_bf16 ? 2 : 4;
     with_type(type, [&](auto tag) {
         constexpr int TYPE = decltype(tag)::value;
 #pragma omp parallel for num_threads(n_threads) schedule(static)
         for (int64_t r = 0; r < n_rows; ++r) {
             const int64_t source = ids ? ids[r] : r;
-            dequantize_row<TYPE>(weights + source * row_bytes<TYPE>(n_cols), n_cols,
-                                 static_cast<uint8_t*>(dst) + r * n_cols * element, dst_bf16);
+            const uint8_t* row = weights + source * row_bytes<TYPE>(n_cols);
+            if (dst_bf16) dequantize_row<TYPE>(row, n_cols, static_cast<uint16_t*>(dst) + r * n_cols);
+            else dequantize_row<TYPE>(row, n_cols, static_cast<float*>(dst) + r * n_cols);
         }
     });
     return OK;
