@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from kvlm.fetch import DEFAULT_MODEL, resolve_model
+from kvlm.loader.fetch import DEFAULT_MODEL, resolve_model
 
 BENCH_DIR = Path(__file__).resolve().parent
 

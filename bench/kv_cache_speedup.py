@@ -10,7 +10,7 @@ from bench.common import (
     add_model_option, machine_line, markdown_table, median_seconds, model_gguf, model_label, plot_path,
 )
 from kvlm import Batch, Context, DecodeStatus
-from kvlm.load import load_model
+from kvlm.loader.load import load_model
 
 
 def single_sequence(model, n_ctx: int) -> Context:

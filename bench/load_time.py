@@ -6,11 +6,12 @@ Every measurement runs in a fresh child process, so each is a cold start of the 
 llama_cpp are done before the clock starts) with the GGUF in the OS page cache (an untimed llama.cpp load reads it
 once first). In the child:
 
-- load: kvlm `load_model(path, dtype, quant=...)`. On a first start the file's tensors are read, dequantized and
-  packed for this CPU, and the packed model is written to kvlm's cache ($KVLM_HOME/packed; each first-start child
-  gets an empty one); on a later start (every other kvlm row: its cache was filled by an untimed run) the packed
-  model is mapped back from that cache. llama.cpp `llama_model_load_from_file` with its defaults (mmap, extra buffer types
-  as --llama-extra-bufts resolves them).
+- load: kvlm `load_model(path, dtype, quant=...)`: the file's header, its memory plan, its tensors read one at a
+  time into their kernels' form (a quantized file's blocks as they are, dense bf16 copies where the plan has room),
+  its tokenizer. There is no cache of a loaded model: every start reads the file. On a machine's first start kvlm
+  also builds its native kernels ("first start": each such child gets an empty $KVLM_HOME, so it builds them; the
+  other kvlm rows find them built). llama.cpp `llama_model_load_from_file` with its defaults (mmap, extra buffer
+  types as --llama-extra-bufts resolves them).
 - context: kvlm `Context(n_ctx, n_batch = n_ubatch = 512, one sequence)`; llama.cpp `llama_init_from_model` with
   the same sizes. load + context = ready.
 - first token: one decode of a short prompt (the same token ids for both engines) and the argmax of its last
@@ -42,7 +43,7 @@ import torch  # noqa: E402
 from bench.common import add_model_option, machine_line, markdown_table, model_gguf  # noqa: E402
 from bench.multi_sequence import KvlmContext  # noqa: E402
 from kvlm import load_model  # noqa: E402
-from kvlm.loader.gguf_metadata import metadata_of, open_gguf  # noqa: E402
+from kvlm.loader.gguf_reader import read_gguf_metadata  # noqa: E402
 from kvlm.memory.kv_store import AUTO, resolve_kv_dtype  # noqa: E402
 from kvlm.tokenizer import Tokenizer  # noqa: E402
 
@@ -109,8 +110,11 @@ def run_child(label: str, path: Path, prompt: list[int], args: argparse.Namespac
                "--threads", str(args.threads), "--n-ctx", str(args.n_ctx), "--kv-dtype", args.kv_dtype]
     with tempfile.TemporaryDirectory() as empty:
         home = empty if label == FIRST_START else args.warm_home
+        # Every core this process started with: torch's OpenMP pinned this one's main thread (and so the children it
+        # forks) to one core.
         done = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent,
-                              env={**os.environ, "KVLM_HOME": home, "KVLM_PACK_CACHE": "1"})
+                              env={**os.environ, "KVLM_HOME": home},
+                              preexec_fn=lambda: os.sched_setaffinity(0, kvlm.startup.START_CPUS))  # noqa: PLW1509
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"{label} child failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
@@ -142,14 +146,14 @@ def main() -> None:
 
 def compare(args: argparse.Namespace) -> None:
     path = model_gguf(args.model)
-    prompt = Tokenizer.from_gguf_metadata(metadata_of(open_gguf(path))).encode(PROMPT)
+    prompt = Tokenizer.from_gguf_metadata(read_gguf_metadata(path)).encode(PROMPT)
     lib = None if args.no_llama else llama.import_llama_cpp()
     labels = [label for label, _, _ in KVLM_SETUPS] + ([LLAMA] if lib is not None else [])
     extra_bufts = llama.resolve_extra_bufts(args.llama_extra_bufts, path) if lib is not None else False
     if lib is not None:
         run_child(LLAMA, path, prompt, args, extra_bufts)  # untimed: the GGUF into the page cache
     for label, _, _ in KVLM_SETUPS[1:]:
-        run_child(label, path, prompt, args, extra_bufts)  # untimed: fills the packed-model cache
+        run_child(label, path, prompt, args, extra_bufts)  # untimed: builds the native kernels in the warm home
     runs: dict[str, list[dict]] = {label: [] for label in labels}
     for repeat in range(args.repeats):  # settings interleaved, so slow phases of a noisy machine hit all of them
         for label in labels:

@@ -75,7 +75,7 @@ import torch  # noqa: E402
 from bench.common import add_model_option, machine_line, markdown_table, model_gguf, plot_path  # noqa: E402
 from bench.llama_cpp_driver import N_BATCH  # noqa: E402
 from bench.throughput import CELL_SLACK, CORPUS, QUESTIONS, WARMUP_TEXT, make_prompts  # noqa: E402
-from kvlm.loader.gguf_metadata import read_gguf_metadata  # noqa: E402
+from kvlm.loader.gguf_reader import read_gguf_metadata  # noqa: E402
 from kvlm.tokenizer import Tokenizer  # noqa: E402
 
 HOST = "127.0.0.1"

@@ -33,7 +33,7 @@ from pathlib import Path  # noqa: E402
 from bench.common import machine_line, markdown_table, model_gguf, model_label  # noqa: E402
 from bench.llama_cpp_driver import N_BATCH  # noqa: E402
 from kvlm.benchmark import random_prompts  # noqa: E402
-from kvlm.load import load_summary  # noqa: E402
+from kvlm.loader.load import load_summary  # noqa: E402
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"  # 14 query heads, 2 KV heads: splits over 2 ranks
 KVLM = str(Path(sys.executable).with_name("kvlm"))
@@ -45,7 +45,7 @@ def kvlm_bench(model: Path, size: int, args: argparse.Namespace) -> dict:
                "--output-len", str(args.output_len), "--seed", str(args.seed)]
     # This process's main thread is pinned to one core by now (OpenMP); the child must see every core kvlm saw.
     done = subprocess.run(command, capture_output=True, text=True, check=False,
-                          preexec_fn=lambda: os.sched_setaffinity(0, kvlm.START_CPUS))  # noqa: PLW1509
+                          preexec_fn=lambda: os.sched_setaffinity(0, kvlm.startup.START_CPUS))  # noqa: PLW1509
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr}")
     return json.loads(done.stdout.strip().splitlines()[-1])

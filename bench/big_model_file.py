@@ -1,0 +1,285 @@
+"""A GGUF of real size with no hub: Qwen2.5-7B's (or 14B's) shapes, random weights, quantized to Q4_K_M by llama.cpp.
+
+No checkpoint of 3B+ parameters is reachable from this machine (shared/MODELS.md), but memory use, load time and decode
+speed depend on the shapes and the quantization mix, not on the values. So this writes a file with exactly the
+tensors llama.cpp's qwen2 architecture expects for Qwen2.5-7B (or 14B), filled with seeded random normals, and the
+real Qwen2.5 tokenizer and chat template (copied from the Qwen2.5-Coder-0.5B GGUF kvlm fetches), then lets
+llama.cpp's own quantizer turn it into the Q4_K_M mix people download. Good for memory, loading and speed; the
+text it generates is noise.
+
+    python -m bench.big_model_file --out ~/.cache/kvlm/bench/qwen2.5-7b-shaped-q4_k_m.gguf [--shape qwen2.5-14b]
+
+or `make_big_model(path)` from Python. The F16 intermediate (15 GB for the 7B, 30 GB for the 14B) is written next
+to the output and deleted after quantization; memory stays at a few hundred MB while writing it. A finished file is
+renamed into place at the end, so an existing output is complete and is returned as is (a cache). Needs the bench
+extra (llama-cpp-python). Takes minutes: for the 7B on 2 cores, about 3 to write the F16 file and 10 to quantize it
+(4.68 GB out, 339 tensors: Q4_K 169, Q6_K 29, F32 141).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+from tqdm import tqdm
+
+from bench.llama_cpp_driver import import_llama_cpp
+from kvlm.loader.fetch import pull
+
+TOKENIZER_SOURCE = "qwen2.5-coder-0.5b-instruct"  # same tokenizer and chat template as every Qwen2.5 model
+ARCH = "qwen2"
+SEED = 0
+MATRIX_STD = 0.02  # the usual initializer range of Qwen2 configs
+BIAS_STD = 0.01
+CHUNK_VALUES = 32 * 1024 * 1024  # values drawn at once: 128 MB of float32 plus 64 MB of float16
+MIN_BITS_PER_WEIGHT = 2  # below every llama.cpp quantization mix: a smaller file at the output path is not a model
+Q4_K_M_TYPES = {"Q4_K", "Q6_K", "F32"}  # what llama.cpp's Q4_K_M mix makes of this architecture's tensors
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A Qwen2.5 model's hyperparameters, as the GGUF's qwen2.* keys record them."""
+
+    size_label: str
+    n_layer: int
+    n_embd: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    n_vocab: int = 151936  # the tokenizer's, padded: llama.cpp wants one embedding row per token
+    context_length: int = 32768
+    rope_freq_base: float = 1e6
+    rms_eps: float = 1e-6
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head  # llama.cpp's default when the file has no key_length (Qwen2.5: 128)
+
+
+SHAPES = {
+    "qwen2.5-7b": Shape("7B", n_layer=28, n_embd=3584, n_ff=18944, n_head=28, n_head_kv=4),
+    "qwen2.5-14b": Shape("14B", n_layer=48, n_embd=5120, n_ff=13824, n_head=40, n_head_kv=8),
+}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor to write: its numpy shape ([out, in] for matrices; gguf's writer reverses it into ggml's order),
+    its dtype, and the normal distribution its values come from."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: type
+    mean: float
+    std: float
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
+
+
+def matrix(name: str, rows: int, cols: int) -> TensorSpec:
+    return TensorSpec(name, (rows, cols), np.float16, 0.0, MATRIX_STD)
+
+
+def norm(name: str, size: int) -> TensorSpec:
+    return TensorSpec(name, (size,), np.float32, 1.0, 0.0)  # RMSNorm weights start at one
+
+
+def bias(name: str, size: int) -> TensorSpec:
+    return TensorSpec(name, (size,), np.float32, 0.0, BIAS_STD)
+
+
+def tensor_specs(shape: Shape) -> list[TensorSpec]:
+    """Every tensor of llama.cpp's qwen2 architecture: q/k/v with biases, and an output matrix of its own."""
+    d, q_rows, kv_rows = shape.n_embd, shape.n_head * shape.head_dim, shape.n_head_kv * shape.head_dim
+    specs = [matrix("token_embd.weight", shape.n_vocab, d)]
+    for i in range(shape.n_layer):
+        blk = f"blk.{i}"
+        specs += [
+            norm(f"{blk}.attn_norm.weight", d),
+            matrix(f"{blk}.attn_q.weight", q_rows, d), bias(f"{blk}.attn_q.bias", q_rows),
+            matrix(f"{blk}.attn_k.weight", kv_rows, d), bias(f"{blk}.attn_k.bias", kv_rows),
+            matrix(f"{blk}.attn_v.weight", kv_rows, d), bias(f"{blk}.attn_v.bias", kv_rows),
+            matrix(f"{blk}.attn_output.weight", d, q_rows),
+            norm(f"{blk}.ffn_norm.weight", d),
+            matrix(f"{blk}.ffn_gate.weight", shape.n_ff, d),
+            matrix(f"{blk}.ffn_up.weight", shape.n_ff, d),
+            matrix(f"{blk}.ffn_down.weight", d, shape.n_ff),
+        ]
+    return specs + [norm("output_norm.weight", d), matrix("output.weight", shape.n_vocab, d)]
+
+
+def parameter_count(shape: Shape) -> int:
+    return sum(int(np.prod(spec.shape)) for spec in tensor_specs(shape))
+
+
+# --- the F16 intermediate, streamed ---------------------------------------------------------------------------------
+
+class RandomTensor:
+    """What GGUFWriter.write_tensor_data needs of a numpy array (the nbytes it checks against the tensor's info, and
+    tofile), with the values drawn and written in chunks of rows: no tensor is ever whole in memory (the embedding
+    alone is 1.1 GB in F16). The scratch buffers are shared by all tensors, so their pages are touched once."""
+
+    def __init__(self, spec: TensorSpec, rng: np.random.Generator, scratch: dict[type, np.ndarray]) -> None:
+        self.spec, self.rng, self.scratch = spec, rng, scratch
+        self.nbytes = spec.nbytes
+
+    def tofile(self, fout) -> None:
+        spec = self.spec
+        cols = spec.shape[-1]
+        rows = spec.shape[0] if len(spec.shape) == 2 else 1
+        step = max(1, CHUNK_VALUES // cols)
+        for start in range(0, rows, step):
+            n = min(step, rows - start) * cols
+            values = self.scratch[np.float32][:n]
+            self.rng.standard_normal(dtype=np.float32, out=values)
+            values *= spec.std
+            values += spec.mean
+            if spec.dtype is not np.float32:
+                np.copyto(self.scratch[spec.dtype][:n], values)
+                values = self.scratch[spec.dtype][:n]
+            values.tofile(fout)
+
+
+def tokenizer_fields() -> list[gguf.ReaderField]:
+    """The real Qwen2.5 tokenizer: every tokenizer.* key of the small checkpoint, chat template included."""
+    reader = gguf.GGUFReader(pull(TOKENIZER_SOURCE))
+    return [field for name, field in reader.fields.items() if name.startswith("tokenizer.")]
+
+
+def add_metadata(writer: gguf.GGUFWriter, shape: Shape) -> None:
+    writer.add_type("model")
+    writer.add_name(f"Qwen2.5-{shape.size_label}-shaped random (kvlm bench)")
+    writer.add_size_label(shape.size_label)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_block_count(shape.n_layer)
+    writer.add_context_length(shape.context_length)
+    writer.add_embedding_length(shape.n_embd)
+    writer.add_feed_forward_length(shape.n_ff)
+    writer.add_head_count(shape.n_head)
+    writer.add_head_count_kv(shape.n_head_kv)
+    writer.add_rope_freq_base(shape.rope_freq_base)
+    writer.add_layer_norm_rms_eps(shape.rms_eps)
+    for field in tokenizer_fields():
+        kind = field.types[0]
+        if field.name == "tokenizer.ggml.tokens" and len(field.data) != shape.n_vocab:
+            raise ValueError(f"the tokenizer has {len(field.data)} tokens, the embedding {shape.n_vocab} rows")
+        sub_type = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), kind, sub_type=sub_type)
+
+
+def write_f16(path: Path, shape: Shape, progress: bool) -> None:
+    """All tensor infos first (the header needs them), then header, metadata and infos, then the data one tensor
+    at a time."""
+    specs = tensor_specs(shape)
+    writer = gguf.GGUFWriter(path, ARCH)
+    add_metadata(writer, shape)
+    for spec in specs:
+        writer.add_tensor_info(spec.name, spec.shape, np.dtype(spec.dtype), spec.nbytes)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    rng = np.random.default_rng(SEED)
+    scratch = {np.float32: np.empty(CHUNK_VALUES, np.float32), np.float16: np.empty(CHUNK_VALUES, np.float16)}
+    with tqdm(total=sum(spec.nbytes for spec in specs), unit="B", unit_scale=True, desc="F16 random weights",
+              disable=not progress) as bar:
+        for spec in specs:
+            writer.write_tensor_data(RandomTensor(spec, rng, scratch))  # in add_tensor_info's order
+            bar.update(spec.nbytes)
+    writer.close()
+
+
+# --- quantization and checks ------------------------------------------------------------------------------------
+
+def quantize(src: Path, dst: Path, ftype: int, progress: bool) -> None:
+    """llama.cpp's own quantizer (what llama-quantize runs), so the type chosen per tensor is llama.cpp's mix. Its
+    log (a line per tensor) is the progress report; without progress, only its errors are printed."""
+    import llama_cpp  # the bench extra: only needed here
+
+    if not progress:
+        import_llama_cpp()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = os.cpu_count() or 1
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {src} to file type {ftype}")
+
+
+def check(path: Path, shape: Shape, ftype: int) -> Counter:
+    """The file llama.cpp wrote: architecture, layers, tensors and file type as asked; every matrix quantized.
+    Returns the count of tensors per type."""
+    reader = gguf.GGUFReader(path)
+    fields = reader.fields
+    found = {
+        "architecture": fields["general.architecture"].contents(),
+        "block count": fields[f"{ARCH}.block_count"].contents(),
+        "tensor count": len(reader.tensors),
+        "file type": fields["general.file_type"].contents(),
+    }
+    wanted = {"architecture": ARCH, "block count": shape.n_layer, "tensor count": len(tensor_specs(shape)),
+              "file type": ftype}
+    if found != wanted:
+        raise RuntimeError(f"{path}: {found}, expected {wanted}")
+    types = Counter(tensor.tensor_type.name for tensor in reader.tensors)
+    left_float = [t.name for t in reader.tensors if len(t.shape) == 2 and t.tensor_type.name in ("F16", "F32")]
+    if left_float:
+        raise RuntimeError(f"{path}: matrices left unquantized: {left_float[:5]}")
+    if ftype == gguf.LlamaFileType.MOSTLY_Q4_K_M and set(types) != Q4_K_M_TYPES:
+        raise RuntimeError(f"{path}: tensor types {dict(types)}, not the Q4_K_M mix {sorted(Q4_K_M_TYPES)}")
+    return types
+
+
+def is_cached(path: Path, shape: Shape) -> bool:
+    """Only finished files are renamed to `path`; the size check turns away anything else found there."""
+    return path.is_file() and path.stat().st_size * 8 >= parameter_count(shape) * MIN_BITS_PER_WEIGHT
+
+
+def make_big_model(out_path: Path, *, shape: str = "qwen2.5-7b", ftype: int = gguf.LlamaFileType.MOSTLY_Q4_K_M,
+                   progress: bool = True) -> Path:
+    """Write (or find already written) a GGUF with the shapes of `shape` (a key of SHAPES), random weights and the
+    Qwen2.5 tokenizer, quantized by llama.cpp to `ftype` (a llama_ftype; 15 = Q4_K_M). Returns out_path."""
+    out_path = Path(out_path).expanduser()
+    dims = SHAPES[shape]
+    if is_cached(out_path, dims):
+        return out_path
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    f16 = out_path.with_name(out_path.name + ".f16.tmp")
+    partial = out_path.with_name(out_path.name + ".tmp")
+    try:
+        started = time.perf_counter()
+        write_f16(f16, dims, progress)
+        written = time.perf_counter()
+        if progress:
+            print(f"F16 intermediate: {f16.stat().st_size / 1e9:.2f} GB in {written - started:.0f} s; quantizing",
+                  flush=True)
+        quantize(f16, partial, ftype, progress)
+        if progress:
+            print(f"quantized in {time.perf_counter() - written:.0f} s", flush=True)
+        types = check(partial, dims, ftype)
+        if progress:
+            print(f"tensor types: {dict(types.most_common())}", flush=True)
+        partial.rename(out_path)
+    finally:
+        f16.unlink(missing_ok=True)
+        partial.unlink(missing_ok=True)
+    return out_path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="the GGUF file to write (kept as a cache)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-7b")
+    args = parser.parse_args()
+    path = make_big_model(args.out, shape=args.shape)
+    print(f"{path}: {path.stat().st_size:,} bytes ({path.stat().st_size / 2**30:.2f} GiB)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Where each way of multiplying a quantized matrix wins: kvlm's native product straight from the file's blocks,
+oneDNN's bf16 GEMM on a packed copy, and the same GEMM on weights dequantized 64 MB at a time (no copy), by the
+number of rows, on the matrices of real models (random blocks of the formats their Q4_K_M / Q4_1 files use).
+
+    python -m bench.quantized_products [--rows 1 2 4 8 16 32 64 512]
+
+This is what QuantizedLinear.MAX_QUANTIZED_ROWS (native up to there, bf16 above) stands on. Milliseconds per
+product, median of repeats, with torch's threads.
+"""
+from __future__ import annotations
+
+import kvlm  # noqa: F401  - before torch: it sets OMP_PROC_BIND before torch's OpenMP starts
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T  # noqa: E402
+
+from bench.common import machine_line, markdown_table  # noqa: E402
+from kvlm.kernels import BlockMatrix, native_kernels  # noqa: E402
+from kvlm.model.linear import QuantizedLinear, quantized_linear  # noqa: E402
+
+# (model, matrix, out, in, format): a stacked Q/K/V, gate/up and down of each.
+MATRICES = [
+    ("SmolLM2-135M", "qkv", 960, 576, T.Q4_1), ("SmolLM2-135M", "gate_up", 3072, 576, T.Q4_1),
+    ("SmolLM2-135M", "down", 576, 1536, T.Q4_1),
+    ("Qwen2.5-0.5B", "qkv", 1152, 896, T.Q5_0), ("Qwen2.5-0.5B", "gate_up", 9728, 896, T.Q5_0),
+    ("Qwen2.5-0.5B", "down", 896, 4864, T.Q4_K),
+    ("Qwen2.5-7B", "qkv", 4608, 3584, T.Q4_K), ("Qwen2.5-7B", "gate_up", 37888, 3584, T.Q4_K),
+    ("Qwen2.5-7B", "down", 3584, 18944, T.Q6_K),
+]
+
+
+def random_matrix(rows: int, cols: int, qtype: T) -> BlockMatrix:
+    block_weights, block_bytes = GGML_QUANT_SIZES[qtype]
+    raw = np.random.default_rng(0).integers(0, 256, (rows, cols // block_weights * block_bytes), dtype=np.uint8)
+    scale_at = {T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q4_K: (0, 2), T.Q6_K: (208,)}[qtype]
+    for at in scale_at:  # plausible f16 scales: random bytes would hold infinities and NaNs
+        blocks = raw.reshape(-1, block_bytes)
+        blocks[:, at:at + 2] = np.full(len(blocks), 0.01, np.float16).view(np.uint8).reshape(-1, 2)
+    return BlockMatrix(torch.from_numpy(raw), qtype, cols)
+
+
+def milliseconds(product, x: torch.Tensor, repeats: int) -> float:
+    product(x)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        product(x)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 512])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    kernels = native_kernels()
+    if kernels is None:
+        raise SystemExit("the native kernels are not available here")
+    print(f"{machine_line()}; native kernels: {kernels.isa}\n")
+    rows_out = []
+    for model, name, out_features, in_features, qtype in MATRICES:
+        matrix = random_matrix(out_features, in_features, qtype)
+        with_copy = quantized_linear([matrix], torch.bfloat16, kernels, dense_copy=True)
+        without = quantized_linear([matrix], torch.bfloat16, kernels, dense_copy=False)
+        for m in args.rows:
+            x = torch.randn(m, in_features, dtype=torch.bfloat16)
+            native = milliseconds(with_copy.native, x, args.repeats)
+            copy = milliseconds(with_copy.dense, x, args.repeats)
+            slices = milliseconds(without._through_slices, x, args.repeats)
+            best = min(("native", native), ("bf16 copy", copy), ("dequantized slices", slices), key=lambda t: t[1])
+            rows_out.append([model, f"{name} {out_features}x{in_features} {qtype.name}", m, f"{native:.3f}",
+                             f"{copy:.3f}", f"{slices:.3f}", best[0]])
+            print(" | ".join(map(str, rows_out[-1])), flush=True)
+    print(f"\nQuantizedLinear.MAX_QUANTIZED_ROWS = {QuantizedLinear.MAX_QUANTIZED_ROWS}\n")
+    print(markdown_table(["model", "matrix", "rows", "native ms", "bf16 copy ms", "dequantized slices ms", "fastest"],
+                         rows_out))
+
+
+if __name__ == "__main__":
+    main()
