@@ -16,6 +16,7 @@ from kvlm.model.cpu import CpuFeatures, detect, onednn_packs
 from kvlm.generate import GenerationSettings, generate
 from kvlm.kernels import native_kernels, reference
 from kvlm.kernels.quantize import quantize_q4_0
+from kvlm.model import linear as linear_module
 from kvlm.model.linear import QuantizedLinear, quantized_linear
 from kvlm.model.settings import FROM_FILE, resolve_settings
 
@@ -174,6 +175,22 @@ def test_without_a_compiler_the_weights_are_dense_and_it_still_talks(smollm2_ggu
 def test_this_machine_is_described():
     cpu = detect()
     assert cpu.kernel_level in cpu.describe()
+
+
+@pytest.mark.skipif(native_kernels() is None, reason="no native kernels here: matrices are dense")
+def test_without_a_copy_many_rows_go_through_dequantized_slices(monkeypatch):
+    """The plan made no dense copy (a 7B on this machine): natively up to MAX_ROWS_WITHOUT_COPY rows, then the
+    weights dequantized a slice at a time into one reused buffer (here 16 rows of them), multiplied by oneDNN."""
+    torch.manual_seed(0)
+    blocks = quantize_q4_0(torch.randn(96, 64))
+    linear = quantized_linear([blocks], torch.bfloat16, native_kernels(), dense_copy=False)
+    assert linear.dense is None
+    few = torch.randn(QuantizedLinear.MAX_ROWS_WITHOUT_COPY, 64, dtype=torch.bfloat16)
+    many = torch.randn(QuantizedLinear.MAX_ROWS_WITHOUT_COPY + 1, 64, dtype=torch.bfloat16)
+    assert torch.equal(linear(few), linear.native(few))
+    monkeypatch.setattr(linear_module, "_scratch", lambda dtype: torch.empty(16 * 64, dtype=dtype))
+    expected = many.float() @ reference.dequantize(blocks, torch.bfloat16).float().T
+    torch.testing.assert_close(linear(many).float(), expected, atol=0.05, rtol=0.01)  # bf16 output rounding
 
 
 @pytest.mark.skipif(native_kernels() is None, reason="requantizing needs the native kernels")

@@ -65,9 +65,14 @@ TRANSIENT_BYTES = 64 << 20  # the most a product of many rows without a dense co
 
 class QuantizedLinear:
     """Blocks of one or more stacked parts (Q, K and V may be stored in different formats), multiplied natively
-    up to MAX_QUANTIZED_ROWS rows; above, through `dense` (a packed bf16 copy) or a transient dequantization."""
+    up to MAX_QUANTIZED_ROWS rows; above, through `dense` (a packed bf16 copy), or without one natively up to
+    MAX_ROWS_WITHOUT_COPY and through dequantized slices above.
 
-    MAX_QUANTIZED_ROWS = 8  # bench: native beats packed bf16 through 8 rows on 7B-sized matrices
+    bench/quantized_products.py on a 7B's matrices (which stream from memory, as every matrix does in a real step):
+    native beats the packed copy through 4-8 rows, and dequantizing slices through about 48."""
+
+    MAX_QUANTIZED_ROWS = 8
+    MAX_ROWS_WITHOUT_COPY = 48
 
     def __init__(self, parts: list[BlockMatrix], dtype: torch.dtype, kernels: NativeKernels,
                  dense: PackedLinear | None = None) -> None:
@@ -82,11 +87,9 @@ class QuantizedLinear:
         return self.product(x)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.MAX_QUANTIZED_ROWS:
+        if x.shape[0] <= (self.MAX_QUANTIZED_ROWS if self.dense is not None else self.MAX_ROWS_WITHOUT_COPY):
             return self.native(x)
-        if self.dense is not None:
-            return self.dense(x)
-        return self._through_slices(x)
+        return self.dense(x) if self.dense is not None else self._through_slices(x)
 
     def _through_slices(self, x: torch.Tensor) -> torch.Tensor:
         """x times the weights dequantized a slice of rows at a time, into one reused buffer of TRANSIENT_BYTES."""
