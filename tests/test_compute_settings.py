@@ -198,7 +198,7 @@ def test_without_a_copy_many_rows_go_through_dequantized_slices(monkeypatch):
 def test_requantized_smollm2_starts_like_float32(smollm2_gguf_path, smollm2, quant):
     """--quant int8/int4: every layer matrix requantized to Q8_0/Q4_1 (the head to Q8_0 at least)."""
     quantized = load_model(str(smollm2_gguf_path), "bfloat16", quant=quant)
-    expected = ["121 Q8_0"] if quant == "int8" else ["120 Q4_1", "1 Q8_0"]
+    expected = ["120 Q8_0" if quant == "int8" else "120 Q4_1", "1 Q8_0"]  # the head: no dense copy
     assert all(part in quantized.decoder.describe() for part in expected)
     settings = GenerationSettings(max_tokens=4, ignore_eos=True)
     for prompt in ("The capital of France is", "def add(a, b):\n    return", "Water boils at"):

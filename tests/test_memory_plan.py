@@ -88,7 +88,7 @@ def test_the_plan_is_what_the_decoder_holds(smollm2_gguf_path, qwen_gguf_path, d
 
 def test_llm_refuses_a_context_that_does_not_fit_a_loaded_model(smollm2_gguf_path, monkeypatch):
     model = load_model(str(smollm2_gguf_path), memory=MemoryRequest(n_ctx=512))
-    limited(monkeypatch, 800 * MiB, in_use=model.decoder.nbytes + 100 * MiB)
+    limited(monkeypatch, 700 * MiB, in_use=model.decoder.nbytes + 100 * MiB)
     with pytest.raises(MemoryPlanError, match=r"KV cache .*n_ctx 65536"):
         LLM(model, n_ctx=65536)
     assert LLM(model).engine.n_ctx < 8192  # what fits

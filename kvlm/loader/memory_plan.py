@@ -152,14 +152,14 @@ def weight_bytes(config: ModelConfig, weights: ModelWeights, settings: ComputeSe
     embedding = weights.entry("token_embd.weight")
     embedding_blocks = kernels and settings.matrix_storage([embedding.stored_as]) == FROM_FILE
     held += embedding.nbytes if embedding_blocks else math.prod(embedding.shape) * dtype_bytes
-    head = weights.head_entry()
+    head = weights.head_entry()  # never a dense copy of a quantized head (Decoder._head)
     if weights.output_name == "output.weight" or weights.shard is not None:  # a tensor of its own
-        head_held, head_copy = _entry_bytes([head], settings, kernels, dtype_bytes, head=True)
+        head_held = _entry_bytes([head], settings, kernels, dtype_bytes, head=True)[0]
     elif embedding_blocks:  # the tied head multiplies by the embedding's own blocks
-        head_held, head_copy = 0, math.prod(head.shape) * dtype_bytes
+        head_held = 0
     else:  # the embedding stays a table; the head gets a packed copy of it
-        head_held, head_copy = math.prod(head.shape) * dtype_bytes, 0
-    return held + head_held, copyable + head_copy
+        head_held = math.prod(head.shape) * dtype_bytes
+    return held + head_held, copyable
 
 
 def _float32_vector(name: str) -> bool:

@@ -139,14 +139,16 @@ class Decoder:
     def _vector(self, stored: Stored) -> torch.Tensor:
         return self._dense(stored)
 
-    def _matrix(self, parts: list[Stored], storage: str | None) -> Linear:
-        """One matrix from parts stacked by rows, held as `storage` says (see ComputeSettings.matrix_storage)."""
+    def _matrix(self, parts: list[Stored], storage: str | None, dense_copy: bool = True) -> Linear:
+        """One matrix from parts stacked by rows, held as `storage` says (see ComputeSettings.matrix_storage); a
+        quantized one with a dense copy if the plan has room (`dense_copies`) and `dense_copy`."""
+        copy = self.dense_copies and dense_copy
         if storage == FROM_FILE:
-            return quantized_linear(parts, self.dtype, native_kernels(), self.dense_copies)
+            return quantized_linear(parts, self.dtype, native_kernels(), copy)
         weight = torch.cat([self._dense(part) if storage is None else self._float(part) for part in parts])
         if storage is None:
             return dense_linear(weight, self.dtype, self.batch_invariant)
-        return quantized_linear([QUANTIZERS[storage](weight)], self.dtype, native_kernels(), self.dense_copies)
+        return quantized_linear([QUANTIZERS[storage](weight)], self.dtype, native_kernels(), copy)
 
     @staticmethod
     def _float(stored: Stored) -> torch.Tensor:
@@ -159,9 +161,11 @@ class Decoder:
         return self._matrix([weights.read(n) for n in names], storage)
 
     def _head(self, weights: ModelWeights, stored: Stored) -> Linear:
-        """The LM head: never requantized below 8 bits (a 4-bit head costs more quality than the rest)."""
+        """The LM head: never requantized below 8 bits (a 4-bit head costs more quality than the rest), and with no
+        dense copy: it multiplies a step's output rows (one per sequence) natively, and a copy would be the
+        largest (a 7B's: 1 GiB) for products only perplexity makes (through dequantized slices instead)."""
         storage = self.settings.matrix_storage([weights.file_type(weights.output_name)])
-        return self._matrix([stored], "int8" if storage == "int4" else storage)
+        return self._matrix([stored], "int8" if storage == "int4" else storage, dense_copy=False)
 
     def _layer(self, weights: ModelWeights, i: int) -> LayerWeights | ConvLayerWeights | MambaLayerWeights:
         if self.config.layer_kinds[i] == CONV:

@@ -106,9 +106,15 @@ class QuantizedLinear:
                 column += rows.shape[0]
         return out
 
-    def dequantized(self) -> torch.Tensor:
-        """The weights as [out, in] in the activation dtype: gguf's values, rounded to it."""
-        return torch.cat([dequantize(part, self.dtype) for part in self.parts])
+    def dequantized(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The weights as [out, in] in the activation dtype (gguf's values, rounded to it), into `out` if given."""
+        if out is None:
+            out = torch.empty(self.out_features, self.parts[0].n_cols, dtype=self.dtype)
+        first = 0
+        for part in self.parts:
+            self.kernels.dequantize(part, self.dtype, out=out[first:first + part.shape[0]])
+            first += part.shape[0]
+        return out
 
     @property
     def nbytes(self) -> int:
@@ -121,8 +127,8 @@ Linear = DenseLinear | PackedLinear | QuantizedLinear
 
 @functools.cache
 def _scratch(dtype: torch.dtype) -> torch.Tensor:
-    """The buffer products of many rows dequantize into: one per dtype, used by one product at a time (the engine
-    runs its steps on one thread)."""
+    """The buffer products of many rows (and dense copies being made) dequantize into: one per dtype, used by one
+    product at a time (a model loads, and the engine runs its steps, on one thread)."""
     return torch.empty(TRANSIENT_BYTES // torch.empty(0, dtype=dtype).element_size(), dtype=dtype)
 
 
@@ -162,5 +168,8 @@ def quantized_linear(parts: list[BlockMatrix], dtype: torch.dtype, kernels: Nati
     """`dense_copy`: keep a packed copy in the activation dtype too, for products of many rows."""
     linear = QuantizedLinear(parts, dtype, kernels)
     if dense_copy and onednn_packs(dtype):
-        linear.dense = PackedLinear(linear.dequantized(), dtype)
+        scratch = _scratch(dtype)  # the dense values only live until packed: no fresh memory to fault in
+        size = linear.out_features * parts[0].n_cols
+        weights = scratch[:size].view(linear.out_features, -1) if size <= scratch.numel() else None
+        linear.dense = PackedLinear(linear.dequantized(weights), dtype)
     return linear
