@@ -7,15 +7,16 @@ From the file's header alone (each tensor's shape and stored type), the compute 
 - weights: each matrix as the decoder will hold it (a quantized file's blocks as they are; dense in the activation
   dtype otherwise), vectors, the embedding (a tied LM head shares its blocks);
 - copies: packed dense copies of the quantized matrices, which make products of many rows (prefill, large
-  batches) faster; made only within the budget;
+  batches) 10-30% faster; made only within the budget;
 - KV: what the model's memory kind allocates for n_ctx cells and n_seq_max sequences (kvlm.memory.sizes);
 - compute: working buffers (logits of a whole micro-batch, a transient dequantized slice, activations).
 
 The limit is the memory this process may have: its cgroup's limit where there is one, else physical memory. A plan
 whose weights + KV + compute exceed what is left of it (less a margin) is refused with each part named and what
 would fit; `budget` (`--memory-budget`) caps it further. Dense copies are made only while weights + copies + KV +
-compute stay within three quarters of the limit (or within an explicit budget). When n_ctx is not given, it is
-the largest that fits, up to the model's own context length (as llama.cpp's --fit).
+compute stay within three quarters of the limit and the copies within a quarter of it (or all within an explicit
+budget): a 1.5B's 2.4 GiB of copies, not a 7B's 12 GiB. When n_ctx is not given, it is the largest that fits, up
+to the model's own context length (as llama.cpp's --fit).
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ from kvlm.model.linear import TRANSIENT_BYTES
 from kvlm.model.settings import FROM_FILE, ComputeSettings
 
 MiB = 1 << 20
-COPIES_FRACTION = 0.75  # dense copies only while everything stays within this share of the limit
+COPIES_FRACTION = 0.75  # dense copies only while everything stays within this share of the limit,
+COPIES_SHARE = 0.25  # and they themselves within this: they buy 10-30% of prefill speed, not worth crowding out more
 MARGIN_FRACTION = 0.05  # of the limit, kept free for the OS and whatever else runs
 CTX_STEP = 256  # a fitted n_ctx is a multiple of this
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -127,7 +129,7 @@ def fit(config: ModelConfig, held: int, copyable: int, settings: ComputeSettings
     if n_ctx < 1 or plan.total > usable:
         raise MemoryPlanError(_refusal(config, plan, usable, kv_of, where))
     room = budget if budget is not None else int(limit * COPIES_FRACTION) - in_use
-    if copyable and plan.total + copyable <= room:
+    if copyable and plan.total + copyable <= room and (budget is not None or copyable <= limit * COPIES_SHARE):
         plan = replace(plan, copies=copyable)
     return plan
 
