@@ -159,7 +159,7 @@ def write_gguf(
     """`keep_f32`: name endings of matrices llama.cpp's converter keeps in F32 whatever the file type."""
     writer = GGUFWriter(path, arch)
     for key, value in metadata.items():
-        _add_value(writer, key, value)
+        add_value(writer, key, value)
     for name, array in tensors.items():
         if quant == GGMLQuantizationType.F32 or array.ndim == 1 or name.endswith(keep_f32):  # and norms in F32
             writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
@@ -178,7 +178,7 @@ def write_model_gguf(
     return write_gguf(path, gguf_metadata(model.config), gguf_tensors(model), quant=quant)
 
 
-def _add_value(writer: GGUFWriter, key: str, value: Any) -> None:
+def add_value(writer: GGUFWriter, key: str, value: Any) -> None:
     # Typed by hand: gguf would store a Python int as INT32, llama.cpp writes UINT32 for these keys.
     if isinstance(value, bool):
         writer.add_bool(key, value)

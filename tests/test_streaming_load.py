@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T, GGUFWriter
 
-from gguf_factory import gguf_metadata, llama_config
+from gguf_factory import add_value, gguf_metadata, llama_config
 from kvlm.kernels import native_kernels
 from test_kernels import random_blocks
 
@@ -50,16 +50,7 @@ def big_gguf(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("big") / "model.gguf"
     writer = GGUFWriter(path, "llama")
     for key, value in gguf_metadata(config).items():
-        if isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value)
-        elif isinstance(value, float):
-            writer.add_float32(key, value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        else:
-            writer.add_array(key, value)
+        add_value(writer, key, value)
     for index, (name, shape) in enumerate(tensor_shapes(config).items()):
         if len(shape) == 1:
             writer.add_tensor(name, np.ones(shape, dtype=np.float32))

@@ -55,7 +55,17 @@ inline void per_group(__m256 per_block, __m256 out[2]) {
 
 template <int TYPE> struct Reader;
 
-template <> struct Reader<Q4_0> {
+// The 32-weight formats: a chunk of 256 weights is 8 blocks, each its own group pair (scale, offset per 16).
+template <class Blocks> struct BlockGroups {
+    static void groups(const uint8_t* first, int n, __m256 scale[2], __m256 offset[2]) {
+        __m256 per_block_scale, per_block_offset;
+        Blocks::blocks(first, n, per_block_scale, per_block_offset);
+        per_group(per_block_scale, scale);
+        per_group(per_block_offset, offset);
+    }
+};
+
+template <> struct Reader<Q4_0> : BlockGroups<Reader<Q4_0>> {
     static float scale(const uint8_t* block) { return f16_value(block); }
     static float offset(const uint8_t* block) { return -8.0f * f16_value(block); }
     static __m256i levels(const uint8_t* first, int s) { return nibble_levels(first + 18 * s + 2); }
@@ -63,15 +73,9 @@ template <> struct Reader<Q4_0> {
         scale = f16_strided(first, 18, n);
         offset = _mm256_mul_ps(scale, _mm256_set1_ps(-8.0f));
     }
-    static void groups(const uint8_t* first, int n, __m256 scale[2], __m256 offset[2]) {
-        __m256 per_block_scale, per_block_offset;
-        blocks(first, n, per_block_scale, per_block_offset);
-        per_group(per_block_scale, scale);
-        per_group(per_block_offset, offset);
-    }
 };
 
-template <> struct Reader<Q4_1> {
+template <> struct Reader<Q4_1> : BlockGroups<Reader<Q4_1>> {
     static float scale(const uint8_t* block) { return f16_value(block); }
     static float offset(const uint8_t* block) { return f16_value(block + 2); }
     static __m256i levels(const uint8_t* first, int s) { return nibble_levels(first + 20 * s + 4); }
@@ -79,15 +83,9 @@ template <> struct Reader<Q4_1> {
         scale = f16_strided(first, 20, n);
         offset = f16_strided(first + 2, 20, n);
     }
-    static void groups(const uint8_t* first, int n, __m256 scale[2], __m256 offset[2]) {
-        __m256 per_block_scale, per_block_offset;
-        blocks(first, n, per_block_scale, per_block_offset);
-        per_group(per_block_scale, scale);
-        per_group(per_block_offset, offset);
-    }
 };
 
-template <> struct Reader<Q5_0> {
+template <> struct Reader<Q5_0> : BlockGroups<Reader<Q5_0>> {
     static float scale(const uint8_t* block) { return f16_value(block); }
     static float offset(const uint8_t* block) { return -16.0f * f16_value(block); }
     static __m256i levels(const uint8_t* first, int s) {
@@ -98,15 +96,9 @@ template <> struct Reader<Q5_0> {
         scale = f16_strided(first, 22, n);
         offset = _mm256_mul_ps(scale, _mm256_set1_ps(-16.0f));
     }
-    static void groups(const uint8_t* first, int n, __m256 scale[2], __m256 offset[2]) {
-        __m256 per_block_scale, per_block_offset;
-        blocks(first, n, per_block_scale, per_block_offset);
-        per_group(per_block_scale, scale);
-        per_group(per_block_offset, offset);
-    }
 };
 
-template <> struct Reader<Q5_1> {
+template <> struct Reader<Q5_1> : BlockGroups<Reader<Q5_1>> {
     static float scale(const uint8_t* block) { return f16_value(block); }
     static float offset(const uint8_t* block) { return f16_value(block + 2); }
     static __m256i levels(const uint8_t* first, int s) {
@@ -117,15 +109,9 @@ template <> struct Reader<Q5_1> {
         scale = f16_strided(first, 24, n);
         offset = f16_strided(first + 2, 24, n);
     }
-    static void groups(const uint8_t* first, int n, __m256 scale[2], __m256 offset[2]) {
-        __m256 per_block_scale, per_block_offset;
-        blocks(first, n, per_block_scale, per_block_offset);
-        per_group(per_block_scale, scale);
-        per_group(per_block_offset, offset);
-    }
 };
 
-template <> struct Reader<Q8_0> {
+template <> struct Reader<Q8_0> : BlockGroups<Reader<Q8_0>> {
     static float scale(const uint8_t* block) { return f16_value(block); }
     static float offset(const uint8_t* block) { return -128.0f * f16_value(block); }
     static __m256i levels(const uint8_t* first, int s) {
@@ -134,12 +120,6 @@ template <> struct Reader<Q8_0> {
     static void blocks(const uint8_t* first, int n, __m256& scale, __m256& offset) {
         scale = f16_strided(first, 34, n);
         offset = _mm256_mul_ps(scale, _mm256_set1_ps(-128.0f));
-    }
-    static void groups(const uint8_t* first, int n, __m256 scale[2], __m256 offset[2]) {
-        __m256 per_block_scale, per_block_offset;
-        blocks(first, n, per_block_scale, per_block_offset);
-        per_group(per_block_scale, scale);
-        per_group(per_block_offset, offset);
     }
 };
 
