@@ -1,4 +1,4 @@
-"""kvlm's C++ kernels (csrc/): built once per machine with the system's C++ compiler, loaded with ctypes.
+"""kvlm's C++ kernels (csrc/: products from GGUF blocks, and a layer's small ops): built once per machine with the system's C++ compiler, loaded with ctypes.
 
 They are plain C++ without torch's headers, so a build takes about a second (a torch extension takes most of a
 minute) and does not depend on torch's ABI; ctypes calls them with the tensors' data pointers. They are compiled for
@@ -28,6 +28,7 @@ import torch
 
 from kvlm.home import kvlm_home
 from kvlm.kernels.blocks import BlockMatrix
+from kvlm.kernels.layer_ops import NativeLayerOps
 
 log = logging.getLogger("kvlm")
 
@@ -103,6 +104,7 @@ class NativeKernels:
         self._lib.kvlm_dequantize.argtypes = [i32, ptr, i64, ptr, i64, ptr, ctypes.c_int, ctypes.c_int]
         self._lib.kvlm_matmul.argtypes = [ptr, ctypes.c_int, i64, i64, ctypes.c_int, ptr, ptr, ptr, ptr,
                                           ctypes.c_int, ctypes.c_int]
+        self.layer_ops = NativeLayerOps(self._lib)
 
     def dequantize(self, matrix: BlockMatrix, dtype: torch.dtype = torch.float32, ids: torch.Tensor | None = None,
                    out: torch.Tensor | None = None) -> torch.Tensor:

@@ -44,6 +44,10 @@ class DensePlane:
     def read(self, layer: int, n_rows: int) -> torch.Tensor:
         return self.data[layer, :n_rows]
 
+    def native(self, layer: int) -> tuple[torch.Tensor, None]:
+        """One layer's rows as stored, for kernels that read them in place: (data [cells, kv_head, head_dim], None)."""
+        return self.data[layer], None
+
     def write_layers(self, rows: torch.Tensor, values: torch.Tensor) -> None:
         """values [n_layer, n_rows, kv_head, head_dim]: the rows of every layer in one copy."""
         self.data.index_copy_(1, rows, values.to(self.data.dtype))
@@ -79,6 +83,10 @@ class Q8Plane:
     def read(self, layer: int, n_rows: int) -> torch.Tensor:
         blocks = self.quants[layer, :n_rows].unflatten(-1, (-1, Q8_BLOCK)).float()
         return (blocks * self.scales[layer, :n_rows, ..., None].float()).flatten(-2)
+
+    def native(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's rows as stored: (int8 quants [cells, kv_head, head_dim], float16 scales [..., head_dim / 32])."""
+        return self.quants[layer], self.scales[layer]
 
     def gather(self, rows: torch.Tensor) -> list[torch.Tensor]:
         return [self.quants[:, rows].clone(), self.scales[:, rows].clone()]

@@ -62,7 +62,7 @@ def _per_token_rows_group(visible: np.ndarray, cell_pos: np.ndarray, tokens: np.
     index = np.zeros((len(tokens), longest), dtype=np.int64)  # padding reads cell 0, masked out
     real = np.zeros((len(tokens), longest), dtype=bool)
     index[token, column], real[token, column] = cell, True
-    return AttentionGroup(torch.from_numpy(tokens), torch.from_numpy(index), _additive(real))
+    return AttentionGroup(torch.from_numpy(tokens), torch.from_numpy(index), _additive(real), torch.from_numpy(counts))
 
 
 def _shared_rows_group(visible: np.ndarray, cell_pos: np.ndarray, tokens: np.ndarray) -> AttentionGroup:

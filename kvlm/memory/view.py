@@ -21,6 +21,7 @@ class AttentionGroup:
     tokens: torch.Tensor
     index: torch.Tensor
     mask: torch.Tensor | None
+    lengths: torch.Tensor | None = None  # with a [n, L] index: how many of each token's rows are real (the rest pad)
 
 
 @dataclass
@@ -38,10 +39,11 @@ class KVView:
         return self.store.read(layer, self.n_visible)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               batch_invariant: bool = False) -> torch.Tensor:
-        """Write the step's K/V [n_tokens, n_kv, d] of `layer`, then attend q over the visible rows."""
+               batch_invariant: bool = False, native=None) -> torch.Tensor:
+        """Write the step's K/V [n_tokens, n_kv, d] of `layer`, then attend q over the visible rows (`native`: the
+        native layer ops, for decode tokens)."""
         self.write(layer, k, v)
-        return attend(q, layer, self, batch_invariant)
+        return attend(q, layer, self, batch_invariant, native)
 
 
 @dataclass
@@ -52,9 +54,9 @@ class LayerViews:
     by_layer: list[tuple[object, int]]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               batch_invariant: bool = False) -> torch.Tensor:
+               batch_invariant: bool = False, native=None) -> torch.Tensor:
         view, local = self.by_layer[layer]
-        return view.attend(local, q, k, v, batch_invariant)
+        return view.attend(local, q, k, v, batch_invariant, native)
 
     def recurrent(self, layer: int):
         """A recurrent layer's state for this micro-batch (see kvlm.memory.recurrent)."""

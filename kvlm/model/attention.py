@@ -1,6 +1,7 @@
 """Attention of a forward pass's queries over the K/V rows its view lets them read, as the cache stores them."""
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -8,11 +9,20 @@ import torch
 from kvlm.model.ops import gathered_attention, grouped_attention
 
 if TYPE_CHECKING:
+    from kvlm.kernels.layer_ops import NativeLayerOps
     from kvlm.memory.view import KVView
 
 
-def attend(q: torch.Tensor, layer: int, kv: KVView, batch_invariant: bool = False) -> torch.Tensor:
-    """q [T, n_head, d] over the rows of `layer` that `kv` makes visible; returns [T, n_head * d] in q's dtype."""
+def attend(q: torch.Tensor, layer: int, kv: KVView, batch_invariant: bool = False,
+           native: NativeLayerOps | None = None) -> torch.Tensor:
+    """q [T, n_head, d] over the rows of `layer` that `kv` makes visible; returns [T, n_head * d] in q's dtype.
+
+    With `native`, decode tokens (each alone in its sequence) attend in one native call per layer that reads K/V
+    in place in the cells (no gather, no conversion; float32 softmax); prompt chunks take torch's fused kernel."""
+    if native is not None:
+        out = _native_decode(q, layer, kv, native)
+        if out is not None:
+            return out
     keys, values = kv.read(layer)
     dtype = attention_dtype(q.dtype, keys.dtype, batch_invariant)
     q_in = q.to(dtype)
@@ -33,6 +43,44 @@ def attention_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype, batch_invariant
     if q_dtype == torch.bfloat16:
         return torch.bfloat16 if kv_dtype == torch.bfloat16 else torch.float32
     return torch.float64 if batch_invariant else torch.float32
+
+
+MAX_NATIVE_TOKENS = 4  # more tokens over the same rows (a prompt chunk) are faster in torch's fused kernel
+
+
+def _native_decode(q: torch.Tensor, layer: int, kv: KVView, native: NativeLayerOps) -> torch.Tensor | None:
+    """The native decode attention where every token of the step reads its own rows, or a few tokens read all
+    visible rows; None for anything else (prompt chunks, masked shared rows)."""
+    scale = q.shape[-1] ** -0.5
+    planes = kv.store.k.native(layer), kv.store.v.native(layer)
+    q = q.contiguous()
+    if kv.groups is None:
+        if kv.mask is not None or q.shape[0] > MAX_NATIVE_TOKENS:
+            return None
+        cells = _all_cells(kv.n_visible).expand(q.shape[0], -1)
+        lengths = torch.full((q.shape[0],), kv.n_visible, dtype=torch.int64)
+        return native.decode_attention(q, *planes, cells, lengths, scale)
+    if not all(g.lengths is not None or (len(g.tokens) == 1 and g.mask is None) for g in kv.groups):
+        return None
+    out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+    for group in kv.groups:
+        cells = group.index if group.lengths is not None else group.index[None]
+        lengths = group.lengths if group.lengths is not None else torch.tensor([group.index.numel()])
+        result = native.decode_attention(q.index_select(0, group.tokens), *planes, cells, lengths, scale)
+        if len(kv.groups) == 1:
+            return result
+        out.index_copy_(0, group.tokens, result)
+    return out
+
+
+@functools.cache
+def _cell_numbers(n: int) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.int64)
+
+
+def _all_cells(n: int) -> torch.Tensor:
+    """[1, n]: cells 0 .. n-1, a view of one cached range (grown in powers of two)."""
+    return _cell_numbers(1 << max(n - 1, 0).bit_length())[:n][None]
 
 
 def _attention_by_group(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, groups) -> torch.Tensor:

@@ -29,7 +29,7 @@ from kvlm.model.linear import (
     linear_kind,
     quantized_linear,
 )
-from kvlm.model.ops import apply_rope, gated_mlp, rms_norm
+from kvlm.model.fused import LayerOps
 from kvlm.model.recurrent import (
     Mamba2Weights,
     ShortConvWeights,
@@ -94,6 +94,8 @@ class Decoder:
         self.dtype = self.settings.torch_dtype
         self.batch_invariant = self.settings.batch_invariant
         self.dense_copies = dense_copies
+        kernels = native_kernels() if settings.quant is not None else None  # the reference mode stays on torch's ops
+        self.ops = LayerOps(kernels.layer_ops if kernels is not None else None)
         self.layers = [self._layer(weights, i) for i in range(config.n_layer)]
         self.output_norm = self._vector(weights.read("output_norm.weight"))
         table = weights.read("token_embd.weight")
@@ -228,12 +230,12 @@ class Decoder:
         if self.embedding_scale is not None:
             x = x * self.embedding_scale
         kinds = set(self.config.layer_kinds)
-        rotations = {kind: self.layer_rope(kind).cos_sin(positions, self.dtype) for kind in kinds}
+        rotations = {kind: self.layer_rope(kind).cos_sin(positions, torch.float32) for kind in kinds}
         for index, (kind, layer) in enumerate(zip(self.config.layer_kinds, self.layers)):
             x = self._blocks[kind](index, layer, x, *rotations[kind], kv)
         if output_rows is not None:
             x = x[output_rows]
-        logits = self.output(rms_norm(x, self.output_norm, self.config.rms_norm_eps)).float()
+        logits = self.output(self.ops.norm(x, self.output_norm, self.config.rms_norm_eps)).float()
         cap = self.config.final_logit_softcap
         logits = cap * torch.tanh(logits / cap) if cap else logits
         return logits if self.gather_logits is None else self.gather_logits(logits)
@@ -245,12 +247,13 @@ class Decoder:
     def _attention_block(self, index: int, layer: LayerWeights, x, cos, sin, kv: KVView) -> torch.Tensor:
         """Pre-norm attention then a pre-norm gated MLP, each added to the residual stream (each output normed
         once more first, for sandwich-norm families)."""
-        eps = self.config.rms_norm_eps
-        h = self._summed(self._attention(index, layer, rms_norm(x, layer.attn_norm, eps), cos, sin, kv))
-        x = x + (h if layer.post_attention_norm is None else rms_norm(h, layer.post_attention_norm, eps))
-        h = gated_mlp(rms_norm(x, layer.ffn_norm, eps), layer.gate_up, layer.down, self.config.family.activation)
-        h = self._summed(h)
-        return x + (h if layer.post_ffw_norm is None else rms_norm(h, layer.post_ffw_norm, eps))
+        eps, ops = self.config.rms_norm_eps, self.ops
+        h = self._summed(self._attention(index, layer, ops.norm(x, layer.attn_norm, eps), cos, sin, kv))
+        if layer.post_attention_norm is not None:
+            h = ops.norm(h, layer.post_attention_norm, eps)
+        normed, x = ops.add_norm(x, h, layer.ffn_norm, eps)
+        h = self._summed(ops.gated_mlp(normed, layer.gate_up, layer.down, self.config.family.activation))
+        return x + (h if layer.post_ffw_norm is None else ops.norm(h, layer.post_ffw_norm, eps))
 
     def _summed(self, partial: torch.Tensor) -> torch.Tensor:
         """A row-parallel product's partial sum, added up over the tensor-parallel ranks (if any)."""
@@ -263,15 +266,15 @@ class Decoder:
         n_tokens], see kvlm.memory.recurrent), from and to the sequence's state; then the MLP."""
         eps = self.config.rms_norm_eps
         state = kv.recurrent(index)
-        h = rms_norm(x, layer.attn_norm, eps).view(*state.shape, -1)
+        h = self.ops.norm(x, layer.attn_norm, eps).view(*state.shape, -1)
         y, conv_state = short_conv(layer.conv, h, *state.read())
         state.write([conv_state])
-        x = x + y.reshape(x.shape)
-        return x + gated_mlp(rms_norm(x, layer.ffn_norm, eps), layer.gate_up, layer.down, self.config.family.activation)
+        normed, x = self.ops.add_norm(x, y.reshape(x.shape), layer.ffn_norm, eps)
+        return x + self.ops.gated_mlp(normed, layer.gate_up, layer.down, self.config.family.activation)
 
     def _mamba_block(self, index: int, layer: MambaLayerWeights, x, cos, sin, kv) -> torch.Tensor:
         state = kv.recurrent(index)
-        h = rms_norm(x, layer.attn_norm, self.config.rms_norm_eps).view(*state.shape, -1)
+        h = self.ops.norm(x, layer.attn_norm, self.config.rms_norm_eps).view(*state.shape, -1)
         y, conv_state, ssm_state = mamba2_mixer(layer.mixer, h, *state.read())
         state.write([conv_state, ssm_state])
         return x + y.reshape(x.shape)
@@ -288,11 +291,11 @@ class Decoder:
         qk = qk.view(n_tokens, c.n_head + c.n_head_kv, c.head_dim)
         if layer.qk_norm is not None:
             qk = F.rms_norm(qk, (c.head_dim,), eps=c.rms_norm_eps) * layer.qk_norm
-        q, k = apply_rope(qk, cos, sin).split((c.n_head, c.n_head_kv), dim=1)
+        q, k = self.ops.rope(qk, cos, sin).split((c.n_head, c.n_head_kv), dim=1)
         if c.query_scale != 1.0:
             q = q * c.query_scale
         v = v.view(n_tokens, c.n_head_kv, c.head_dim)
-        return layer.attn_output(kv.attend(index, q, k, v, self.batch_invariant))
+        return layer.attn_output(kv.attend(index, q, k, v, self.batch_invariant, self.ops.attention_kernel()))
 
 
 def _held(value, seen: set[int]) -> int:

@@ -59,7 +59,8 @@ class StepKV:
         self.new_v: list[torch.Tensor] = []
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               batch_invariant: bool = False) -> torch.Tensor:
+               batch_invariant: bool = False, native=None) -> torch.Tensor:
+        """As KVView.attend, traced in torch ops (`native` cannot be traced, so it is not used)."""
         self.new_k.append(k)
         self.new_v.append(v)
         batch, n_old = self.index.shape

@@ -81,11 +81,3 @@ def attention_with_own_rows(
 def _in_dtype(mask: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """The fused kernel wants an additive mask in the query's dtype (0 and -inf survive any float dtype)."""
     return mask if mask.dtype == q.dtype else mask.to(q.dtype)
-
-
-def gated_mlp(x: torch.Tensor, gate_up, down, activation: str = "silu") -> torch.Tensor:
-    """down(act(gate(x)) * up(x)): SwiGLU with "silu", GeGLU with "gelu_tanh". `gate_up` and `down` are linear
-    maps (callables); gate and up are stacked in one."""
-    gate, up = gate_up(x).chunk(2, dim=-1)
-    gate = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
-    return down(gate * up)

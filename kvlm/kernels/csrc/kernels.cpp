@@ -1,5 +1,5 @@
 // kvlm's native kernels, called through ctypes (see kvlm/kernels/native.py): products that read GGUF's quantized
-// blocks as the file stores them, and their exact dequantization.
+// blocks as the file stores them, their exact dequantization, and a layer's small ops (layer_ops.h).
 //
 // Threads: OpenMP, linked against the runtime torch has already loaded (the same libgomp.so.1), so torch's ops
 // and these share one pool of threads; the caller passes torch's thread count.
@@ -13,6 +13,7 @@
 #include "activations.h"
 #include "dot.h"
 #include "formats.h"
+#include "layer_ops.h"
 
 using namespace kvlm;
 
@@ -189,6 +190,69 @@ int kvlm_matmul(const void* x, int x_bf16, int64_t m, int64_t k, int n_parts, co
             part_start += part_rows[p];
         }
     }
+    return OK;
+}
+
+// Decode attention straight from the KV planes: token t's query heads [n_head][d] (q, float32 or bfloat16) over
+// the cells cells[t][0 .. lengths[t]-1] of K and V ([cells][n_kv][d] of kv_type; q8_0 with scales), query heads
+// g*j .. g*j+g-1 reading KV head j; out [n_tokens][n_head * d] in q's dtype. One task per (token, KV head).
+int kvlm_decode_attention(const void* q, int q_bf16, int64_t n_tokens, int n_head, int n_kv, int d, float scale,
+                          const void* k, const uint16_t* k_scales, const void* v, const uint16_t* v_scales,
+                          int kv_type, const int64_t* cells, int64_t cells_stride, const int64_t* lengths,
+                          void* out, int n_threads) {
+    if (n_kv <= 0 || n_head % n_kv || (kv_type == KV_Q8_0 && d % 32) || kv_type < KV_F32 || kv_type > KV_Q8_0)
+        return BAD_SHAPE;
+    const KVPlane planes[2] = {{k, k_scales, kv_type, n_kv, d}, {v, v_scales, kv_type, n_kv, d}};
+    const int group = n_head / n_kv;
+    const int64_t tasks = n_tokens * n_kv;
+#pragma omp parallel num_threads(int(std::min<int64_t>(n_threads, tasks)))
+    {
+        std::vector<float> query(size_t(group) * d), result(size_t(group) * d), scores, row;
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < tasks; ++task) {
+            const int64_t t = task / n_kv;
+            const int head = int(task % n_kv);
+            const int64_t first = (t * n_head + int64_t(head) * group) * d;
+            load_floats(static_cast<const char*>(q) + first * (q_bf16 ? 2 : 4), q_bf16, int64_t(group) * d,
+                        query.data());
+            attend_one_head(query.data(), group, d, scale, cells + t * cells_stride, lengths[t], planes[0],
+                            planes[1], head, scores, row, result.data());
+            for (int64_t i = 0; i < int64_t(group) * d; ++i) store_value(out, q_bf16, first + i, result[i]);
+        }
+    }
+    return OK;
+}
+
+// out = RMSNorm(x + residual) * weight over rows of n values; sum gets x + residual (residual null: plain norm).
+int kvlm_rms_norm(const void* x, const void* residual, int bf16, int64_t rows, int64_t n, const void* weight,
+                  float eps, void* out, void* sum, int n_threads) {
+    const int threads = rows * n >= (1 << 16) ? n_threads : 1;  // a decode step's rows: no pool to wake
+#pragma omp parallel num_threads(threads)
+    {
+        std::vector<float> values;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; ++r) rms_norm_row(x, residual, bf16, r, n, weight, eps, out, sum, values);
+    }
+    return OK;
+}
+
+// RoPE in place on x [n_tokens][token_stride] (each token's n_heads heads of d values first), with float32
+// cos and sin [n_tokens][d].
+int kvlm_rope(void* x, int bf16, int64_t n_tokens, int64_t token_stride, int n_heads, int d, const float* cos,
+              const float* sin, int n_threads) {
+    if (d % 2) return BAD_SHAPE;
+    const int threads = n_tokens * n_heads * d >= (1 << 16) ? n_threads : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < n_tokens; ++t)
+        rope_token(x, bf16, t * token_stride, n_heads, d, cos + t * d, sin + t * d);
+    return OK;
+}
+
+// out [rows][n] = act(gate) * up for gate_up [rows][2n]; gelu: the tanh approximation, else SiLU.
+int kvlm_gated(const void* gate_up, int bf16, int64_t rows, int64_t n, int gelu, void* out, int n_threads) {
+    const int threads = rows * n >= (1 << 16) ? n_threads : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) gated_row(gate_up, bf16, r, n, gelu, out);
     return OK;
 }
 

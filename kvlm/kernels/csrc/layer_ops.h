@@ -1,0 +1,158 @@
+// The small ops of a decoder layer, each one pass over its rows instead of torch's several eager ops: decode
+// attention read straight from the KV cells, RMSNorm (with the residual add before it), RoPE in place, and the
+// gated activation. Plain C++ in float32 that the compiler vectorizes for the -march it builds; activations are
+// float32 or bfloat16 (rounded once, at the end of each op, where torch rounds after every step).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include "formats.h"
+
+namespace kvlm {
+
+// How a KV plane stores its rows (kvlm.memory.kv_store): dense float types, or q8_0 (int8 with an f16 scale per 32).
+enum KVType : int { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_Q8_0 = 3 };
+
+inline float load_value(const void* x, bool bf16, int64_t i) {
+    return bf16 ? bf16_to_float(static_cast<const uint16_t*>(x)[i]) : static_cast<const float*>(x)[i];
+}
+
+inline void store_value(void* x, bool bf16, int64_t i, float v) {
+    if (bf16) static_cast<uint16_t*>(x)[i] = float_to_bf16(v);
+    else static_cast<float*>(x)[i] = v;
+}
+
+inline void load_floats(const void* x, bool bf16, int64_t n, float* out) {
+    if (bf16) {
+        const uint16_t* h = static_cast<const uint16_t*>(x);
+        for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_float(h[i]);
+    } else {
+        std::copy_n(static_cast<const float*>(x), n, out);
+    }
+}
+
+inline void f16_row(const uint16_t* h, int d, float* out) {
+    int i = 0;
+#if defined(__F16C__)
+    for (; i + 8 <= d; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+#endif
+    for (; i < d; ++i) out[i] = fp16_to_float(h[i]);
+}
+
+// One cached row of d values (one KV head of one cell) as float32.
+struct KVPlane {
+    const void* data;        // [cells][n_kv][d] of the plane's type (int8 quants for q8_0)
+    const uint16_t* scales;  // q8_0 only: [cells][n_kv][d / 32] f16
+    int type;
+    int n_kv, d;
+
+    void row(int64_t cell, int head, float* out) const {
+        const int64_t at = (cell * n_kv + head) * int64_t(d);
+        switch (type) {
+            case KV_F32: std::copy_n(static_cast<const float*>(data) + at, d, out); break;
+            case KV_BF16: {
+                const uint16_t* h = static_cast<const uint16_t*>(data) + at;
+                for (int i = 0; i < d; ++i) out[i] = bf16_to_float(h[i]);
+                break;
+            }
+            case KV_F16: f16_row(static_cast<const uint16_t*>(data) + at, d, out); break;
+            default: {
+                const int8_t* q = static_cast<const int8_t*>(data) + at;
+                const uint16_t* s = scales + at / 32;
+                for (int b = 0; b < d / 32; ++b) {
+                    const float scale = fp16_to_float(s[b]);
+                    for (int i = 0; i < 32; ++i) out[b * 32 + i] = float(q[b * 32 + i]) * scale;
+                }
+            }
+        }
+    }
+};
+
+// Attention of one token's query heads sharing KV head `head` over its `length` cells (`cells`), float32
+// throughout: scores, a softmax with the maximum subtracted, and the weighted sum of V.
+inline void attend_one_head(const float* q, int group, int d, float scale, const int64_t* cells, int64_t length,
+                            const KVPlane& k, const KVPlane& v, int head, std::vector<float>& scores,
+                            std::vector<float>& row, float* out) {
+    scores.resize(size_t(group) * length);
+    row.resize(d);
+    for (int64_t j = 0; j < length; ++j) {
+        k.row(cells[j], head, row.data());
+        for (int g = 0; g < group; ++g) {
+            const float* qg = q + int64_t(g) * d;
+            float dot = 0.0f;
+            for (int i = 0; i < d; ++i) dot += qg[i] * row[i];
+            scores[g * length + j] = dot * scale;
+        }
+    }
+    for (int g = 0; g < group; ++g) {
+        float* s = scores.data() + g * length;
+        const float top = *std::max_element(s, s + length);
+        float total = 0.0f;
+        for (int64_t j = 0; j < length; ++j) total += (s[j] = std::exp(s[j] - top));
+        const float inverse = 1.0f / total;
+        for (int64_t j = 0; j < length; ++j) s[j] *= inverse;
+        std::fill(out + int64_t(g) * d, out + int64_t(g + 1) * d, 0.0f);
+    }
+    for (int64_t j = 0; j < length; ++j) {
+        v.row(cells[j], head, row.data());
+        for (int g = 0; g < group; ++g) {
+            const float p = scores[g * length + j];
+            float* og = out + int64_t(g) * d;
+            for (int i = 0; i < d; ++i) og[i] += p * row[i];
+        }
+    }
+}
+
+// out = normalized rows of (x + residual), times weight; sum (may alias x) gets x + residual when residual is
+// given. n: a row's length.
+inline void rms_norm_row(const void* x, const void* residual, bool bf16, int64_t r, int64_t n, const void* weight,
+                         float eps, void* out, void* sum, std::vector<float>& values) {
+    values.resize(n);
+    load_floats(static_cast<const char*>(x) + r * n * (bf16 ? 2 : 4), bf16, n, values.data());
+    if (residual) {
+        for (int64_t i = 0; i < n; ++i) {
+            const float added = values[i] + load_value(residual, bf16, r * n + i);
+            store_value(sum, bf16, r * n + i, added);
+            values[i] = bf16 ? bf16_to_float(float_to_bf16(added)) : added;  // the stream as stored
+        }
+    }
+    float squares = 0.0f;
+    for (int64_t i = 0; i < n; ++i) squares += values[i] * values[i];
+    const float inverse = 1.0f / std::sqrt(squares / float(n) + eps);
+    for (int64_t i = 0; i < n; ++i) store_value(out, bf16, r * n + i, values[i] * inverse * load_value(weight, bf16, i));
+}
+
+// RoPE of n_heads heads of one token in place (pairs i, i + d/2: the Hugging Face layout), cos and sin [d] float32.
+inline void rope_token(void* x, bool bf16, int64_t at, int n_heads, int d, const float* cos, const float* sin) {
+    const int half = d / 2;
+    for (int h = 0; h < n_heads; ++h) {
+        const int64_t base = at + int64_t(h) * d;
+        for (int i = 0; i < half; ++i) {
+            const float a = load_value(x, bf16, base + i), b = load_value(x, bf16, base + half + i);
+            store_value(x, bf16, base + i, a * cos[i] - b * sin[i]);
+            store_value(x, bf16, base + half + i, b * cos[half + i] + a * sin[half + i]);
+        }
+    }
+}
+
+inline float gelu_tanh(float x) {
+    return 0.5f * x * (1.0f + std::tanh(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+}
+
+// out [n] = act(gate) * up for one row of gate_up [2n] (gate first).
+inline void gated_row(const void* gate_up, bool bf16, int64_t r, int64_t n, bool gelu, void* out) {
+    for (int64_t i = 0; i < n; ++i) {
+        const float g = load_value(gate_up, bf16, r * 2 * n + i), u = load_value(gate_up, bf16, r * 2 * n + n + i);
+        const float a = gelu ? gelu_tanh(g) : g / (1.0f + std::exp(-g));
+        store_value(out, bf16, r * n + i, a * u);
+    }
+}
+
+}  // namespace kvlm

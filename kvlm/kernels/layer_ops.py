@@ -1,0 +1,75 @@
+"""A decoder layer's small ops through the native library (csrc/layer_ops.h): one call each where torch runs
+several eager ops (an RMSNorm in bfloat16 is eight of them; decode attention over a cache a gather, a conversion
+and the fused kernel per sequence). Their torch references are the model's own ops (kvlm.model.ops), which the
+tests compare these with."""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+_KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+KV_Q8_0 = 3
+
+
+class NativeLayerOps:
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        i32, i64, ptr, f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+        self._attention = lib.kvlm_decode_attention
+        self._attention.argtypes = [ptr, i32, i64, i32, i32, i32, f32, ptr, ptr, ptr, ptr, i32, ptr, i64, ptr, ptr,
+                                    i32]
+        self._rms_norm = lib.kvlm_rms_norm
+        self._rms_norm.argtypes = [ptr, ptr, i32, i64, i64, ptr, f32, ptr, ptr, i32]
+        self._rope = lib.kvlm_rope
+        self._rope.argtypes = [ptr, i32, i64, i64, i32, i32, ptr, ptr, i32]
+        self._gated = lib.kvlm_gated
+        self._gated.argtypes = [ptr, i32, i64, i64, i32, ptr, i32]
+
+    def decode_attention(self, q: torch.Tensor, k_plane: tuple, v_plane: tuple, cells: torch.Tensor,
+                         lengths: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [T, n_head, d] (float32 or bfloat16, contiguous) over the cells cells[t, :lengths[t]] of the K and V
+        planes (each `(data [n_cells, n_kv, d], q8 scales or None)`, see KVPlane.native); [T, n_head * d]."""
+        (k, k_scales), (v, v_scales) = k_plane, v_plane
+        n_tokens, n_head, dim = q.shape
+        kv_type = KV_Q8_0 if k_scales is not None else _KV_TYPES[k.dtype]
+        out = torch.empty(n_tokens, n_head * dim, dtype=q.dtype)
+        status = self._attention(
+            q.data_ptr(), q.dtype == torch.bfloat16, n_tokens, n_head, k.shape[1], dim, scale, k.data_ptr(),
+            None if k_scales is None else k_scales.data_ptr(), v.data_ptr(),
+            None if v_scales is None else v_scales.data_ptr(), kv_type, cells.data_ptr(), cells.stride(0),
+            lengths.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        if status:
+            raise ValueError(f"decode attention cannot take n_head {n_head}, n_kv {k.shape[1]}, head_dim {dim} "
+                             f"with this cache type")
+        return out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(x + residual) * weight, x + residual) for x [rows, n] (contiguous); without `residual` the
+        second is x itself."""
+        out = torch.empty_like(x)
+        total = x if residual is None else torch.empty_like(x)
+        self._rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), x.dtype == torch.bfloat16,
+                       x.shape[0], x.shape[1], weight.data_ptr(), eps, out.data_ptr(), total.data_ptr(),
+                       torch.get_num_threads())
+        return out, total
+
+    def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate x [T, n_heads, d] in place (heads and values contiguous, tokens at any stride) by float32 cos
+        and sin [T, d]."""
+        n_tokens, n_heads, dim = x.shape
+        if x.stride(2) != 1 or x.stride(1) != dim:
+            raise ValueError("rope_ needs each token's heads contiguous")
+        status = self._rope(x.data_ptr(), x.dtype == torch.bfloat16, n_tokens, x.stride(0), n_heads, dim,
+                            cos.data_ptr(), sin.data_ptr(), torch.get_num_threads())
+        if status:
+            raise ValueError(f"RoPE needs an even head_dim, got {dim}")
+        return x
+
+    def gated(self, gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
+        """act(gate) * up for gate_up [rows, 2n] (contiguous, gate first): [rows, n]."""
+        rows, width = gate_up.shape
+        out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+        self._gated(gate_up.data_ptr(), gate_up.dtype == torch.bfloat16, rows, width // 2, gelu, out.data_ptr(),
+                    torch.get_num_threads())
+        return out

@@ -1,0 +1,150 @@
+"""The native layer ops (kvlm/kernels/csrc/layer_ops.h) against their torch references (kvlm.model.ops and torch's
+own functions), for every instruction set the library is built for here, float32 and bfloat16 activations, every
+KV cache dtype, grouped heads, ragged cell lists and odd sizes; and the decoder with them against the decoder
+without them."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvlm.memory.kv_store import Q8Plane
+from kvlm.model.fused import LayerOps
+from kvlm.model.ops import apply_rope, grouped_attention, rms_norm
+from test_kernels import kernels  # noqa: F401  - the library built for each -march
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def tolerance(dtype: torch.dtype) -> dict:
+    """Float32 summation order, or one bfloat16 rounding (torch rounds after each step, the kernels once)."""
+    return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+
+
+def planes(kv_dtype: str, n_cells: int, n_kv: int, dim: int, seed: int):
+    """K and V planes of one layer as the KV store holds them, and their values as float64 (what is read back)."""
+    g = torch.Generator().manual_seed(seed)
+    k, v = (torch.randn(1, n_cells, n_kv, dim, generator=g) for _ in range(2))
+    if kv_dtype == "q8_0":
+        stored = []
+        for values in (k, v):
+            plane = Q8Plane(values.shape)
+            plane.write(0, torch.arange(n_cells), values[0])
+            stored.append((plane.native(0), plane.read(0, n_cells).double()))
+        return stored
+    dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[kv_dtype]
+    return [((values[0].to(dtype), None), values[0].to(dtype).double()) for values in (k, v)]
+
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16", "bf16", "q8_0"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_head,n_kv,dim", [(4, 4, 32), (9, 3, 64), (8, 2, 96)])
+def test_decode_attention_matches_torch(kernels, kv_dtype, dtype, n_head, n_kv, dim):  # noqa: F811
+    n_cells, n_tokens = 50, 5
+    (k_plane, k_values), (v_plane, v_values) = planes(kv_dtype, n_cells, n_kv, dim, seed=n_head + dim)
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(n_tokens, n_head, dim, generator=g).to(dtype)
+    lengths = torch.tensor([1, 17, 50, 3, 31])  # ragged: each token's own rows, padded to the longest
+    cells = torch.zeros(n_tokens, 50, dtype=torch.int64)
+    for t, n in enumerate(lengths.tolist()):
+        cells[t, :n] = torch.randperm(n_cells, generator=g)[:n]
+    out = kernels.layer_ops.decode_attention(q, k_plane, v_plane, cells, lengths, dim ** -0.5)
+    for t, n in enumerate(lengths.tolist()):
+        rows = cells[t, :n]
+        expected = grouped_attention(q[t:t + 1].double(), k_values[rows], v_values[rows], None)
+        torch.testing.assert_close(out[t:t + 1].double(), expected, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,width", [(1, 576), (3, 40), (70, 1000)])
+def test_rms_norm_with_and_without_residual(kernels, dtype, rows, width):  # noqa: F811
+    g = torch.Generator().manual_seed(rows)
+    x, h = (torch.randn(rows, width, generator=g).to(dtype) for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(width, generator=g)).to(dtype)
+    out, same = kernels.layer_ops.rms_norm(x, weight, 1e-5)
+    assert same is x
+    torch.testing.assert_close(out, rms_norm(x.double(), weight.double(), 1e-5).to(dtype), **tolerance(dtype))
+    out, total = kernels.layer_ops.rms_norm(x, weight, 1e-5, residual=h)
+    assert torch.equal(total, x + h)  # one rounding of the sum: what torch's add gives
+    torch.testing.assert_close(out, rms_norm(total.double(), weight.double(), 1e-5).to(dtype), **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_tokens,n_heads,dim", [(1, 12, 64), (7, 3, 2), (33, 5, 128)])
+def test_rope_in_place_on_a_strided_view(kernels, dtype, n_tokens, n_heads, dim):  # noqa: F811
+    g = torch.Generator().manual_seed(dim)
+    qkv = torch.randn(n_tokens, (n_heads + 1) * dim, generator=g).to(dtype)  # one more head after the rotated ones
+    angles = torch.rand(n_tokens, 1, dim // 2, generator=g) * 100
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    expected = apply_rope(qkv[:, :n_heads * dim].double().view(n_tokens, n_heads, dim), cos.double(), sin.double())
+    untouched = qkv[:, n_heads * dim:].clone()
+    view = qkv[:, :n_heads * dim].view(n_tokens, n_heads, dim)
+    kernels.layer_ops.rope_(view, cos, sin)
+    torch.testing.assert_close(view.double(), expected, **tolerance(dtype))
+    assert torch.equal(qkv[:, n_heads * dim:], untouched)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("rows,width", [(1, 1536), (5, 7), (64, 2048)])
+def test_gated_activation(kernels, dtype, activation, rows, width):  # noqa: F811
+    gate_up = torch.randn(rows, 2 * width, generator=torch.Generator().manual_seed(width)).to(dtype)
+    out = kernels.layer_ops.gated(gate_up, activation == "gelu_tanh")
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+    torch.testing.assert_close(out.double(), (act * up).to(dtype).double(), **tolerance(dtype))
+
+
+def test_layer_ops_fall_back_to_torch_without_the_library():
+    """LayerOps(None): the torch ops, as in the reference mode and where no compiler built the library."""
+    ops = LayerOps(None)
+    x, h, weight = torch.randn(3, 16), torch.randn(3, 16), torch.rand(16) + 0.5
+    assert ops.attention_kernel() is None
+    torch.testing.assert_close(ops.norm(x, weight, 1e-6), rms_norm(x, weight, 1e-6), rtol=0, atol=0)
+    normed, total = ops.add_norm(x, h, weight, 1e-6)
+    assert torch.equal(total, x + h)
+    torch.testing.assert_close(normed, rms_norm(x + h, weight, 1e-6), rtol=0, atol=0)
+    up = torch.nn.Linear(16, 32, bias=False)
+    down = torch.nn.Linear(16, 16, bias=False)
+    gate, value = up(x).chunk(2, dim=-1)
+    with torch.no_grad():
+        torch.testing.assert_close(ops.gated_mlp(x, up, down), down(F.silu(gate) * value), rtol=0, atol=0)
+
+
+def prompt_then_steps(model, prompt: list[int], n_prompt: int, kv_dtype: str) -> torch.Tensor:
+    """Logits of every prompt token (one batch) and of each later token decoded alone; two sequences each step so
+    decode goes through per-token cell lists, and a lone one through all cells."""
+    from kvlm import Batch, Context
+    from conftest import decode_ok
+
+    ctx = Context(model, n_ctx=128, n_batch=64, n_ubatch=64, n_seq_max=2, kv_dtype=kv_dtype)
+    decode_ok(ctx, Batch(tokens=prompt[:n_prompt], seq_ids=[0] * n_prompt, logits=[True] * n_prompt))
+    rows = [ctx.get_logits_ith(i).clone() for i in range(n_prompt)]
+    decode_ok(ctx, Batch(tokens=prompt[:3], seq_ids=[1] * 3, logits=[False, False, True]))
+    for p in range(n_prompt, len(prompt)):
+        decode_ok(ctx, Batch(tokens=[prompt[p], prompt[p - n_prompt + 3]], pos=[p, p - n_prompt + 3],
+                             seq_ids=[0, 1], logits=[True, True]))
+        rows += [ctx.get_logits_ith(0).clone(), ctx.get_logits_ith(1).clone()]
+    return torch.stack(rows)
+
+
+def test_decoder_with_native_ops_matches_torch_ops(smollm2):
+    """The reference model (dense float32, f32 cache) with the native layer ops in place of torch's: only summation
+    order changes. Anything that rounds on the way (8-bit activations of quantized products, a q8_0 or bf16 cache)
+    would turn that float32 noise into whole rounding steps, so this shows the ops themselves; every cache dtype is
+    tested op by op above."""
+    from kvlm.kernels import native_kernels
+
+    kernels = native_kernels()
+    if kernels is None:
+        pytest.skip("the native kernels are not built here")
+    assert smollm2.decoder.ops.native is None  # the reference mode runs torch's ops
+    prompt = [1, 504, 3575, 282, 4649, 314, 253, 1345, 28, 653, 1584, 11164, 12816, 288, 9568, 2026]
+    torch_ops = prompt_then_steps(smollm2, prompt, 8, "f32")
+    smollm2.decoder.ops = LayerOps(kernels.layer_ops)
+    try:
+        native = prompt_then_steps(smollm2, prompt, 8, "f32")
+    finally:
+        smollm2.decoder.ops = LayerOps(None)
+    torch.testing.assert_close(native, torch_ops, atol=1e-4, rtol=0)
+    assert torch.equal(native.argmax(-1), torch_ops.argmax(-1))
