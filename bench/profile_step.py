@@ -46,6 +46,7 @@ from kvlm.model import linear
 from kvlm.model.decoder import Decoder
 from kvlm.server.async_engine import AsyncEngine
 from kvlm.server.metrics import ServerMetrics
+from kvlm.startup import in_passing_thread
 
 PROMPT_TOKENS = 64
 CATEGORIES = ("weight products", "attention", "other model ops", "memory bookkeeping", "scheduling", "sampling",
@@ -214,20 +215,22 @@ def main() -> None:
     clock = instrument()
     # Room for every sequence's prompt and output at the largest batch: none is cut short by a full cache.
     n_ctx = max(args.batches) * (PROMPT_TOKENS + args.steps + 8)
-    llm = LLM(str(path), max_num_seqs=max(args.batches), n_ctx=n_ctx)
+    # As `kvlm serve` does: loaded on a thread that ends, and each way's steps on a thread of their own, so no
+    # thread keeps OpenMP workers beside the one stepping (kvlm.startup.in_passing_thread says why).
+    llm = in_passing_thread(lambda: LLM(str(path), max_num_seqs=max(args.batches), n_ctx=n_ctx))
     print(f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}; {path.name}; "
           f"{llm.model.decoder.describe()}")
     print(f"{PROMPT_TOKENS}-token prompts, {args.steps} decode steps timed per batch size; ms per step")
     for way, served in (("LLM.generate / kvlm generate (Engine.step)", False), ("kvlm serve (engine thread)", True)):
         rows = []
         for batch in args.batches:
-            result = profile(llm, clock, batch, args.steps, served)
+            result = in_passing_thread(lambda: profile(llm, clock, batch, args.steps, served))
             rows.append([batch] + [f"{result[c]:.2f}" for c in CATEGORIES] + [f"{result['step']:.2f}",
                                                                               f"{result['tokens/s']:.1f}"])
         print(f"\n### {way}\n")
         print(markdown_table(["batch", *CATEGORIES, "step", "tokens/s"], rows))
     if args.ops:
-        print_ops(llm, args.steps)
+        in_passing_thread(lambda: print_ops(llm, args.steps))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from kvlm.loader.load import load_model
 from kvlm.memory.kv_store import AUTO
 from kvlm.server.app import create_app
 from kvlm.server.kv_report import recurrent_part
+from kvlm.startup import in_passing_thread
 
 log = logging.getLogger("kvlm")
 
@@ -87,12 +88,20 @@ def serve(settings: ServeSettings) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     request = memory_request(settings.n_ctx, settings.max_num_seqs, settings.max_num_batched_tokens, settings.kv_dtype,
                              swa_full=settings.swa_full)
-    model = load_model(settings.model, settings.dtype, quant=settings.quant, batch_invariant=settings.batch_invariant,
-                       compile=settings.compile, tensor_parallel_size=settings.tensor_parallel_size, memory=request,
-                       memory_budget=settings.memory_budget)
-    engine = Engine(model, n_ctx=settings.n_ctx or model.plan.n_ctx, max_num_seqs=settings.max_num_seqs,
-                    max_num_batched_tokens=settings.max_num_batched_tokens, kv_dtype=settings.kv_dtype,
-                    swa_full=settings.swa_full, memory_budget=settings.memory_budget)
+
+    def build() -> Engine:
+        model = load_model(settings.model, settings.dtype, quant=settings.quant,
+                           batch_invariant=settings.batch_invariant, compile=settings.compile,
+                           tensor_parallel_size=settings.tensor_parallel_size, memory=request,
+                           memory_budget=settings.memory_budget)
+        return Engine(model, n_ctx=settings.n_ctx or model.plan.n_ctx, max_num_seqs=settings.max_num_seqs,
+                      max_num_batched_tokens=settings.max_num_batched_tokens, kv_dtype=settings.kv_dtype,
+                      swa_full=settings.swa_full, memory_budget=settings.memory_budget)
+
+    # The engine steps on a thread of its own (kvlm.server.async_engine): no other thread may keep OpenMP workers.
+    # (Tensor parallelism pins this thread to rank 0's cores, which the engine thread inherits: it builds here.)
+    engine = in_passing_thread(build) if settings.tensor_parallel_size == 1 else build()
+    model = engine.model
     name = settings.served_model_name or served_name(settings.model)
     memory = engine.context.memory
     log.info("model %s (%s) from %s", name, model.config.architecture, model.source)

@@ -7,8 +7,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -75,6 +76,75 @@ struct KVPlane {
     }
 };
 
+// Sum of a[i] * b[i] in 16 interleaved partial sums, a fixed order of additions (a single running sum is one the
+// compiler may not vectorize); with AVX-512 or AVX2 the partial sums stay in one register to the end.
+inline float dot(const float* a, const float* b, int64_t n) {
+    int64_t i = 0;
+    float total = 0.0f;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i)));
+    total = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__)
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+    __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    total = _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+#else
+    float partial[16] = {};
+    for (; i + 16 <= n; i += 16)
+        for (int j = 0; j < 16; ++j) partial[j] += a[i + j] * b[i + j];
+    for (int j = 0; j < 16; ++j) total += partial[j];
+#endif
+    for (; i < n; ++i) total += a[i] * b[i];
+    return total;
+}
+
+inline float sum(const float* a, int64_t n) {
+    float partial[16] = {};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int j = 0; j < 16; ++j) partial[j] += a[i + j];
+    float total = 0.0f;
+    for (; i < n; ++i) total += a[i];
+    for (int j = 0; j < 16; ++j) total += partial[j];
+    return total;
+}
+
+inline float maximum(const float* a, int64_t n) {
+    float partial[16];
+    std::fill(partial, partial + 16, -INFINITY);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int j = 0; j < 16; ++j) partial[j] = std::max(partial[j], a[i + j]);
+    float top = -INFINITY;
+    for (; i < n; ++i) top = std::max(top, a[i]);
+    for (int j = 0; j < 16; ++j) top = std::max(top, partial[j]);
+    return top;
+}
+
+// a[i] = exp(a[i]) for a[i] <= 0 (scores less their maximum), within 2 ulp: Cody-Waite reduction by ln 2 and
+// Cephes' polynomial, in a loop the compiler vectorizes (std::exp is a call per value).
+inline void exp_nonpositive(float* a, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) {
+        const float x = std::max(a[i], -87.0f);
+        const float k = std::floor(x * 1.44269504088896341f + 0.5f);
+        const float r = (x - k * 0.693359375f) + k * 2.12194440e-4f;
+        float p = 1.9875691500e-4f;
+        p = p * r + 1.3981999507e-3f;
+        p = p * r + 8.3334519073e-3f;
+        p = p * r + 4.1665795894e-2f;
+        p = p * r + 1.6666665459e-1f;
+        p = p * r + 5.0000001201e-1f;
+        const float y = p * r * r + r + 1.0f;
+        const int32_t bits = (int32_t(k) + 127) << 23;
+        float two_k;
+        std::memcpy(&two_k, &bits, 4);
+        a[i] = y * two_k;
+    }
+}
+
 // Attention of one token's query heads sharing KV head `head` over its `length` cells (`cells`), float32
 // throughout: scores, a softmax with the maximum subtracted, and the weighted sum of V.
 inline void attend_one_head(const float* q, int group, int d, float scale, const int64_t* cells, int64_t length,
@@ -84,19 +154,14 @@ inline void attend_one_head(const float* q, int group, int d, float scale, const
     row.resize(d);
     for (int64_t j = 0; j < length; ++j) {
         k.row(cells[j], head, row.data());
-        for (int g = 0; g < group; ++g) {
-            const float* qg = q + int64_t(g) * d;
-            float dot = 0.0f;
-            for (int i = 0; i < d; ++i) dot += qg[i] * row[i];
-            scores[g * length + j] = dot * scale;
-        }
+        for (int g = 0; g < group; ++g) scores[g * length + j] = dot(q + int64_t(g) * d, row.data(), d) * scale;
     }
     for (int g = 0; g < group; ++g) {
         float* s = scores.data() + g * length;
-        const float top = *std::max_element(s, s + length);
-        float total = 0.0f;
-        for (int64_t j = 0; j < length; ++j) total += (s[j] = std::exp(s[j] - top));
-        const float inverse = 1.0f / total;
+        const float top = maximum(s, length);
+        for (int64_t j = 0; j < length; ++j) s[j] -= top;
+        exp_nonpositive(s, length);
+        const float inverse = 1.0f / sum(s, length);
         for (int64_t j = 0; j < length; ++j) s[j] *= inverse;
         std::fill(out + int64_t(g) * d, out + int64_t(g + 1) * d, 0.0f);
     }
@@ -123,8 +188,7 @@ inline void rms_norm_row(const void* x, const void* residual, bool bf16, int64_t
             values[i] = bf16 ? bf16_to_float(float_to_bf16(added)) : added;  // the stream as stored
         }
     }
-    float squares = 0.0f;
-    for (int64_t i = 0; i < n; ++i) squares += values[i] * values[i];
+    const float squares = dot(values.data(), values.data(), n);
     const float inverse = 1.0f / std::sqrt(squares / float(n) + eps);
     for (int64_t i = 0; i < n; ++i) store_value(out, bf16, r * n + i, values[i] * inverse * load_value(weight, bf16, i));
 }
