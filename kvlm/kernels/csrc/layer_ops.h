@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -145,6 +146,92 @@ inline void exp_nonpositive(float* a, int64_t n) {
     }
 }
 
+#if defined(__AVX512F__)
+// 16 values of a dense plane from element `at`, as float32.
+template <int TYPE> inline __m512 kv_chunk(const void* data, int64_t at) {
+    if constexpr (TYPE == KV_F32) return _mm512_loadu_ps(static_cast<const float*>(data) + at);
+    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(data) + at));
+    if constexpr (TYPE == KV_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+    return _mm512_cvtph_ps(half);
+}
+
+// The scores and the weighted sum of V for a dense plane with d a multiple of 16 (at most 256): each row converted
+// once into registers, the query heads' partial sums and outputs in whole vectors.
+template <int TYPE> void scores_avx512(const float* q, int group, int d, float scale, const int64_t* cells,
+                                       int64_t length, const KVPlane& k, int head, float* scores) {
+    const int chunks = d / 16;
+    __m512 row[16];
+    for (int64_t j = 0; j < length; ++j) {
+        const int64_t at = (cells[j] * k.n_kv + head) * int64_t(d);
+        for (int c = 0; c < chunks; ++c) row[c] = kv_chunk<TYPE>(k.data, at + 16 * c);
+        for (int g = 0; g < group; ++g) {
+            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q + g * d), row[0]);
+            for (int c = 1; c < chunks; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * d + 16 * c), row[c], acc);
+            scores[g * length + j] = _mm512_reduce_add_ps(acc) * scale;
+        }
+    }
+}
+
+template <int TYPE> void values_avx512(const float* probs, int group, int d, const int64_t* cells, int64_t length,
+                                       const KVPlane& v, int head, float* out) {
+    const int chunks = d / 16;
+    __m512 row[16];
+    for (int64_t j = 0; j < length; ++j) {
+        const int64_t at = (cells[j] * v.n_kv + head) * int64_t(d);
+        for (int c = 0; c < chunks; ++c) row[c] = kv_chunk<TYPE>(v.data, at + 16 * c);
+        for (int g = 0; g < group; ++g) {
+            const __m512 p = _mm512_set1_ps(probs[g * length + j]);
+            float* o = out + g * d;
+            for (int c = 0; c < chunks; ++c)
+                _mm512_storeu_ps(o + 16 * c, _mm512_fmadd_ps(p, row[c], _mm512_loadu_ps(o + 16 * c)));
+        }
+    }
+}
+
+template <class F> bool with_dense_plane(const KVPlane& plane, F&& f) {
+    if (plane.d % 16 || plane.d > 256) return false;
+    switch (plane.type) {
+        case KV_F32: f(std::integral_constant<int, KV_F32>{}); return true;
+        case KV_BF16: f(std::integral_constant<int, KV_BF16>{}); return true;
+        case KV_F16: f(std::integral_constant<int, KV_F16>{}); return true;
+        default: return false;
+    }
+}
+#endif
+
+// Scores of a token's query heads against its cells, row by row, for any plane.
+inline void scores_any(const float* q, int group, int d, float scale, const int64_t* cells, int64_t length,
+                       const KVPlane& k, int head, std::vector<float>& row, float* scores) {
+    for (int64_t j = 0; j < length; ++j) {
+        k.row(cells[j], head, row.data());
+        for (int g = 0; g < group; ++g) scores[g * length + j] = dot(q + int64_t(g) * d, row.data(), d) * scale;
+    }
+}
+
+inline void values_any(const float* probs, int group, int d, const int64_t* cells, int64_t length,
+                       const KVPlane& v, int head, std::vector<float>& row, float* out) {
+    for (int64_t j = 0; j < length; ++j) {
+        v.row(cells[j], head, row.data());
+        for (int g = 0; g < group; ++g) {
+            const float p = probs[g * length + j];
+            float* og = out + int64_t(g) * d;
+            for (int i = 0; i < d; ++i) og[i] += p * row[i];
+        }
+    }
+}
+
+// Each query head's scores turned into probabilities in place: the maximum subtracted, exp, normalized.
+inline void softmax_rows(float* scores, int group, int64_t length) {
+    for (int g = 0; g < group; ++g) {
+        float* s = scores + g * length;
+        const float top = maximum(s, length);
+        for (int64_t j = 0; j < length; ++j) s[j] -= top;
+        exp_nonpositive(s, length);
+        const float inverse = 1.0f / sum(s, length);
+        for (int64_t j = 0; j < length; ++j) s[j] *= inverse;
+    }
+}
+
 // Attention of one token's query heads sharing KV head `head` over its `length` cells (`cells`), float32
 // throughout: scores, a softmax with the maximum subtracted, and the weighted sum of V.
 inline void attend_one_head(const float* q, int group, int d, float scale, const int64_t* cells, int64_t length,
@@ -152,27 +239,19 @@ inline void attend_one_head(const float* q, int group, int d, float scale, const
                             std::vector<float>& row, float* out) {
     scores.resize(size_t(group) * length);
     row.resize(d);
-    for (int64_t j = 0; j < length; ++j) {
-        k.row(cells[j], head, row.data());
-        for (int g = 0; g < group; ++g) scores[g * length + j] = dot(q + int64_t(g) * d, row.data(), d) * scale;
-    }
-    for (int g = 0; g < group; ++g) {
-        float* s = scores.data() + g * length;
-        const float top = maximum(s, length);
-        for (int64_t j = 0; j < length; ++j) s[j] -= top;
-        exp_nonpositive(s, length);
-        const float inverse = 1.0f / sum(s, length);
-        for (int64_t j = 0; j < length; ++j) s[j] *= inverse;
-        std::fill(out + int64_t(g) * d, out + int64_t(g + 1) * d, 0.0f);
-    }
-    for (int64_t j = 0; j < length; ++j) {
-        v.row(cells[j], head, row.data());
-        for (int g = 0; g < group; ++g) {
-            const float p = scores[g * length + j];
-            float* og = out + int64_t(g) * d;
-            for (int i = 0; i < d; ++i) og[i] += p * row[i];
-        }
-    }
+    std::fill(out, out + int64_t(group) * d, 0.0f);
+#if defined(__AVX512F__)
+    const bool vectors = with_dense_plane(k, [&](auto tag) {
+        constexpr int TYPE = decltype(tag)::value;
+        scores_avx512<TYPE>(q, group, d, scale, cells, length, k, head, scores.data());
+        softmax_rows(scores.data(), group, length);
+        values_avx512<TYPE>(scores.data(), group, d, cells, length, v, head, out);
+    });
+    if (vectors) return;
+#endif
+    scores_any(q, group, d, scale, cells, length, k, head, row, scores.data());
+    softmax_rows(scores.data(), group, length);
+    values_any(scores.data(), group, d, cells, length, v, head, row, out);
 }
 
 // out = normalized rows of (x + residual), times weight; sum (may alias x) gets x + residual when residual is
