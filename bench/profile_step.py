@@ -147,43 +147,39 @@ def run_engine(llm: LLM, clock: StepClock, batch: int, steps: int) -> tuple[floa
 
 
 def run_served(llm: LLM, clock: StepClock, batch: int, steps: int) -> tuple[float, int]:
-    """The same through the server's engine thread: `batch` streaming clients in asyncio, timed from the step on
-    which every prompt is done until `steps` more tokens each."""
+    """The same through the server's engine thread: `batch` streaming clients in asyncio. The clock and the wall
+    time start once every client has its first token (every prompt done) and stop when each has `steps` more."""
     runner = AsyncEngine(llm.engine, ServerMetrics())
     runner.start()
-    marks: dict[str, list[float]] = defaultdict(list)
+    counts = [0] * batch
+    window: dict[str, float] = {}
 
     async def client(index: int, prompt: list[int]) -> None:
         params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
-        async for event in runner.generate(f"p{index}", prompt, params):
-            marks[f"p{index}"].append(time.perf_counter())
+        async for _ in runner.generate(f"p{index}", prompt, params):
+            counts[index] += 1
+            if "start" not in window and min(counts) >= 1:
+                clock.reset()
+                clock.on = True
+                window["start"] = time.perf_counter()
+            if "start" in window and "end" not in window and min(counts) >= steps + 1:
+                clock.on = False
+                window["end"] = time.perf_counter()
 
     async def main() -> None:
         await asyncio.gather(*(client(i, p) for i, p in enumerate(prompts(batch, llm.model.config.vocab_size))))
 
-    clock.reset()
-    clock.on = True
     asyncio.run(main())
-    clock.on = False
     runner.stop()
-    # Wall time of the decode steps alone: from the last first-token to the last (steps + 1)-th token.
-    first = max(m[0] for m in marks.values())
-    last = max(m[min(steps, len(m) - 1)] for m in marks.values())
-    return last - first, steps
+    return window["end"] - window["start"], steps
 
 
 def profile(llm: LLM, clock: StepClock, batch: int, steps: int, served: bool) -> dict[str, float]:
     """Milliseconds per step by category, and the whole step."""
-    if served:
-        wall, timed = run_served(llm, clock, batch, steps)
-        # The served run's timers include its prompt steps; scale the split to the decode steps' wall time.
-        split = clock.split()
-        total = sum(split.values())
-        per_step = {name: 1e3 * wall / timed * value / total for name, value in split.items()}
-    else:
-        wall, timed = run_engine(llm, clock, batch, steps)
-        per_step = {name: 1e3 * value / timed for name, value in clock.split().items()}
-        per_step["Python/dispatch"] += 1e3 * wall / timed - sum(per_step.values())  # the loop around step
+    wall, timed = (run_served if served else run_engine)(llm, clock, batch, steps)
+    per_step = {name: 1e3 * value / timed for name, value in clock.split().items()}
+    # What the timers do not cover: the loop around the step (and, served, the engine thread's waits).
+    per_step["Python/dispatch"] += 1e3 * wall / timed - sum(per_step.values())
     per_step["step"] = sum(per_step[c] for c in CATEGORIES)
     per_step["tokens/s"] = batch * 1e3 / per_step["step"]
     return per_step

@@ -120,6 +120,18 @@ template <int TYPE> void product_rows(const uint8_t* weights, int64_t k, int64_t
     }
 }
 
+// body(i) for i < n: serially when the work (`size` values) is too small to share, else over the pool's threads.
+// Small work never opens a team of one: libgomp would resize its pool between such a region and the next full one,
+// and the full one's workers then start from sleep (oneDNN's products after them ran 3x slower).
+template <class F> void for_rows(int64_t n, int64_t size, int n_threads, F&& body) {
+    if (n_threads <= 1 || n <= 1 || size < (1 << 16)) {
+        for (int64_t i = 0; i < n; ++i) body(i);
+        return;
+    }
+#pragma omp parallel for num_threads(n_threads) schedule(static)
+    for (int64_t i = 0; i < n; ++i) body(i);
+}
+
 }  // namespace
 
 extern "C" {
@@ -205,34 +217,29 @@ int kvlm_decode_attention(const void* q, int q_bf16, int64_t n_tokens, int n_hea
     const KVPlane planes[2] = {{k, k_scales, kv_type, n_kv, d}, {v, v_scales, kv_type, n_kv, d}};
     const int group = n_head / n_kv;
     const int64_t tasks = n_tokens * n_kv;
-#pragma omp parallel num_threads(int(std::min<int64_t>(n_threads, tasks)))
-    {
-        std::vector<float> query(size_t(group) * d), result(size_t(group) * d), scores, row;
-#pragma omp for schedule(static)
-        for (int64_t task = 0; task < tasks; ++task) {
-            const int64_t t = task / n_kv;
-            const int head = int(task % n_kv);
-            const int64_t first = (t * n_head + int64_t(head) * group) * d;
-            load_floats(static_cast<const char*>(q) + first * (q_bf16 ? 2 : 4), q_bf16, int64_t(group) * d,
-                        query.data());
-            attend_one_head(query.data(), group, d, scale, cells + t * cells_stride, lengths[t], planes[0],
-                            planes[1], head, scores, row, result.data());
-            for (int64_t i = 0; i < int64_t(group) * d; ++i) store_value(out, q_bf16, first + i, result[i]);
-        }
-    }
+    // One task per (token, KV head): always worth sharing out, whatever its length.
+    for_rows(tasks, tasks << 16, n_threads, [&](int64_t task) {
+        static thread_local std::vector<float> query, result, scores, row;
+        query.resize(size_t(group) * d);
+        result.resize(size_t(group) * d);
+        const int64_t t = task / n_kv;
+        const int head = int(task % n_kv);
+        const int64_t first = (t * n_head + int64_t(head) * group) * d;
+        load_floats(static_cast<const char*>(q) + first * (q_bf16 ? 2 : 4), q_bf16, int64_t(group) * d, query.data());
+        attend_one_head(query.data(), group, d, scale, cells + t * cells_stride, lengths[t], planes[0], planes[1],
+                        head, scores, row, result.data());
+        for (int64_t i = 0; i < int64_t(group) * d; ++i) store_value(out, q_bf16, first + i, result[i]);
+    });
     return OK;
 }
 
 // out = RMSNorm(x + residual) * weight over rows of n values; sum gets x + residual (residual null: plain norm).
 int kvlm_rms_norm(const void* x, const void* residual, int bf16, int64_t rows, int64_t n, const void* weight,
                   float eps, void* out, void* sum, int n_threads) {
-    const int threads = rows * n >= (1 << 16) ? n_threads : 1;  // a decode step's rows: no pool to wake
-#pragma omp parallel num_threads(threads)
-    {
-        std::vector<float> values;
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; ++r) rms_norm_row(x, residual, bf16, r, n, weight, eps, out, sum, values);
-    }
+    for_rows(rows, rows * n, n_threads, [&](int64_t r) {
+        static thread_local std::vector<float> values;
+        rms_norm_row(x, residual, bf16, r, n, weight, eps, out, sum, values);
+    });
     return OK;
 }
 
@@ -241,18 +248,14 @@ int kvlm_rms_norm(const void* x, const void* residual, int bf16, int64_t rows, i
 int kvlm_rope(void* x, int bf16, int64_t n_tokens, int64_t token_stride, int n_heads, int d, const float* cos,
               const float* sin, int n_threads) {
     if (d % 2) return BAD_SHAPE;
-    const int threads = n_tokens * n_heads * d >= (1 << 16) ? n_threads : 1;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < n_tokens; ++t)
-        rope_token(x, bf16, t * token_stride, n_heads, d, cos + t * d, sin + t * d);
+    for_rows(n_tokens, n_tokens * n_heads * d, n_threads,
+             [&](int64_t t) { rope_token(x, bf16, t * token_stride, n_heads, d, cos + t * d, sin + t * d); });
     return OK;
 }
 
 // out [rows][n] = act(gate) * up for gate_up [rows][2n]; gelu: the tanh approximation, else SiLU.
 int kvlm_gated(const void* gate_up, int bf16, int64_t rows, int64_t n, int gelu, void* out, int n_threads) {
-    const int threads = rows * n >= (1 << 16) ? n_threads : 1;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t r = 0; r < rows; ++r) gated_row(gate_up, bf16, r, n, gelu, out);
+    for_rows(rows, rows * n, n_threads, [&](int64_t r) { gated_row(gate_up, bf16, r, n, gelu, out); });
     return OK;
 }
 
