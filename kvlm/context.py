@@ -108,12 +108,6 @@ class Context:
         self.last_error = message
         return status
 
-    def get_logits(self) -> torch.Tensor:
-        """Logits of every output token of the last batch, [n_outputs, vocab], in batch order (llama_get_logits)."""
-        if self._logits is None:
-            raise IndexError("no logits: the last decode did not succeed or has not run")
-        return self._logits
-
     def get_logits_ith(self, i: int) -> torch.Tensor:
         """Logits of the i-th output token of the last batch (negative counts from the end)."""
         if self._logits is None:

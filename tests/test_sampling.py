@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from kvlm.engine.sampler import RequestSampler, SampledToken, _nucleus, draw_rows
+from kvlm.engine.sampler import RequestSampler, SampledToken, _nucleus
 from kvlm.engine.sampling_params import SamplingParams
 from kvlm.sampling import sample_token
 
@@ -348,36 +348,3 @@ def test_sample_token_keeps_its_contract():
     generator = torch.Generator().manual_seed(5)
     drawn = [sample_token(LOGITS, 0.5, generator) for _ in range(N_DRAWS // 2)]
     assert_distribution(drawn, torch.softmax(LOGITS.double() / 0.5, 0))
-
-
-# --- draw_rows: a step's plain draws together ------------------------------------------------------------
-
-
-@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
-def test_draw_rows_follow_softmax_of_logits_over_t(temperature):
-    """Many rows of one step, each its own request: the draws follow softmax(logits / t)."""
-    samplers = [RequestSampler(SamplingParams(temperature=temperature, seed=s), []) for s in range(N_DRAWS // 10)]
-    tokens = []
-    for _ in range(10):
-        tokens += draw_rows(LOGITS.expand(len(samplers), -1), samplers)
-    assert_distribution(tokens, torch.softmax(LOGITS.double() / temperature, 0))
-
-
-def test_draw_rows_takes_the_same_tokens_as_each_request_alone():
-    """A seeded row draws what its request draws one row at a time (the same generator, the same CDF), whatever
-    the other rows are."""
-    logits = torch.randn(5, 1000, generator=torch.Generator().manual_seed(3)) * 3
-    temperatures = [0.7, 1.0, 1.3, 1.0, 0.9]
-    together = [RequestSampler(SamplingParams(temperature=t, seed=i), []) for i, t in enumerate(temperatures)]
-    alone = [RequestSampler(SamplingParams(temperature=t, seed=i), []) for i, t in enumerate(temperatures)]
-    assert all(s.plain_draw for s in together)
-    for _ in range(20):
-        drawn = draw_rows(logits, together)
-        assert drawn == [s.sample(row).token_id for s, row in zip(alone, logits)]
-        assert draw_rows(logits[2:3], [together[2]]) == [alone[2].sample(logits[2]).token_id]
-
-
-@pytest.mark.parametrize("kwargs", [dict(temperature=0.0), dict(top_k=5), dict(top_p=0.9), dict(min_p=0.1),
-                                    dict(logprobs=1), dict(presence_penalty=0.5), dict(logit_bias={1: 1.0})])
-def test_only_plain_draws_are_drawn_together(kwargs):
-    assert not RequestSampler(SamplingParams(**kwargs), []).plain_draw

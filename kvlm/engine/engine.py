@@ -5,13 +5,11 @@ import itertools
 import logging
 import time
 
-import torch
-
 from kvlm.batch import Batch
 from kvlm.context import Context, DecodeStatus
 from kvlm.engine.prefix_cache import PrefixCache
 from kvlm.engine.request import Request, RequestOutput, RequestState, StepEvent
-from kvlm.engine.sampler import RequestSampler, SampledToken, draw_rows
+from kvlm.engine.sampler import RequestSampler
 from kvlm.engine.sampling_params import SamplingParams
 from kvlm.engine.scheduler import Scheduled, Scheduler
 from kvlm.engine.stop import StopChecker
@@ -142,32 +140,23 @@ class Engine:
         return Batch(tokens=tokens, pos=positions, seq_ids=seq_ids, logits=outputs)
 
     def _advance(self, plan: list[Scheduled]) -> list[StepEvent]:
-        sampling = []  # (request, its output row), in the batch's order
+        events, n_output = [], 0
         for item in plan:
             request = item.request
             if len(request.output_token_ids) == 0:
                 self.n_prefill_tokens += item.n_tokens
-            outputs = item.outputs  # read before n_computed moves: it compares the chunk with what is pending
+            outputs = item.outputs
             request.n_computed += item.n_tokens
             if not outputs:
                 continue
             if not request.output_token_ids:
                 self.scheduler.cache_computed_prefix(request)  # later requests can share the prompt now
-            sampling.append((request, len(sampling)))
-        drawn = self._draw_plain_rows(sampling)
-        return [self._sample(request, drawn.get(row) or request.sampler.sample(self.context.get_logits_ith(row)))
-                for request, row in sampling]
+            events.append(self._sample(request, self.context.get_logits_ith(n_output)))
+            n_output += 1
+        return events
 
-    def _draw_plain_rows(self, sampling: list[tuple[Request, int]]) -> dict[int, SampledToken]:
-        """The rows of requests that only draw from softmax(logits / temperature), drawn in one pass (draw_rows)."""
-        plain = [(request, row) for request, row in sampling if request.sampler.plain_draw]
-        if not plain:
-            return {}
-        rows = torch.tensor([row for _, row in plain])
-        tokens = draw_rows(self.context.get_logits().index_select(0, rows), [request.sampler for request, _ in plain])
-        return {row: SampledToken(token) for (_, row), token in zip(plain, tokens)}
-
-    def _sample(self, request: Request, sampled: SampledToken) -> StepEvent:
+    def _sample(self, request: Request, logits) -> StepEvent:
+        sampled = request.sampler.sample(logits)
         request.output_token_ids.append(sampled.token_id)
         request.logprobs.append(sampled)
         if request.first_token_time is None:

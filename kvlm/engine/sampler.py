@@ -44,11 +44,6 @@ class RequestSampler:
         self.params = params
         # Greedy without bias or penalties is only an argmax: the hot path, nothing to set up or record.
         self._argmax_only = params.greedy and not params.logit_bias and not params.has_penalties
-        # A draw from softmax(logits / temperature) alone (no bias, penalties, top-k/p, min-p or logprobs): such rows
-        # of a step are drawn together (draw_rows), each from its own generator.
-        self.plain_draw = (not params.greedy and not params.logit_bias and not params.has_penalties
-                           and params.top_k <= 0 and params.top_p >= 1.0 and params.min_p <= 0.0
-                           and params.logprobs is None)
         self._repetition = params.repetition_penalty != 1.0
         self._frequency = params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
         self._generator: torch.Generator | None = None
@@ -133,22 +128,6 @@ class RequestSampler:
         if self._frequency:
             self._counts[token_id] = self._counts.get(token_id, 0) + 1
             self._counted_ids = None
-
-
-def draw_rows(logits: torch.Tensor, samplers: list[RequestSampler]) -> list[int]:
-    """One token per row of logits [n, vocab] for requests that only draw (`RequestSampler.plain_draw`): softmax at
-    each one's temperature, then one uniform number from each one's generator against its row's float64 CDF. Every
-    operation is row by row, so a row's token does not depend on the others (a seeded request draws the same
-    tokens whatever runs beside it), and a single row goes through this same path."""
-    temperatures = torch.tensor([[sampler.params.temperature] for sampler in samplers], dtype=torch.float32)
-    probs = torch.softmax(logits.float() / temperatures, dim=1)
-    cumulative = torch.cumsum(probs, dim=1, dtype=torch.float64)
-    u = torch.cat([torch.rand(1, dtype=torch.float64, generator=sampler.generator) for sampler in samplers])
-    chosen = torch.searchsorted(cumulative, (u * cumulative[:, -1])[:, None], right=True).flatten().tolist()
-    for row, index in enumerate(chosen):
-        if index >= probs.shape[1]:  # u rounded up to the total: the last token with any probability
-            chosen[row] = int(torch.nonzero(probs[row])[-1])
-    return chosen
 
 
 def argmax(logits: torch.Tensor) -> int:
