@@ -51,26 +51,31 @@ MAX_NATIVE_TOKENS = 4  # more tokens over the same rows (a prompt chunk) are fas
 def _native_decode(q: torch.Tensor, layer: int, kv: KVView, native: NativeLayerOps) -> torch.Tensor | None:
     """The native decode attention where every token of the step reads its own rows, or a few tokens read all
     visible rows; None for anything else (prompt chunks, masked shared rows)."""
-    scale = q.shape[-1] ** -0.5
-    planes = kv.store.k.native(layer), kv.store.v.native(layer)
-    q = q.contiguous()
     if kv.groups is None:
         if kv.mask is not None or q.shape[0] > MAX_NATIVE_TOKENS:
             return None
         cells = _all_cells(kv.n_visible).expand(q.shape[0], -1)
         lengths = torch.full((q.shape[0],), kv.n_visible, dtype=torch.int64)
-        return native.decode_attention(q, *planes, cells, lengths, scale)
-    if not all(g.lengths is not None or (len(g.tokens) == 1 and g.mask is None) for g in kv.groups):
+        work = [(q.contiguous(), cells, lengths, None)]
+    elif all(g.lengths is not None or (len(g.tokens) == 1 and g.mask is None) for g in kv.groups):
+        work = [_group_work(q, group) for group in kv.groups]
+    else:
         return None
+    planes, scale = (kv.store.k.native(layer), kv.store.v.native(layer)), q.shape[-1] ** -0.5
+    if len(work) == 1:
+        queries, cells, lengths, _ = work[0]
+        return native.decode_attention(queries, *planes, cells, lengths, scale)
     out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-    for group in kv.groups:
-        cells = group.index if group.lengths is not None else group.index[None]
-        lengths = group.lengths if group.lengths is not None else torch.tensor([group.index.numel()])
-        result = native.decode_attention(q.index_select(0, group.tokens), *planes, cells, lengths, scale)
-        if len(kv.groups) == 1:
-            return result
-        out.index_copy_(0, group.tokens, result)
+    for queries, cells, lengths, tokens in work:
+        out.index_copy_(0, tokens, native.decode_attention(queries, *planes, cells, lengths, scale))
     return out
+
+
+def _group_work(q: torch.Tensor, group) -> tuple:
+    """(its queries, cells [n, L], lengths [n], its tokens) for a group of per-token rows or one lone token."""
+    if group.lengths is not None:
+        return q.index_select(0, group.tokens), group.index, group.lengths, group.tokens
+    return q.index_select(0, group.tokens), group.index[None], torch.tensor([group.index.numel()]), group.tokens
 
 
 @functools.cache
