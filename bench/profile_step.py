@@ -5,10 +5,11 @@
 Each batch size runs B requests (distinct 64-token prompts, EOS ignored) to the end of their prompts, then times
 `--steps` decode steps, each split into:
 
-- weight products: every Linear call (native quantized kernels, packed or dense products);
-- attention: the K/V write and attention of every layer (`KVView.attend`);
+- weight products: every Linear call (native quantized kernels, packed or dense products), and the products
+  inside the fused decode layers (timed by their C++ between its phases: kvlm.kernels.decode_layer.layer_times);
+- attention: the K/V write and attention of every layer (`KVView.attend`), and the fused layers' attention;
 - other model ops: the rest of the forward pass (norms, RoPE, activations, residual adds, embedding, head's norm,
-  and the eager dispatch of each);
+  the eager dispatch of each, and the calls into the fused layers);
 - memory bookkeeping: `Context.decode` outside the forward pass (batch checks, cell search, views, masks);
 - scheduling: choosing the step's work and building its batch;
 - sampling: choosing each request's token from its logits;
@@ -41,6 +42,8 @@ from kvlm.engine.sampler import RequestSampler
 from kvlm.engine.sampling_params import SamplingParams
 from kvlm.engine.scheduler import Scheduler
 from kvlm.engine.stop import StopChecker
+from kvlm.kernels import native_kernels
+from kvlm.kernels.decode_layer import layer_times
 from kvlm.memory.view import KVView
 from kvlm.model import linear
 from kvlm.model.decoder import Decoder
@@ -54,12 +57,30 @@ CATEGORIES = ("weight products", "attention", "other model ops", "memory bookkee
 
 
 class StepClock:
-    """Seconds spent inside wrapped calls, by name; nested calls of the same name count once."""
+    """Seconds spent inside wrapped calls, by name; nested calls of the same name count once. The fused decode
+    layers' own phase times (native) are read at reset and split."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self._depth: dict[str, int] = defaultdict(int)
-        self.on = False
+        self._on = False
+        self._kernels = native_kernels()
+        self._native_start: dict[str, float] = {}
+
+    @property
+    def on(self) -> bool:
+        return self._on
+
+    @on.setter
+    def on(self, value: bool) -> None:
+        self._on = value
+        if self._kernels is not None:
+            layer_times(self._kernels, value)
+
+    def _native(self) -> dict[str, float]:
+        if self._kernels is None:
+            return {"products": 0.0, "attention": 0.0, "other": 0.0}
+        return layer_times(self._kernels, self._on)
 
     def wrap(self, owner, attribute: str, name: str) -> None:
         original = getattr(owner, attribute)
@@ -80,16 +101,19 @@ class StepClock:
 
     def reset(self) -> None:
         self.seconds.clear()
+        self._native_start = self._native()
 
     def split(self) -> dict[str, float]:
         """The step's time by CATEGORIES (each wrapped total minus what is inside it)."""
         s = self.seconds
+        fused = {name: value - self._native_start[name] for name, value in self._native().items()}
+        products, attention = s["products"] + fused["products"], s["attention"] + fused["attention"]
         model = s["forward"]
         engine = s["engine step"]
         parts = {
-            "weight products": s["products"],
-            "attention": s["attention"],
-            "other model ops": model - s["products"] - s["attention"],
+            "weight products": products,
+            "attention": attention,
+            "other model ops": model - products - attention,
             "memory bookkeeping": s["decode"] - model,
             "scheduling": s["schedule"] + s["batch"],
             "sampling": s["sample"],

@@ -14,7 +14,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, GGUFWriter
 from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
 
 from kvlm.kernels import NATIVE_TYPES, BlockMatrix, reference
-from kvlm.kernels.native import BuildError, NativeKernels, build, compiler
+from kvlm.kernels.native import BuildError, NativeKernels, cpu_flags, build, compiler
 from kvlm.kernels.quantize import quantize_q4_0, quantize_q4_1, quantize_q8_0
 from kvlm.loader.gguf_reader import GGUFFile
 from kvlm.loader.tensors import GGUFTensors
@@ -60,15 +60,15 @@ def kernels(request):
         built = NativeKernels(build(request.param))
     except BuildError as exc:
         pytest.skip(f"cannot build for -march={request.param}: {exc}")
-    if request.param == "skylake-avx512" and not runs(built):
+    if request.param == "skylake-avx512" and not runs_avx512():
         pytest.skip("this CPU cannot run AVX-512")
     return built
 
 
-def runs(kernels: NativeKernels) -> bool:
-    """Whether this CPU runs the library's instructions: tried in a child, where an illegal one only kills it."""
-    probe = f"import ctypes; lib = ctypes.CDLL({str(kernels.path)!r}); lib.kvlm_isa()"
-    return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
+def runs_avx512() -> bool:
+    """Whether this CPU has the AVX-512 subsets gcc's skylake-avx512 emits (from the kernel's own list of flags)."""
+    flags = set(cpu_flags().split())
+    return {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"} <= flags
 
 
 def assert_rounding_close(actual: torch.Tensor, x: torch.Tensor, parts: list[BlockMatrix], relative: float = 1e-5):
@@ -91,41 +91,114 @@ def test_the_reference_dequantizes_as_gguf_does(qtype):
     assert exact(reference.dequantize(matrix), torch.from_numpy(gguf_dequantize(raw, qtype)))
 
 
+def laid_out(kernels, raw: np.ndarray, qtype: T, cols: int, layout: str) -> BlockMatrix:
+    """The blocks as the file has them, or interleaved in tiles of 8 rows where this build reads tiles."""
+    matrix = BlockMatrix(torch.from_numpy(raw.copy()), qtype, cols)
+    if layout == "file":
+        return matrix
+    if not kernels.tiles:
+        pytest.skip(f"the {kernels.isa} build reads the file's layout only")
+    interleaved = kernels.interleave(matrix)
+    assert interleaved.interleaved and interleaved.nbytes == raw.nbytes
+    return interleaved
+
+
+LAYOUTS = ("file", "tiles")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_the_native_kernels_dequantize_as_gguf_does(kernels, qtype):
-    raw = random_blocks(qtype, 37, width_for(qtype))
-    matrix = BlockMatrix(torch.from_numpy(raw), qtype, width_for(qtype))
+def test_the_native_kernels_dequantize_as_gguf_does(kernels, qtype, layout):
+    raw = random_blocks(qtype, 37 if layout == "file" else 40, width_for(qtype))
+    matrix = laid_out(kernels, raw, qtype, width_for(qtype), layout)
     expected = torch.from_numpy(gguf_dequantize(raw, qtype))
     assert exact(kernels.dequantize(matrix), expected)
     assert torch.equal(kernels.dequantize(matrix, torch.bfloat16), expected.to(torch.bfloat16))
-    ids = torch.tensor([36, 0, 5, 5])
+    ids = torch.tensor([36, 0, 5, 5, 39 if layout == "tiles" else 1])
     assert exact(kernels.dequantize(matrix, ids=ids), expected[ids])
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, 3, 4, 9])
-def test_the_native_product_is_its_definition(kernels, qtype, m):
+def test_the_native_product_is_its_definition(kernels, qtype, m, layout):
     """8-bit activations (per 32, or per 256 for K-quants) times the exact weights: only float rounding differs."""
     cols = width_for(qtype)
-    matrix = BlockMatrix(torch.from_numpy(random_blocks(qtype, 21, cols, seed=m)), qtype, cols)
+    raw = random_blocks(qtype, 21 if layout == "file" else 24, cols, seed=m)
+    plain = BlockMatrix(torch.from_numpy(raw.copy()), qtype, cols)
+    matrix = laid_out(kernels, raw, qtype, cols, layout)
     x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
-    assert_rounding_close(kernels.product([matrix])(x), x, [matrix])
+    assert_rounding_close(kernels.product([matrix])(x), x, [plain])
     bf16 = kernels.product([matrix])(x.bfloat16())
     assert bf16.dtype == torch.bfloat16
-    assert_rounding_close(bf16, x.bfloat16().float(), [matrix], relative=2**-8)  # the output rounded to bf16
+    assert_rounding_close(bf16, x.bfloat16().float(), [plain], relative=2**-8)  # the output rounded to bf16
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_a_tiles_levels_span_every_value(kernels, qtype):
+    """Levels at their extremes (every bit of the fifth and high planes set, the largest activations): no int16
+    sum of the tile kernels overflows."""
+    cols = width_for(qtype)
+    raw = random_blocks(qtype, 16, cols, seed=3)
+    if qtype != T.Q8_0:
+        weights_bytes = np.ones_like(raw, dtype=bool)
+        block = GGML_QUANT_SIZES[qtype][1]
+        for at in {T.Q4_0: [0], T.Q5_0: [0], T.Q4_1: [0, 2], T.Q5_1: [0, 2], T.Q4_K: [0, 2], T.Q5_K: [0, 2],
+                   T.Q6_K: [208]}[qtype]:  # the f16 scales stay as they are
+            for start in range(at, raw.shape[1], block):
+                weights_bytes[:, start:start + 2] = False
+        raw[weights_bytes] = 0xFF  # every level (and K-quant scale and min) at its maximum
+        if qtype == T.Q6_K:
+            raw.reshape(-1, block)[:, 192:208] = 0x80  # scales of -128
+    else:
+        raw.reshape(-1, 34)[:, 2:] = 0x80  # -128, the one level below -127
+    x = torch.full((2, cols), 3.0)
+    x[1, ::2] = -3.0  # activations quantized to +-127
+    plain = BlockMatrix(torch.from_numpy(raw.copy()), qtype, cols)
+    assert_rounding_close(kernels.product([laid_out(kernels, raw, qtype, cols, "tiles")])(x), x, [plain])
+
+
+def test_a_products_rows_do_not_depend_on_the_batch(kernels):
+    """A row's arithmetic is the same alone and among others (every way activation rows share a tile's pass)."""
+    for qtype in (T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K):
+        matrix = laid_out(kernels, random_blocks(qtype, 16, 512), qtype, 512, "tiles")
+        x = torch.randn(7, 512, generator=torch.Generator().manual_seed(int(qtype)))
+        together = kernels.product([matrix])(x)
+        for i in range(7):
+            assert torch.equal(kernels.product([matrix])(x[i:i + 1]), together[i:i + 1]), qtype.name
+
+
+def test_interleaved_matrices_are_cut_only_between_tiles(kernels):
+    matrix = laid_out(kernels, random_blocks(T.Q4_K, 24, 512), T.Q4_K, 512, "tiles")
+    expected = kernels.dequantize(matrix)
+    assert exact(kernels.dequantize(matrix.rows(slice(8, 24))), expected[8:24])
+    with pytest.raises(ValueError, match="cut only between tiles"):
+        matrix.rows(slice(4, 12))
+    with pytest.raises(ValueError, match="cut only between tiles"):
+        matrix.rows(torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="cannot be cut by columns"):
+        matrix.columns(0, 256)
+    with pytest.raises(ValueError, match="reads the file's layout"):
+        reference.dequantize(matrix)
+    odd = BlockMatrix(torch.from_numpy(random_blocks(T.Q4_K, 12, 512)), T.Q4_K, 512)
+    assert kernels.interleave(odd) is odd  # rows that do not fill whole tiles stay as the file has them
 
 
 def test_stacked_parts_of_different_formats_are_one_product(kernels):
     """Q/K/V stored as Q4_K, Q4_K and Q6_K (a Q4_K_M file), or Q5_0 and Q8_0, multiplied in one call."""
     x = torch.randn(5, 512)
     for qtypes in [(T.Q4_K, T.Q4_K, T.Q6_K), (T.Q5_0, T.Q8_0), (T.Q4_K, T.Q8_0)]:
-        parts = [BlockMatrix(torch.from_numpy(random_blocks(q, 8 + i, 512, seed=i)), q, 512)
-                 for i, q in enumerate(qtypes)]
-        assert_rounding_close(kernels.product(parts)(x), x, parts)
+        raws = [random_blocks(q, 8 * (i + 1) + (i == 1) * 4, 512, seed=i) for i, q in enumerate(qtypes)]
+        plain = [BlockMatrix(torch.from_numpy(raw.copy()), q, 512) for raw, q in zip(raws, qtypes)]
+        assert_rounding_close(kernels.product(plain)(x), x, plain)
+        # as loaded: parts that fill whole tiles interleaved, the one of 20 rows as the file has it
+        loaded = [kernels.interleave(BlockMatrix(torch.from_numpy(raw.copy()), q, 512)) for raw, q in zip(raws, qtypes)]
+        assert_rounding_close(kernels.product(loaded)(x), x, plain)
 
 
-def test_a_products_rows_do_not_depend_on_the_threads(kernels):
-    matrix = BlockMatrix(torch.from_numpy(random_blocks(T.Q4_K, 64, 1024)), T.Q4_K, 1024)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_products_rows_do_not_depend_on_the_threads(kernels, layout):
+    matrix = laid_out(kernels, random_blocks(T.Q4_K, 64, 1024), T.Q4_K, 1024, layout)
     x = torch.randn(3, 1024)
     threads = torch.get_num_threads()
     try:

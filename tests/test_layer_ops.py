@@ -85,6 +85,21 @@ def test_rope_in_place_on_a_strided_view(kernels, dtype, n_tokens, n_heads, dim)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_tokens,n_heads,dim", [(1, 6, 64), (5, 3, 32), (9, 2, 256)])
+def test_head_norm_in_place_on_a_strided_view(kernels, dtype, n_tokens, n_heads, dim):  # noqa: F811
+    """QK-norm: each head normed over its d values, times its own weight; the other heads of the row untouched."""
+    g = torch.Generator().manual_seed(dim)
+    qkv = torch.randn(n_tokens, (n_heads + 1) * dim, generator=g).to(dtype)
+    weight = (1 + 0.2 * torch.randn(n_heads, dim, generator=g)).to(dtype)
+    heads = qkv[:, :n_heads * dim].view(n_tokens, n_heads, dim)
+    expected = F.rms_norm(heads.double(), (dim,), eps=1e-6) * weight.double()
+    untouched = qkv[:, n_heads * dim:].clone()
+    assert kernels.layer_ops.head_norm_(heads, weight, 1e-6) is heads
+    torch.testing.assert_close(heads.double(), expected.to(dtype).double(), **tolerance(dtype))
+    assert torch.equal(qkv[:, n_heads * dim:], untouched)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("rows,width", [(1, 1536), (5, 7), (64, 2048)])
 def test_gated_activation(kernels, dtype, activation, rows, width):  # noqa: F811

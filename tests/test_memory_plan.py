@@ -11,6 +11,8 @@ from kvlm.loader import memory_plan
 from kvlm.loader.load import load_model
 from kvlm.loader.memory_plan import MemoryPlanError, MemoryRequest, parse_size
 from kvlm.loader.tensors import GGUFTensors
+from kvlm.model.linear import dense_products_pay
+from kvlm.model.settings import resolve_settings
 
 MiB = 1 << 20
 
@@ -31,8 +33,10 @@ def test_a_model_that_does_not_fit_is_refused_before_any_weight_is_read(qwen_ggu
     with pytest.raises(MemoryPlanError) as refused:
         load_model(str(qwen_gguf_path), memory=MemoryRequest(n_ctx=32768, n_seq_max=2))
     message = str(refused.value)
+    # The KV cache takes the activations' dtype, which this CPU decides: 2 x 24 layers x 32768 cells x 128 values.
+    kv = "384 MiB (n_ctx 32768, bf16" if resolve_settings().dtype == "bfloat16" else "768 MiB (n_ctx 32768, f32"
     for part in ("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf does not fit in memory", "weights 463 MiB",
-                 "KV cache 384 MiB (n_ctx 32768, bf16, 2 sequences)", "compute buffers", "cgroup limit 1024 MiB",
+                 f"KV cache {kv}, 2 sequences)", "compute buffers", "cgroup limit 1024 MiB",
                  "What would fit: --n-ctx", "with --kv-dtype q8_0"):
         assert part in message, f"{part!r} not in {message!r}"
 
@@ -69,6 +73,12 @@ def test_one_step_more_context_would_not_fit(qwen_gguf_path, monkeypatch):
 
 
 @pytest.mark.skipif(native_kernels() is None, reason="dense copies are of quantized matrices, which need the kernels")
+def copies_pay() -> bool:
+    """Whether this CPU's default activations make dense copies worth it (bf16 on native bf16 instructions)."""
+    return dense_products_pay(resolve_settings().torch_dtype, native_kernels())
+
+
+@pytest.mark.skipif(not copies_pay(), reason="no dense copy pays on this CPU")
 def test_dense_copies_only_within_the_budget(smollm2_gguf_path):
     roomy = load_model(str(smollm2_gguf_path), memory=MemoryRequest(n_ctx=1024))
     assert roomy.plan.copies > 0 and "bf16 copy" in roomy.decoder.describe()
@@ -76,6 +86,16 @@ def test_dense_copies_only_within_the_budget(smollm2_gguf_path):
                        memory_budget=roomy.plan.total - roomy.plan.copies + MiB)
     assert tight.plan.copies == 0 and "copy" not in tight.decoder.describe()
     assert tight.plan.copies_wanted == roomy.plan.copies
+
+
+@pytest.mark.skipif(copies_pay() or native_kernels() is None, reason="dense copies pay on this CPU")
+def test_without_bf16_the_weights_are_the_files_size(smollm2_gguf_path, qwen_gguf_path):
+    """float32 activations over the tile kernels: no copy is planned however much room there is, so the weights
+    take what the file's tensors take (plus the float32 norms)."""
+    for path in (smollm2_gguf_path, qwen_gguf_path):
+        model = load_model(str(path), memory=MemoryRequest(n_ctx=1024))
+        assert model.plan.copies == model.plan.copies_wanted == 0 and "copy" not in model.decoder.describe()
+        assert model.plan.weights == pytest.approx(path.stat().st_size, rel=0.03), path.name
 
 
 @pytest.mark.parametrize("dtype", ["auto", "float32"])

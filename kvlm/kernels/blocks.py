@@ -1,7 +1,8 @@
 """A matrix as a GGUF file stores it: each row a run of quantized blocks, kept as raw bytes.
 
 Rows are independent (a block never spans two rows), so selecting rows is selecting byte rows; columns can be cut
-only at block boundaries.
+only at block boundaries. A matrix `interleaved` by the native kernels (kvlm/kernels/csrc/tiles.h) holds the same
+bytes rearranged within tiles of 8 rows: it can only be cut between tiles.
 """
 from __future__ import annotations
 
@@ -22,11 +23,15 @@ def row_bytes(qtype: GGMLQuantizationType, n_cols: int) -> int:
     return n_cols // block_weights * block_bytes
 
 
+TILE_ROWS = 8  # rows per interleaved tile
+
+
 @dataclass(frozen=True)
 class BlockMatrix:
     blocks: torch.Tensor  # uint8 [rows, row_bytes]
     qtype: GGMLQuantizationType
     n_cols: int
+    interleaved: bool = False  # rows rearranged in tiles of 8 for the native products (same bytes, same shape)
 
     def __post_init__(self) -> None:
         block_weights = GGML_QUANT_SIZES[self.qtype][0]
@@ -50,10 +55,19 @@ class BlockMatrix:
         return GGML_QUANT_SIZES[self.qtype][0]
 
     def rows(self, index: torch.Tensor | slice) -> BlockMatrix:
+        """Some rows; of an interleaved matrix only a slice between tiles (its start and stop multiples of 8)."""
+        if self.interleaved:
+            whole = isinstance(index, slice) and index.step in (None, 1)
+            start, stop, _ = index.indices(self.shape[0]) if whole else (1, 1, 1)
+            if not whole or start % TILE_ROWS or (stop % TILE_ROWS and stop != self.shape[0]):
+                raise ValueError(f"an interleaved matrix is cut only between tiles of {TILE_ROWS} rows, not at {index}")
+            return BlockMatrix(self.blocks[index], self.qtype, self.n_cols, interleaved=True)
         return BlockMatrix(self.blocks[index].contiguous(), self.qtype, self.n_cols)
 
     def columns(self, start: int, stop: int) -> BlockMatrix:
         """Columns start..stop, which must fall on block boundaries."""
+        if self.interleaved:
+            raise ValueError("an interleaved matrix cannot be cut by columns (its tiles mix the rows' blocks)")
         if start % self.block_weights or stop % self.block_weights:
             raise ValueError(f"{self.qtype.name} columns can be cut only at multiples of {self.block_weights}; "
                              f"asked for {start}..{stop}")

@@ -8,7 +8,7 @@ import ctypes
 
 import torch
 
-_KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 KV_Q8_0 = 3
 
 
@@ -22,6 +22,8 @@ class NativeLayerOps:
         self._rms_norm.argtypes = [ptr, ptr, i32, i64, i64, ptr, f32, ptr, ptr, i32]
         self._rope = lib.kvlm_rope
         self._rope.argtypes = [ptr, i32, i64, i64, i32, i32, ptr, ptr, i32]
+        self._head_norm = lib.kvlm_head_norm
+        self._head_norm.argtypes = [ptr, i32, i64, i64, i32, i32, ptr, f32, i32]
         self._gated = lib.kvlm_gated
         self._gated.argtypes = [ptr, i32, i64, i64, i32, ptr, i32]
 
@@ -31,7 +33,7 @@ class NativeLayerOps:
         planes (each `(data [n_cells, n_kv, d], q8 scales or None)`, see KVPlane.native); [T, n_head * d]."""
         (k, k_scales), (v, v_scales) = k_plane, v_plane
         n_tokens, n_head, dim = q.shape
-        kv_type = KV_Q8_0 if k_scales is not None else _KV_TYPES[k.dtype]
+        kv_type = KV_Q8_0 if k_scales is not None else KV_TYPES[k.dtype]
         out = torch.empty(n_tokens, n_head * dim, dtype=q.dtype)
         status = self._attention(
             q.data_ptr(), q.dtype == torch.bfloat16, n_tokens, n_head, k.shape[1], dim, scale, k.data_ptr(),
@@ -64,6 +66,16 @@ class NativeLayerOps:
                             cos.data_ptr(), sin.data_ptr(), torch.get_num_threads())
         if status:
             raise ValueError(f"RoPE needs an even head_dim, got {dim}")
+        return x
+
+    def head_norm_(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of each head of x [T, n_heads, d] in place (heads and values contiguous, tokens at any stride),
+        head h times weight[h] ([n_heads, d], contiguous, x's dtype)."""
+        n_tokens, n_heads, dim = x.shape
+        if x.stride(2) != 1 or x.stride(1) != dim or weight.shape != (n_heads, dim) or not weight.is_contiguous():
+            raise ValueError("head_norm_ needs each token's heads contiguous and a [n_heads, d] weight")
+        self._head_norm(x.data_ptr(), x.dtype == torch.bfloat16, n_tokens, x.stride(0), n_heads, dim,
+                        weight.data_ptr(), eps, torch.get_num_threads())
         return x
 
     def gated(self, gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:

@@ -27,13 +27,13 @@ from pathlib import Path
 import torch
 
 from kvlm.home import kvlm_home
-from kvlm.kernels.blocks import BlockMatrix
+from kvlm.kernels.blocks import TILE_ROWS, BlockMatrix
 from kvlm.kernels.layer_ops import NativeLayerOps
 
 log = logging.getLogger("kvlm")
 
 SOURCES = Path(__file__).parent / "csrc"
-SWITCH_VARIABLE = "KVLM_NATIVE"  # "0": never build or load the native kernels
+SWITCH_VARIABLE = "KVLM_NATIVE"  # "0": never build or load the native kernels; else a gcc -march to build for
 FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off")
 _OK, _UNSUPPORTED_TYPE, _BAD_SHAPE = 0, 1, 2
 
@@ -75,11 +75,11 @@ def _key(cxx: str, march: str) -> str:
     for path in sorted(SOURCES.iterdir()):
         digest.update(path.name.encode() + path.read_bytes())
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    digest.update(f"{version}\n{FLAGS}\n{march}\n{_cpu_flags() if march == 'native' else ''}".encode())
+    digest.update(f"{version}\n{FLAGS}\n{march}\n{cpu_flags() if march == 'native' else ''}".encode())
     return digest.hexdigest()[:24]
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     """This CPU's feature flags: a library built for one CPU is never loaded on another."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -101,10 +101,28 @@ class NativeKernels:
         self._lib.kvlm_isa.restype = ctypes.c_char_p
         self.isa: str = self._lib.kvlm_isa().decode()
         i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
-        self._lib.kvlm_dequantize.argtypes = [i32, ptr, i64, ptr, i64, ptr, ctypes.c_int, ctypes.c_int]
-        self._lib.kvlm_matmul.argtypes = [ptr, ctypes.c_int, i64, i64, ctypes.c_int, ptr, ptr, ptr, ptr,
+        self._lib.kvlm_dequantize.argtypes = [i32, ptr, i64, ptr, i64, ptr, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        self._lib.kvlm_matmul.argtypes = [ptr, ctypes.c_int, i64, i64, ctypes.c_int, ptr, ptr, ptr, ptr, ptr,
                                           ctypes.c_int, ctypes.c_int]
+        self._lib.kvlm_interleave.argtypes = [i32, ptr, i64, i64, ctypes.c_int]
+        self.tiles = bool(self._lib.kvlm_tiles())  # whether the products read interleaved tiles of 8 rows
+        self.decode_layer_function = self._lib.kvlm_decode_layer
+        self.decode_layer_function.argtypes = [ptr, ptr, ctypes.c_int, ptr, ctypes.c_int]
+        self.layer_times_function = self._lib.kvlm_layer_times
+        self.layer_times_function.argtypes = [ctypes.c_int, ptr]
         self.layer_ops = NativeLayerOps(self._lib)
+
+    def interleave(self, matrix: BlockMatrix) -> BlockMatrix:
+        """The matrix in the layout the products read fastest: its rows rearranged in tiles of 8 (kernels/csrc/tiles.h)
+        in place, where this build reads tiles and the rows fill whole tiles; otherwise as it is. The same bytes:
+        `matrix` itself must not be used afterwards (its blocks now hold the tiles)."""
+        if matrix.interleaved or not self.tiles or matrix.shape[0] % TILE_ROWS:
+            return matrix
+        blocks = matrix.blocks if matrix.blocks.is_contiguous() else matrix.blocks.contiguous()
+        status = self._lib.kvlm_interleave(int(matrix.qtype), blocks.data_ptr(), matrix.shape[0], matrix.n_cols,
+                                           torch.get_num_threads())
+        _check(status, [matrix])
+        return BlockMatrix(blocks, matrix.qtype, matrix.n_cols, interleaved=True)
 
     def dequantize(self, matrix: BlockMatrix, dtype: torch.dtype = torch.float32, ids: torch.Tensor | None = None,
                    out: torch.Tensor | None = None) -> torch.Tensor:
@@ -121,7 +139,8 @@ class NativeKernels:
                              f"{list(out.shape)}")
         status = self._lib.kvlm_dequantize(int(matrix.qtype), matrix.blocks.data_ptr(), matrix.n_cols,
                                            None if ids is None else ids.data_ptr(), rows, out.data_ptr(),
-                                           int(dtype == torch.bfloat16), torch.get_num_threads())
+                                           int(dtype == torch.bfloat16), torch.get_num_threads(),
+                                           int(matrix.interleaved))
         _check(status, [matrix])
         return out
 
@@ -142,6 +161,12 @@ class NativeProduct:
         self._types = (ctypes.c_int32 * len(parts))(*(int(p.qtype) for p in parts))
         self._weights = (ctypes.c_void_p * len(parts))(*(p.blocks.data_ptr() for p in parts))
         self._rows = (ctypes.c_int64 * len(parts))(*(p.shape[0] for p in parts))
+        self._interleaved = (ctypes.c_int32 * len(parts))(*(int(p.interleaved) for p in parts))
+
+    @property
+    def c_arrays(self) -> tuple:
+        """The parts' types, block pointers, row counts and layouts, as the C side's arrays."""
+        return self._types, self._weights, self._rows, self._interleaved
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [m, in_features] float32 or bfloat16 -> [m, out_features] in x's dtype."""
@@ -151,7 +176,8 @@ class NativeProduct:
         y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
         bf16 = int(x.dtype == torch.bfloat16)
         status = self._call(x.data_ptr(), bf16, x.shape[0], self.in_features, len(self.parts), self._types,
-                            self._weights, self._rows, y.data_ptr(), bf16, torch.get_num_threads())
+                            self._weights, self._rows, self._interleaved, y.data_ptr(), bf16,
+                            torch.get_num_threads())
         _check(status, self.parts)
         return y
 
@@ -164,9 +190,11 @@ def _check(status: int, parts: list[BlockMatrix]) -> None:
 
 
 @lru_cache(maxsize=None)
-def load(march: str = "native") -> NativeKernels | None:
-    """The kernels built for this CPU, or None (said once in the log) where they cannot be had."""
-    if os.environ.get(SWITCH_VARIABLE) == "0":
+def load() -> NativeKernels | None:
+    """The kernels built for this CPU (or for the -march KVLM_NATIVE names, e.g. x86-64-v3 for a machine image that
+    must run on any AVX2 CPU), or None (said once in the log) where they cannot be had."""
+    march = os.environ.get(SWITCH_VARIABLE, "native")
+    if march == "0":
         log.info("native kernels off (%s=0): pure-torch products over dense weights", SWITCH_VARIABLE)
         return None
     started = time.perf_counter()

@@ -96,6 +96,8 @@ _DEQUANTIZE = {T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q8_
 
 def dequantize(matrix: BlockMatrix, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """gguf's values of a block matrix, [rows, n_cols], in float32 (or rounded to `dtype`)."""
+    if matrix.interleaved:
+        raise ValueError("the reference reads the file's layout; an interleaved matrix is read by the native kernels")
     if matrix.qtype not in _DEQUANTIZE:
         raise ValueError(f"no dequantization of {matrix.qtype.name} in kvlm (it reads {', '.join(t.name for t in _DEQUANTIZE)})")
     block_bytes = GGML_QUANT_SIZES[matrix.qtype][1]

@@ -31,8 +31,8 @@ from kvlm.loader.config import ModelConfig
 from kvlm.loader.weights import ModelWeights
 from kvlm.memory.kv_store import AUTO, KV_DTYPES, resolve_kv_dtype
 from kvlm.memory.sizes import memory_bytes
-from kvlm.model.cpu import onednn_packs
-from kvlm.model.linear import TRANSIENT_BYTES
+from kvlm.kernels import native_kernels
+from kvlm.model.linear import TRANSIENT_BYTES, dense_products_pay
 from kvlm.model.settings import FROM_FILE, ComputeSettings
 
 MiB = 1 << 20
@@ -179,7 +179,7 @@ def _entry_bytes(entries: list, settings: ComputeSettings, kernels: bool, dtype_
     if storage is None:
         return numel * dtype_bytes, 0
     held = sum(e.nbytes for e in entries) if storage == FROM_FILE else numel // 32 * (34 if storage == "int8" else 20)
-    return held, numel * dtype_bytes if onednn_packs(settings.torch_dtype) else 0
+    return held, numel * dtype_bytes if dense_products_pay(settings.torch_dtype, native_kernels()) else 0
 
 
 def compute_bytes(config: ModelConfig, request: MemoryRequest) -> int:

@@ -48,6 +48,10 @@ class DensePlane:
         """One layer's rows as stored, for kernels that read them in place: (data [cells, kv_head, head_dim], None)."""
         return self.data[layer], None
 
+    def stored(self) -> tuple[torch.Tensor, None]:
+        """Every layer's rows as stored, for kernels that write them in place: (data [layer, cells, ...], None)."""
+        return self.data, None
+
     def write_layers(self, rows: torch.Tensor, values: torch.Tensor) -> None:
         """values [n_layer, n_rows, kv_head, head_dim]: the rows of every layer in one copy."""
         self.data.index_copy_(1, rows, values.to(self.data.dtype))
@@ -87,6 +91,10 @@ class Q8Plane:
     def native(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's rows as stored: (int8 quants [cells, kv_head, head_dim], float16 scales [..., head_dim / 32])."""
         return self.quants[layer], self.scales[layer]
+
+    def stored(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's rows as stored: (int8 quants [layer, cells, ...], float16 scales [layer, cells, ...])."""
+        return self.quants, self.scales
 
     def gather(self, rows: torch.Tensor) -> list[torch.Tensor]:
         return [self.quants[:, rows].clone(), self.scales[:, rows].clone()]

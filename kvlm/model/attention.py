@@ -1,7 +1,6 @@
 """Attention of a forward pass's queries over the K/V rows its view lets them read, as the cache stores them."""
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,47 +44,14 @@ def attention_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype, batch_invariant
     return torch.float64 if batch_invariant else torch.float32
 
 
-MAX_NATIVE_TOKENS = 4  # more tokens over the same rows (a prompt chunk) are faster in torch's fused kernel
-
-
 def _native_decode(q: torch.Tensor, layer: int, kv: KVView, native: NativeLayerOps) -> torch.Tensor | None:
-    """The native decode attention where every token of the step reads its own rows, or a few tokens read all
-    visible rows; None for anything else (prompt chunks, masked shared rows)."""
-    if kv.groups is None:
-        if kv.mask is not None or q.shape[0] > MAX_NATIVE_TOKENS:
-            return None
-        cells = _all_cells(kv.n_visible).expand(q.shape[0], -1)
-        lengths = torch.full((q.shape[0],), kv.n_visible, dtype=torch.int64)
-        work = [(q.contiguous(), cells, lengths, None)]
-    elif all(g.lengths is not None or (len(g.tokens) == 1 and g.mask is None) for g in kv.groups):
-        work = [_group_work(q, group) for group in kv.groups]
-    else:
+    """The native decode attention where every token of the step reads its own rows (or a few tokens read all
+    visible rows); None for anything else (prompt chunks, masked shared rows)."""
+    cells = kv.decode_cells
+    if cells is None:
         return None
-    planes, scale = (kv.store.k.native(layer), kv.store.v.native(layer)), q.shape[-1] ** -0.5
-    if len(work) == 1:
-        queries, cells, lengths, _ = work[0]
-        return native.decode_attention(queries, *planes, cells, lengths, scale)
-    out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-    for queries, cells, lengths, tokens in work:
-        out.index_copy_(0, tokens, native.decode_attention(queries, *planes, cells, lengths, scale))
-    return out
-
-
-def _group_work(q: torch.Tensor, group) -> tuple:
-    """(its queries, cells [n, L], lengths [n], its tokens) for a group of per-token rows or one lone token."""
-    if group.lengths is not None:
-        return q.index_select(0, group.tokens), group.index, group.lengths, group.tokens
-    return q.index_select(0, group.tokens), group.index[None], torch.tensor([group.index.numel()]), group.tokens
-
-
-@functools.cache
-def _cell_numbers(n: int) -> torch.Tensor:
-    return torch.arange(n, dtype=torch.int64)
-
-
-def _all_cells(n: int) -> torch.Tensor:
-    """[1, n]: cells 0 .. n-1, a view of one cached range (grown in powers of two)."""
-    return _cell_numbers(1 << max(n - 1, 0).bit_length())[:n][None]
+    planes = (kv.store.k.native(layer), kv.store.v.native(layer))
+    return native.decode_attention(q.contiguous(), *planes, *cells, q.shape[-1] ** -0.5)
 
 
 def _attention_by_group(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, groups) -> torch.Tensor:

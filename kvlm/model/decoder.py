@@ -10,7 +10,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kvlm.families import ATTENTION, CONV, MAMBA, SLIDING
 from kvlm.kernels import BlockMatrix, dequantize, native_kernels
@@ -29,7 +28,7 @@ from kvlm.model.linear import (
     linear_kind,
     quantized_linear,
 )
-from kvlm.model.fused import LayerOps
+from kvlm.model.fused import DecodeLayers, LayerOps
 from kvlm.model.recurrent import (
     Mamba2Weights,
     ShortConvWeights,
@@ -97,10 +96,14 @@ class Decoder:
         kernels = native_kernels() if settings.quant is not None else None  # the reference mode stays on torch's ops
         self.ops = LayerOps(kernels.layer_ops if kernels is not None else None)
         self.layers = [self._layer(weights, i) for i in range(config.n_layer)]
+        # Decode steps run each attention layer as one native call where its matrices are quantized.
+        self.decode_layers = DecodeLayers(kernels, config, self.layers, self.dtype) if kernels is not None else None
         self.output_norm = self._vector(weights.read("output_norm.weight"))
         table = weights.read("token_embd.weight")
-        self.token_embd = Embedding(table if self._keeps_blocks(table) else self._dense(table), self.dtype)
         tied = weights.output_name == "token_embd.weight" and weights.shard is None
+        if tied and self._keeps_blocks(table):  # the LM head's layout, which the embedding then reads too
+            table = native_kernels().interleave(table)
+        self.token_embd = Embedding(table if self._keeps_blocks(table) else self._dense(table), self.dtype)
         self.output = self._head(weights, table if tied else weights.output())
         self.rope = Rope(config.rope, config.head_dim)
         self.rope_local = Rope(config.rope_local, config.head_dim) if config.rope_local else self.rope
@@ -144,13 +147,13 @@ class Decoder:
     def _matrix(self, parts: list[Stored], storage: str | None, dense_copy: bool = True) -> Linear:
         """One matrix from parts stacked by rows, held as `storage` says (see ComputeSettings.matrix_storage); a
         quantized one with a dense copy if the plan has room (`dense_copies`) and `dense_copy`."""
-        copy = self.dense_copies and dense_copy
-        if storage == FROM_FILE:
-            return quantized_linear(parts, self.dtype, native_kernels(), copy)
+        copy, kernels = self.dense_copies and dense_copy, native_kernels()
+        if storage == FROM_FILE:  # parts read for this matrix alone: rearranged in place for the products
+            return quantized_linear([kernels.interleave(part) for part in parts], self.dtype, kernels, copy)
         weight = torch.cat([self._dense(part) if storage is None else self._float(part) for part in parts])
         if storage is None:
             return dense_linear(weight, self.dtype, self.batch_invariant)
-        return quantized_linear([QUANTIZERS[storage](weight)], self.dtype, native_kernels(), copy)
+        return quantized_linear([kernels.interleave(QUANTIZERS[storage](weight))], self.dtype, kernels, copy)
 
     @staticmethod
     def _float(stored: Stored) -> torch.Tensor:
@@ -246,7 +249,11 @@ class Decoder:
 
     def _attention_block(self, index: int, layer: LayerWeights, x, cos, sin, kv: KVView) -> torch.Tensor:
         """Pre-norm attention then a pre-norm gated MLP, each added to the residual stream (each output normed
-        once more first, for sandwich-norm families)."""
+        once more first, for sandwich-norm families); one native call for decode tokens where it can be."""
+        if self.decode_layers is not None and self.all_reduce is None:
+            done = self.decode_layers.run(index, layer, x, cos, sin, kv)
+            if done is not None:
+                return done
         eps, ops = self.config.rms_norm_eps, self.ops
         h = self._summed(self._attention(index, layer, ops.norm(x, layer.attn_norm, eps), cos, sin, kv))
         if layer.post_attention_norm is not None:
@@ -290,7 +297,7 @@ class Decoder:
         # Q and K heads side by side take their norm and rotation in one go.
         qk = qk.view(n_tokens, c.n_head + c.n_head_kv, c.head_dim)
         if layer.qk_norm is not None:
-            qk = F.rms_norm(qk, (c.head_dim,), eps=c.rms_norm_eps) * layer.qk_norm
+            qk = self.ops.head_norm(qk, layer.qk_norm, c.rms_norm_eps)
         q, k = self.ops.rope(qk, cos, sin).split((c.n_head, c.n_head_kv), dim=1)
         if c.query_scale != 1.0:
             q = q * c.query_scale

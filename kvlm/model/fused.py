@@ -1,6 +1,7 @@
 """A layer's small ops, each one native call where the kernels are built (kvlm.kernels.layer_ops), torch's ops
 (kvlm.model.ops) otherwise: in the reference mode, in the batch-invariant mode, without a compiler, and while
-torch.compile traces a graph (it cannot trace a ctypes call).
+torch.compile traces a graph (it cannot trace a ctypes call). For decode tokens, `DecodeLayers` runs a whole
+attention layer as one native call (kvlm.kernels.decode_layer) where its matrices are read natively.
 
 At batch 1 a small model's step is mostly such ops: an RMSNorm in bfloat16 is eight eager torch ops, RoPE five, the
 gated activation three. The native ones compute in float32 and round once at the end, where torch rounds after
@@ -9,8 +10,14 @@ each step, so their results differ from torch's by at most a rounding of the act
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from kvlm.kernels.decode_layer import DecodeStep, LayerShape, NativeDecodeLayer
 from kvlm.kernels.layer_ops import NativeLayerOps
+from kvlm.kernels.native import NativeKernels
+from kvlm.loader.config import ModelConfig
+from kvlm.memory.view import KVView
+from kvlm.model.linear import QuantizedLinear
 from kvlm.model.ops import apply_rope, rms_norm
 
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -40,6 +47,13 @@ class LayerOps:
         x = x + h
         return rms_norm(x, weight, eps), x
 
+    def head_norm(self, qk: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm over the last dimension of qk [T, heads, d], head h times weight[h] (QK-norm); in place where
+        native."""
+        if self._use_native() and qk.stride(2) == 1 and qk.stride(1) == qk.shape[2]:
+            return self.native.head_norm_(qk, weight, eps)
+        return F.rms_norm(qk, (qk.shape[-1],), eps=eps) * weight
+
     def rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """qk [T, heads, d] rotated by float32 cos, sin [T, 1, d] (in place where native)."""
         if self._use_native() and qk.stride(2) == 1 and qk.stride(1) == qk.shape[2]:
@@ -55,3 +69,55 @@ class LayerOps:
         gate = torch.nn.functional.silu(gate) if activation == "silu" else \
             torch.nn.functional.gelu(gate, approximate="tanh")
         return down(gate * up)
+
+
+class DecodeLayers:
+    """The attention layers of a decoder whose four matrices are quantized (read by the native kernels), each as one
+    native call for a micro-batch of decode tokens: every token alone in its sequence, reading its own cells, and
+    few enough that the products stay native (with a dense copy, prompt-sized batches go through it instead).
+    `run` returns None for anything else, and the decoder runs the layer op by op."""
+
+    def __init__(self, kernels: NativeKernels, config: ModelConfig, layers: list, dtype: torch.dtype) -> None:
+        shape = LayerShape(config.n_head, config.n_head_kv, config.head_dim, config.n_embd, config.n_ff,
+                           config.rms_norm_eps, config.query_scale, config.family.activation == "gelu_tanh")
+        self.layers = {i: self._native(kernels, shape, dtype, layer) for i, layer in enumerate(layers)
+                       if self._eligible(layer)}
+        self._steps: list[tuple[KVView, torch.Tensor, DecodeStep]] = []  # of the forward pass under way
+
+    @staticmethod
+    def _eligible(layer) -> bool:
+        matrices = [getattr(layer, name, None) for name in ("qkv", "attn_output", "gate_up", "down")]
+        return all(isinstance(m, QuantizedLinear) for m in matrices)
+
+    @staticmethod
+    def _native(kernels: NativeKernels, shape: LayerShape, dtype: torch.dtype, layer) -> NativeDecodeLayer:
+        vectors = {name: getattr(layer, name) for name in ("attn_norm", "qkv_bias", "qk_norm", "post_attention_norm",
+                                                           "ffn_norm", "post_ffw_norm")}
+        vectors = {name: None if v is None else v.contiguous() for name, v in vectors.items()}
+        products = {"qkv": layer.qkv.native, "output": layer.attn_output.native, "gate_up": layer.gate_up.native,
+                    "down": layer.down.native}
+        return NativeDecodeLayer(kernels, shape, dtype, vectors, products)
+
+    def run(self, index: int, layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv) -> torch.Tensor | None:
+        """Layer `index` for x [n_tokens, n_embd] natively (x updated in place and returned), or None."""
+        native = self.layers.get(index)
+        if native is None or torch.compiler.is_compiling() or x.dim() != 2:
+            return None
+        if not all(m.native_for(x.shape[0]) for m in (layer.qkv, layer.attn_output, layer.gate_up, layer.down)):
+            return None
+        view, local = kv.layer_view(index)
+        cells = view.decode_cells if isinstance(view, KVView) else None
+        if cells is None:
+            return None
+        return native(x.contiguous(), self._step(view, cos, sin, cells), local)
+
+    def _step(self, view: KVView, cos: torch.Tensor, sin: torch.Tensor, cells) -> DecodeStep:
+        """The step's description for this view and RoPE, made once per forward pass (a few per pass: iSWA layers
+        attend through two views, with two RoPEs)."""
+        for seen_view, seen_cos, step in self._steps:
+            if seen_view is view and seen_cos is cos:
+                return step
+        step = DecodeStep(cos.contiguous(), sin.contiguous(), view.rows.to(torch.int64).contiguous(),
+                          cells[0], cells[1].to(torch.int64).contiguous(), view.store)
+        self._steps = [*self._steps[-3:], (view, cos, step)]
+        return step

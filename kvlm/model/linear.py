@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlm.kernels import BlockMatrix, dequantize
+from kvlm.kernels.blocks import TILE_ROWS
 from kvlm.kernels.native import NativeKernels
 from kvlm.model.cpu import onednn_packs
 
@@ -79,6 +80,7 @@ class QuantizedLinear:
         self.parts, self.dtype, self.dense, self.kernels = parts, dtype, dense, kernels
         self.native = kernels.product(parts)
         self.out_features = self.native.out_features
+        self.slices_pay = dense_products_pay(dtype, kernels)  # without a copy: else native at every row count
         _OPAQUE[id(self)] = self
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -87,9 +89,16 @@ class QuantizedLinear:
         return self.product(x)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= (self.MAX_QUANTIZED_ROWS if self.dense is not None else self.MAX_ROWS_WITHOUT_COPY):
+        if self.native_for(x.shape[0]):
             return self.native(x)
         return self.dense(x) if self.dense is not None else self._through_slices(x)
+
+    def native_for(self, rows: int) -> bool:
+        """Whether a product of this many rows is the native kernels' (else the dense copy's, or dequantized
+        slices')."""
+        if self.dense is not None:
+            return rows <= self.MAX_QUANTIZED_ROWS
+        return not self.slices_pay or rows <= self.MAX_ROWS_WITHOUT_COPY
 
     def _through_slices(self, x: torch.Tensor) -> torch.Tensor:
         """x times the weights dequantized a slice of rows at a time, into one reused buffer of TRANSIENT_BYTES."""
@@ -97,7 +106,7 @@ class QuantizedLinear:
         scratch = _scratch(self.dtype)
         column = 0
         for part in self.parts:
-            step = max(1, scratch.numel() // part.n_cols)
+            step = max(TILE_ROWS, scratch.numel() // part.n_cols // TILE_ROWS * TILE_ROWS)  # whole tiles
             for first in range(0, part.shape[0], step):
                 rows = part.rows(slice(first, first + step))
                 weights = scratch[:rows.shape[0] * part.n_cols].view(rows.shape[0], part.n_cols)
@@ -163,11 +172,22 @@ def dense_linear(weight: torch.Tensor, dtype: torch.dtype, batch_invariant: bool
     return DenseLinear(weight, dtype)
 
 
+def dense_products_pay(dtype: torch.dtype, kernels: NativeKernels | None) -> bool:
+    """Whether dense products beat the native kernels on many rows, so that a quantized matrix is worth a dense
+    copy (or dequantized slices) for prefill and large batches: oneDNN's bf16 GEMM on native bf16 instructions does;
+    a float32 GEMM does not beat the tile kernels (bench/quantized_products.py: equal at 512 rows, slower below,
+    with four times the bytes to read), only the plain C++ kernels of a build without AVX2."""
+    if not onednn_packs(dtype):
+        return False
+    return dtype == torch.bfloat16 or kernels is None or not kernels.tiles
+
+
 def quantized_linear(parts: list[BlockMatrix], dtype: torch.dtype, kernels: NativeKernels,
                      dense_copy: bool) -> QuantizedLinear:
-    """`dense_copy`: keep a packed copy in the activation dtype too, for products of many rows."""
+    """`dense_copy`: keep a packed copy in the activation dtype too, for products of many rows, where such products
+    pay (dense_products_pay)."""
     linear = QuantizedLinear(parts, dtype, kernels)
-    if dense_copy and onednn_packs(dtype):
+    if dense_copy and dense_products_pay(dtype, kernels):
         scratch = _scratch(dtype)  # the dense values only live until packed: no fresh memory to fault in
         size = linear.out_features * parts[0].n_cols
         weights = scratch[:size].view(linear.out_features, -1) if size <= scratch.numel() else None

@@ -19,11 +19,13 @@ struct QuantizedRows {
     std::vector<float> step;       // [n_rows][padded_cols / block]
     std::vector<float> step_sum;   // [n_rows][padded_cols / block]: step * sum of the block's q
     std::vector<int16_t> sum16;    // [n_rows][padded_cols / 16]: sum of each 16 q
+    std::vector<int16_t> sum32;    // [n_rows][padded_cols / 32]: sum of each 32 q
 
     const int8_t* row_values(int64_t r) const { return values.data() + r * padded_cols; }
     const float* row_step(int64_t r) const { return step.data() + r * (padded_cols / block); }
     const float* row_step_sum(int64_t r) const { return step_sum.data() + r * (padded_cols / block); }
     const int16_t* row_sum16(int64_t r) const { return sum16.data() + r * (padded_cols / GROUP); }
+    const int16_t* row_sum32(int64_t r) const { return sum32.data() + r * (padded_cols / 32); }
 };
 
 inline float load_activation(const void* x, bool bf16, int64_t i) {
@@ -38,6 +40,7 @@ inline void resize_for(QuantizedRows& out, int block, int64_t n_rows, int64_t n_
     out.step.resize(size_t(n_rows * out.padded_cols / block));
     out.step_sum.resize(size_t(n_rows * out.padded_cols / block));
     out.sum16.resize(size_t(n_rows * out.padded_cols / GROUP));
+    out.sum32.resize(size_t(n_rows * out.padded_cols / 32));
 }
 
 // Row r of x ([n_rows][n_cols], float32 or bfloat16; n_cols a multiple of out.block) into `out`.
@@ -46,6 +49,7 @@ inline void quantize_row(const void* x, bool bf16, int64_t r, int64_t n_cols, Qu
     float* step = out.step.data() + r * (out.padded_cols / out.block);
     float* step_sum = out.step_sum.data() + r * (out.padded_cols / out.block);
     int16_t* sum16 = out.sum16.data() + r * (out.padded_cols / GROUP);
+    int16_t* sum32 = out.sum32.data() + r * (out.padded_cols / 32);
     const int block = out.block;
     float values[CHUNK];
     for (int64_t b = 0; b * block < out.padded_cols; ++b) {
@@ -70,6 +74,7 @@ inline void quantize_row(const void* x, bool bf16, int64_t r, int64_t n_cols, Qu
         step[b] = d;
         step_sum[b] = d * float(total);
     }
+    for (int64_t g = 0; g < out.padded_cols / 32; ++g) sum32[g] = int16_t(sum16[2 * g] + sum16[2 * g + 1]);
 }
 
 }  // namespace kvlm

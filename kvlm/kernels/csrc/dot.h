@@ -1,27 +1,30 @@
-// A weight row times a tile of rows of 8-bit activations (activations.h), for the instruction set this file is
-// built for. Two families, as in llama.cpp:
+// Weights times rows of 8-bit activations (activations.h). Two ways, as in llama.cpp:
 //
 // - 32-weight formats (Q4_0 ... Q8_0), activations in blocks of 32: per block, the float scale times the integer
 //   dot product, plus the block's offset times the activations' sum;
 // - K-quants (Q4_K, Q5_K, Q6_K), activations in blocks of 256: a super-block's sub-block scales are integers, so
 //   its dot products are scaled and summed in integers, and floats come in once per super-block.
 //
-// The integer parts are exact; the float sums run in an order of each instruction set's own, so the instruction
-// sets agree within float rounding.
+// With AVX2 (and FMA, F16C) the weights are read in the interleaved tiles of tiles.h: 8 rows per pass, one row per
+// 32-bit lane, up to MAX_ACT_ROWS activation rows sharing each unpacked register of levels. Without AVX2, and for a
+// matrix whose rows do not fill whole tiles, rows are read one at a time from the file's layout in plain C++.
+//
+// The integer parts are exact; the float sums run in an order of each path's own, so the paths agree within float
+// rounding. A row's arithmetic never depends on how many activation rows share the pass.
 #pragma once
 
 #include <cstdint>
+#include <utility>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
-#define KVLM_AVX512 1
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define KVLM_AVX2 1
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KVLM_TILES 1
 #endif
 
 #include "activations.h"
 #include "formats.h"
+#include "tiles.h"
 
-#if defined(KVLM_AVX512) || defined(KVLM_AVX2)
+#if defined(KVLM_TILES)
 #include "readers.h"
 #endif
 
@@ -29,299 +32,293 @@ namespace kvlm {
 
 template <int TYPE> constexpr bool is_k_quant() { return Traits<TYPE>::weights == 256; }
 
-// Where a tile's activation rows are.
-template <int TILE> struct Tile {
-    const int8_t* q[TILE];
-    const float* step[TILE];
-    const float* step_sum[TILE];
-    const int16_t* sum16[TILE];
+constexpr int MAX_ACT_ROWS = 4;  // activation rows sharing one read of the weights
 
-    Tile(const QuantizedRows& act, int64_t r0) {
-        for (int t = 0; t < TILE; ++t) {
+// Where R consecutive activation rows are.
+template <int R> struct ActRows {
+    const int8_t* q[R];
+    const float* step[R];
+    const float* step_sum[R];
+    const int16_t* sum16[R];
+    const int16_t* sum32[R];
+
+    ActRows(const QuantizedRows& act, int64_t r0) {
+        for (int t = 0; t < R; ++t) {
             q[t] = act.row_values(r0 + t);
             step[t] = act.row_step(r0 + t);
             step_sum[t] = act.row_step_sum(r0 + t);
             sum16[t] = act.row_sum16(r0 + t);
+            sum32[t] = act.row_sum32(r0 + t);
         }
     }
 };
 
-#if defined(KVLM_AVX512) || defined(KVLM_AVX2)
-
-inline float sum8(__m256 a) {
-    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
+// One row of the file's layout times R activation rows, in plain C++: every format from its chunks,
+// sum over groups of (scale * levels.q + offset * sum of q) * step.
+template <int TYPE, int R>
+inline void row_times(const uint8_t* row, int64_t k, const ActRows<R>& act, float out[R]) {
+    using B = Traits<TYPE>;
+    const int block = is_k_quant<TYPE>() ? 256 : 32;
+    for (int t = 0; t < R; ++t) out[t] = 0.0f;
+    Chunk c;
+    for (int64_t index = 0; index * CHUNK < k; ++index) {
+        const int n = int(std::min<int64_t>(CHUNK / B::weights, (k - index * CHUNK) / B::weights));
+        unpack_generic<TYPE>(row + index * (CHUNK / B::weights) * B::bytes, n, c);
+        for (int t = 0; t < R; ++t)
+            for (int g = 0; g < n * B::weights / GROUP; ++g) {
+                const int64_t at = index * CHUNK + g * GROUP;
+                int32_t sum = 0;
+                for (int i = 0; i < GROUP; ++i) sum += int32_t(c.levels[GROUP * g + i]) * int32_t(act.q[t][at + i]);
+                out[t] += (c.scale[g] * float(sum) + c.offset[g] * float(act.sum16[t][at / GROUP])) * act.step[t][at / block];
+            }
+    }
 }
 
-// Pairs of level x activation products, added into 16 int16 lanes (no saturation: levels here are at most 127).
-inline __m256i pair_products(__m256i levels, const int8_t* q) {
-    return _mm256_maddubs_epi16(levels, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+#if defined(KVLM_TILES)
+
+inline const char* dot_isa() { return "avx2 tiles"; }
+
+// f(integral_constant<I>) for I = 0 .. N-1, unrolled: shifts and register choices need constants.
+template <class F, int... I> inline void unroll_each(F&& f, std::integer_sequence<int, I...>) {
+    (f(std::integral_constant<int, I>{}), ...);
+}
+template <int N, class F> inline void unroll(F&& f) { unroll_each(f, std::make_integer_sequence<int, N>{}); }
+
+inline __m256 f16x8(const uint8_t* p) { return _mm256_cvtph_ps(load128(p)); }
+
+// Four activations, the same in every lane.
+inline __m256i broadcast4(const int8_t* a) {
+    int32_t v;
+    std::memcpy(&v, a, 4);
+    return _mm256_set1_epi32(v);
 }
 
-// Sums of 4 consecutive level x activation products in 8 int32 lanes; `wide` levels (above 127) are split in
-// nibbles, since maddubs saturates its int16 pairs.
-template <bool WIDE> inline __m256i quad_products(__m256i levels, const int8_t* q) {
+inline __m256i pair_sums(__m256i levels, const int8_t* a) { return _mm256_maddubs_epi16(levels, broadcast4(a)); }
+
+// Bit FROM of each byte (the only one left set) moved to bit 4: a level's fifth bit.
+template <int FROM> inline __m256i to_bit4(__m256i x) {
+    if constexpr (FROM < 4) return _mm256_slli_epi16(x, 4 - FROM);
+    else if constexpr (FROM == 4) return x;
+    else return _mm256_srli_epi16(x, FROM - 4);
+}
+template <int G> inline __m256i fifth_bit(__m256i plane) {
+    return to_bit4<G>(_mm256_and_si256(plane, _mm256_set1_epi8(char(1 << G))));
+}
+template <int G> inline __m256i high_pair(__m256i plane) {  // bits 2G, 2G+1 to bits 4, 5
+    return to_bit4<2 * G>(_mm256_and_si256(plane, _mm256_set1_epi8(char(3 << (2 * G)))));
+}
+
+// The levels of weights 8p..8p+3 and 8p+4..8p+7 of each row, from register p of a nibbles section.
+inline void nibble_levels(const uint8_t* section, int p, __m256i& low, __m256i& high) {
+    const __m256i x = load256(section + 32 * p), mask = _mm256_set1_epi8(15);
+    low = _mm256_and_si256(x, mask);
+    high = _mm256_and_si256(_mm256_srli_epi16(x, 4), mask);
+}
+
+// The 32-weight formats: per block column, each row's integer dot product with a block of activations, then its
+// scale (and offset) times the activations' step (and step times their sum).
+template <int TYPE> constexpr int nibbles_at() {  // after d, m and the fifth bits (tiles.h)
+    return 16 + 16 * (TYPE == Q4_1 || TYPE == Q5_1) + 32 * (TYPE == Q5_0 || TYPE == Q5_1);
+}
+
+template <int TYPE, int R>
+inline void legacy_tile(const uint8_t* tile, int64_t n_blocks, const ActRows<R>& act, __m256 out[R]) {
+    constexpr int COLUMN = TILE_ROWS * Traits<TYPE>::bytes;
+    constexpr bool five = TYPE == Q5_0 || TYPE == Q5_1, with_min = TYPE == Q4_1 || TYPE == Q5_1;
     const __m256i ones = _mm256_set1_epi16(1);
-    const __m256i act = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-    if (!WIDE) return _mm256_madd_epi16(_mm256_maddubs_epi16(levels, act), ones);
-    const __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(low_nibbles(levels), act), ones);
-    const __m256i hi = _mm256_madd_epi16(_mm256_maddubs_epi16(high_nibbles(levels), act), ones);
-    return _mm256_add_epi32(lo, _mm256_slli_epi32(hi, 4));
-}
-
-// One 32-weight block of a row times each tile row, from memory (a row's blocks past its last whole chunk).
-template <int TYPE, int TILE>
-inline void legacy_block(const uint8_t* block, int64_t b, const Tile<TILE>& tile, __m256 acc[TILE]) {
-    const float scale = Reader<TYPE>::scale(block), offset = Reader<TYPE>::offset(block);
-    const __m256i levels = Reader<TYPE>::levels(block, 0);
-    for (int t = 0; t < TILE; ++t) {
-        const __m256 sums = _mm256_cvtepi32_ps(quad_products<TYPE == Q8_0>(levels, tile.q[t] + 32 * b));
-        const float s = scale * tile.step[t][b];
-        const float o = offset * tile.step_sum[t][b];
-        acc[t] = _mm256_fmadd_ps(sums, _mm256_set1_ps(s), _mm256_add_ps(acc[t], _mm256_setr_ps(o, 0, 0, 0, 0, 0, 0, 0)));
-    }
-}
-
-#endif
-
-#if defined(KVLM_AVX512)
-
-#if defined(__AVX512VNNI__)
-inline const char* dot_isa() { return "avx512-vnni"; }
-#else
-inline const char* dot_isa() { return "avx512"; }
-#endif
-
-constexpr int PREFETCH_BLOCKS = 8;  // how far ahead of a row's super-block its weights are fetched
-
-inline __m512i join(__m256i low, __m256i high) { return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1); }
-
-// Sums of 4 consecutive level x activation products in each of 16 int32 lanes.
-template <bool WIDE> inline __m512i quad_products512(__m512i levels, const int8_t* q) {
-    const __m512i act = _mm512_loadu_si512(q);
-#if defined(__AVX512VNNI__)
-    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), levels, act);
-#else
-    const __m512i ones = _mm512_set1_epi16(1);
-    if (!WIDE) return _mm512_madd_epi16(_mm512_maddubs_epi16(levels, act), ones);
-    const __m512i nibble = _mm512_set1_epi8(15);
-    const __m512i lo = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_and_si512(levels, nibble), act), ones);
-    const __m512i hi = _mm512_madd_epi16(
-        _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(levels, 4), nibble), act), ones);
-    return _mm512_add_epi32(lo, _mm512_slli_epi32(hi, 4));
-#endif
-}
-
-// acc += int16 pairs x int16 scales, summed in pairs into int32.
-inline __m512i scaled_add(__m512i acc, __m512i pairs, __m512i scales) {
-#if defined(__AVX512VNNI__)
-    return _mm512_dpwssd_epi32(acc, pairs, scales);
-#else
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, scales));
-#endif
-}
-
-// The 32-weight formats: whole chunks of eight blocks, two blocks per 512-bit step.
-template <int TYPE, int TILE>
-inline void legacy_row(const uint8_t* row, int64_t k, const Tile<TILE>& tile, float out[TILE]) {
-    using B = Traits<TYPE>;
-    constexpr bool wide = TYPE == Q8_0;
-    __m512 acc[TILE];
-    __m256 acc_tail[TILE];
-    for (int t = 0; t < TILE; ++t) { acc[t] = _mm512_setzero_ps(); acc_tail[t] = _mm256_setzero_ps(); }
-    // Lanes 0-7 of a step belong to its first block, 8-15 to its second.
-    const __m512i lane_block = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    const int64_t n_blocks = k / 32, whole = n_blocks / 8 * 8;
-    for (int64_t b0 = 0; b0 < whole; b0 += 8) {
-        const uint8_t* first = row + b0 * B::bytes;
-        __m256 per_block_scale, per_block_offset;
-        Reader<TYPE>::blocks(first, 8, per_block_scale, per_block_offset);
-        __m512i levels[4];
-        for (int p = 0; p < 4; ++p)
-            levels[p] = join(Reader<TYPE>::levels(first, 2 * p), Reader<TYPE>::levels(first, 2 * p + 1));
-        for (int t = 0; t < TILE; ++t) {
-            const __m512 s = _mm512_castps256_ps512(_mm256_mul_ps(per_block_scale, _mm256_loadu_ps(tile.step[t] + b0)));
-            __m512 products[4];
-            for (int p = 0; p < 4; ++p) {
-                const __m512 sums = _mm512_cvtepi32_ps(quad_products512<wide>(levels[p], tile.q[t] + 32 * b0 + 64 * p));
-                const __m512 lane_scale = _mm512_permutexvar_ps(_mm512_add_epi32(lane_block, _mm512_set1_epi32(2 * p)), s);
-                products[p] = _mm512_mul_ps(sums, lane_scale);
-            }
-            const __m256 offsets = _mm256_mul_ps(per_block_offset, _mm256_loadu_ps(tile.step_sum[t] + b0));
-            acc[t] = _mm512_add_ps(acc[t], _mm512_add_ps(_mm512_add_ps(products[0], products[1]),
-                                                         _mm512_add_ps(products[2], products[3])));
-            acc_tail[t] = _mm256_add_ps(acc_tail[t], offsets);
-        }
-    }
-    for (int64_t b = whole; b < n_blocks; ++b) legacy_block<TYPE, TILE>(row + b * B::bytes, b, tile, acc_tail);
-    for (int t = 0; t < TILE; ++t) out[t] = _mm512_reduce_add_ps(acc[t]) + sum8(acc_tail[t]);
-}
-
-// The K-quants' sub-block scales and what their offsets need, per super-block.
-template <int TYPE> struct KScales;
-
-// Q4_K, Q5_K: 8 scales and 8 mins, 6 bits each; w = d * sc * q - dmin * m per 32 weights.
-inline void k_scale_bytes(const uint8_t* block, __m512i& scales16, __m256i& mins_per_group) {
-    uint32_t words[4];
-    k_scales_mins(block + 4, words);
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(words));
-    scales16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(bytes));  // int16 0-7: the scales
-    // Each min for its two groups of 16: bytes 8..15, each twice.
-    const __m128i twice = _mm_shuffle_epi8(bytes, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15));
-    mins_per_group = _mm256_cvtepu8_epi16(twice);
-}
-
-template <int TYPE, int TILE>
-inline void k_row(const uint8_t* row, int64_t k, const Tile<TILE>& tile, float out[TILE]) {
-    using B = Traits<TYPE>;
-    __m512 acc[TILE];
-    __m256 acc_offset[TILE];
-    for (int t = 0; t < TILE; ++t) { acc[t] = _mm512_setzero_ps(); acc_offset[t] = _mm256_setzero_ps(); }
-    for (int64_t c = 0; c < k / 256; ++c) {
-        const uint8_t* block = row + c * B::bytes;
-        for (int line = 0; line < B::bytes; line += 64)  // the hardware prefetcher alone falls behind on long rows
-            _mm_prefetch(reinterpret_cast<const char*>(block + PREFETCH_BLOCKS * B::bytes + line), _MM_HINT_T0);
-        __m512i scales16;      // the sub-block scales as int16
-        __m256i offset_per_group;  // int16 per group of 16: multiplies the group's activation sum
-        float d, d_offset;     // the float factors of the integer sums and of the offsets
-        __m512i lane_index[4]; // per 64 weights: each int16 lane's scale
-        if constexpr (TYPE == Q6_K) {
-            scales16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(load128(block + 192)));
-            offset_per_group = _mm512_castsi512_si256(scales16);
-            d = f16_value(block + 208);
-            d_offset = -32.0f * d;
-            for (int p = 0; p < 4; ++p)  // int16 lane l of 64 weights at 64 p: group 4p + l / 8
-                lane_index[p] = _mm512_add_epi16(_mm512_srli_epi16(_mm512_set_epi16(
-                    31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16,
-                    15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3), _mm512_set1_epi16(short(4 * p)));
+    __m256 acc[R], offsets[R];
+    for (int t = 0; t < R; ++t) acc[t] = offsets[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < n_blocks; ++b) {
+        const uint8_t* column = tile + b * COLUMN;
+        __m256i sums[R];
+        for (int t = 0; t < R; ++t) sums[t] = _mm256_setzero_si256();
+        if constexpr (TYPE == Q8_0) {
+            // Signed levels: |w| times the activation with w's sign (maddubs wants one unsigned side).
+            unroll<8>([&](auto g_) {
+                constexpr int g = decltype(g_)::value;
+                const __m256i w = load256(column + 16 + 32 * g), magnitude = _mm256_sign_epi8(w, w);
+                for (int t = 0; t < R; ++t) {
+                    const __m256i a = _mm256_sign_epi8(broadcast4(act.q[t] + 32 * b + 4 * g), w);
+                    sums[t] = _mm256_add_epi32(sums[t], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, a), ones));
+                }
+            });
         } else {
-            k_scale_bytes(block, scales16, offset_per_group);
-            d = f16_value(block);
-            d_offset = -f16_value(block + 2);
-            for (int p = 0; p < 4; ++p)  // int16 lane l of 64 weights at 64 p: sub-block 2p + l / 16
-                lane_index[p] = _mm512_add_epi16(_mm512_srli_epi16(_mm512_set_epi16(
-                    31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16,
-                    15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 4), _mm512_set1_epi16(short(2 * p)));
+            // int16 pair sums hold 8 products of 4-bit levels (or 4 of 5-bit ones) without overflow.
+            __m256i pairs[R];
+            for (int t = 0; t < R; ++t) pairs[t] = _mm256_setzero_si256();
+            const __m256i plane = five ? load256(column + (with_min ? 32 : 16)) : _mm256_setzero_si256();
+            unroll<4>([&](auto p_) {
+                constexpr int p = decltype(p_)::value;
+                __m256i low, high;
+                nibble_levels(column + nibbles_at<TYPE>(), p, low, high);
+                if constexpr (five) {
+                    low = _mm256_or_si256(low, fifth_bit<2 * p>(plane));
+                    high = _mm256_or_si256(high, fifth_bit<2 * p + 1>(plane));
+                }
+                for (int t = 0; t < R; ++t) {
+                    const int8_t* a = act.q[t] + 32 * b + 8 * p;
+                    pairs[t] = _mm256_add_epi16(pairs[t], _mm256_add_epi16(pair_sums(low, a), pair_sums(high, a + 4)));
+                }
+                if constexpr (five && p == 1)
+                    for (int t = 0; t < R; ++t) {
+                        sums[t] = _mm256_madd_epi16(pairs[t], ones);
+                        pairs[t] = _mm256_setzero_si256();
+                    }
+            });
+            for (int t = 0; t < R; ++t) sums[t] = _mm256_add_epi32(sums[t], _mm256_madd_epi16(pairs[t], ones));
         }
-        __m512i levels[4], lane_scales[4];
-        for (int p = 0; p < 4; ++p) {
-            levels[p] = join(Reader<TYPE>::levels(block, 2 * p), Reader<TYPE>::levels(block, 2 * p + 1));
-            lane_scales[p] = _mm512_permutexvar_epi16(lane_index[p], scales16);
-        }
-        for (int t = 0; t < TILE; ++t) {
-            const int8_t* q = tile.q[t] + 256 * c;
-            __m512i sums = _mm512_setzero_si512();
-            for (int p = 0; p < 4; ++p) {
-                const __m512i pairs = _mm512_maddubs_epi16(levels[p], _mm512_loadu_si512(q + 64 * p));
-                sums = scaled_add(sums, pairs, lane_scales[p]);
-            }
-            const float step = tile.step[t][c];
-            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(d * step), acc[t]);
-            const __m256i group_sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile.sum16[t] + 16 * c));
-            const __m256 offsets = _mm256_cvtepi32_ps(_mm256_madd_epi16(offset_per_group, group_sums));
-            acc_offset[t] = _mm256_fmadd_ps(offsets, _mm256_set1_ps(d_offset * step), acc_offset[t]);
-        }
-    }
-    for (int t = 0; t < TILE; ++t) out[t] = _mm512_reduce_add_ps(acc[t]) + sum8(acc_offset[t]);
-}
-
-#elif defined(KVLM_AVX2)
-
-inline const char* dot_isa() { return "avx2"; }
-
-template <int TYPE, int TILE>
-inline void legacy_row(const uint8_t* row, int64_t k, const Tile<TILE>& tile, float out[TILE]) {
-    __m256 acc[TILE];
-    for (int t = 0; t < TILE; ++t) acc[t] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < k / 32; ++b) legacy_block<TYPE, TILE>(row + b * Traits<TYPE>::bytes, b, tile, acc);
-    for (int t = 0; t < TILE; ++t) out[t] = sum8(acc[t]);
-}
-
-template <int TYPE, int TILE>
-inline void k_row(const uint8_t* row, int64_t k, const Tile<TILE>& tile, float out[TILE]) {
-    using B = Traits<TYPE>;
-    __m256 acc[TILE], acc_offset[TILE];
-    for (int t = 0; t < TILE; ++t) acc[t] = acc_offset[t] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < k / 256; ++c) {
-        const uint8_t* block = row + c * B::bytes;
-        alignas(16) int16_t scales[16];  // per group of 16 (each 32-weight scale twice for Q4_K and Q5_K)
-        __m256i offset_per_group;
-        float d, d_offset;
-        if constexpr (TYPE == Q6_K) {
-            _mm256_store_si256(reinterpret_cast<__m256i*>(scales), _mm256_cvtepi8_epi16(load128(block + 192)));
-            offset_per_group = _mm256_load_si256(reinterpret_cast<const __m256i*>(scales));
-            d = f16_value(block + 208);
-            d_offset = -32.0f * d;
-        } else {
-            uint32_t words[4];
-            k_scales_mins(block + 4, words);
-            const uint8_t* bytes = reinterpret_cast<const uint8_t*>(words);
-            for (int g = 0; g < 16; ++g) scales[g] = bytes[g / 2];
-            const __m128i twice = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(words)),
-                                                   _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15));
-            offset_per_group = _mm256_cvtepu8_epi16(twice);
-            d = f16_value(block);
-            d_offset = -f16_value(block + 2);
-        }
-        for (int t = 0; t < TILE; ++t) {
-            const int8_t* q = tile.q[t] + 256 * c;
-            __m256i sums = _mm256_setzero_si256();
-            for (int s = 0; s < 8; ++s) {  // int16 lanes 0-7 of 32 weights: group 2s; 8-15: group 2s + 1
-                const __m256i lane_scale = _mm256_set_m128i(_mm_set1_epi16(scales[2 * s + 1]), _mm_set1_epi16(scales[2 * s]));
-                sums = _mm256_add_epi32(sums, _mm256_madd_epi16(pair_products(Reader<TYPE>::levels(block, s), q + 32 * s),
-                                                                lane_scale));
-            }
-            const float step = tile.step[t][c];
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(d * step), acc[t]);
-            const __m256i group_sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile.sum16[t] + 16 * c));
-            const __m256 offsets = _mm256_cvtepi32_ps(_mm256_madd_epi16(offset_per_group, group_sums));
-            acc_offset[t] = _mm256_fmadd_ps(offsets, _mm256_set1_ps(d_offset * step), acc_offset[t]);
+        const __m256 d = f16x8(column);
+        for (int t = 0; t < R; ++t)
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t]), _mm256_mul_ps(d, _mm256_set1_ps(act.step[t][b])), acc[t]);
+        if constexpr (TYPE != Q8_0) {
+            const __m256 m = with_min ? f16x8(column + 16) : _mm256_mul_ps(d, _mm256_set1_ps(-float(Traits<TYPE>::center)));
+            for (int t = 0; t < R; ++t) offsets[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(act.step_sum[t][b]), offsets[t]);
         }
     }
-    for (int t = 0; t < TILE; ++t) out[t] = sum8(_mm256_add_ps(acc[t], acc_offset[t]));
+    for (int t = 0; t < R; ++t) out[t] = _mm256_add_ps(acc[t], offsets[t]);
+}
+
+// pshufb masks over words of 4 bytes (one row per 32-bit lane): byte S twice as int16 (0, S) and (0, S), or bytes
+// S and S + 1 as int16 (0, S), (0, S + 1).
+inline __m256i byte_pairs(int first, int second) {
+    const auto word = [&](int lane) { return int(0x80000000u | uint32_t(4 * lane + second) << 16 | 0x8000u) | (4 * lane + first); };
+    return _mm256_setr_epi32(word(0), word(1), word(2), word(3), word(0), word(1), word(2), word(3));
+}
+
+// Q4_K and Q5_K: per super-block, the 8 sub-blocks' dot products times their 6-bit scales summed in int32 per row,
+// the mins times the activations' 32-sums likewise; then d and dmin times the activations' step.
+template <int TYPE, int R>
+inline void k45_tile(const uint8_t* tile, int64_t n_super, const ActRows<R>& act, __m256 out[R]) {
+    constexpr int COLUMN = TILE_ROWS * Traits<TYPE>::bytes;
+    constexpr bool five = TYPE == Q5_K;
+    constexpr int SUB = five ? 160 : 128;  // bytes of a sub-block's levels
+    const __m256i low6 = _mm256_set1_epi32(0x3f3f3f3f), low4 = _mm256_set1_epi32(0x0f0f0f0f);
+    const __m256i top2 = _mm256_set1_epi32(0x30303030);
+    __m256 acc[R], mins[R];
+    for (int t = 0; t < R; ++t) acc[t] = mins[t] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < n_super; ++c) {
+        const uint8_t* column = tile + c * COLUMN;
+        // The packed scales' three words per row (formats.h, k_scales_mins), unpacked for 8 rows at once.
+        const __m256i a = load256(column + 32), b = load256(column + 64), w = load256(column + 96);
+        const __m256i scales[2] = {_mm256_and_si256(a, low6),
+                                   _mm256_or_si256(_mm256_and_si256(w, low4), _mm256_and_si256(_mm256_srli_epi32(a, 2), top2))};
+        const __m256i min_bytes[2] = {
+            _mm256_and_si256(b, low6),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w, 4), low4), _mm256_and_si256(_mm256_srli_epi32(b, 2), top2))};
+        __m256i sums[R];
+        for (int t = 0; t < R; ++t) sums[t] = _mm256_setzero_si256();
+        unroll<8>([&](auto s_) {
+            constexpr int s = decltype(s_)::value;
+            const __m256i scale = _mm256_shuffle_epi8(scales[s / 4], byte_pairs(s % 4, s % 4));
+            const uint8_t* sub = column + 128 + SUB * s;
+            const __m256i plane = five ? load256(sub) : _mm256_setzero_si256();
+            __m256i pairs[R];
+            for (int t = 0; t < R; ++t) pairs[t] = _mm256_setzero_si256();
+            unroll<4>([&](auto p_) {
+                constexpr int p = decltype(p_)::value;
+                __m256i low, high;
+                nibble_levels(sub + (five ? 32 : 0), p, low, high);
+                if constexpr (five) {
+                    low = _mm256_or_si256(low, fifth_bit<2 * p>(plane));
+                    high = _mm256_or_si256(high, fifth_bit<2 * p + 1>(plane));
+                }
+                for (int t = 0; t < R; ++t) {
+                    const int8_t* q = act.q[t] + 256 * c + 32 * s + 8 * p;
+                    pairs[t] = _mm256_add_epi16(pairs[t], _mm256_add_epi16(pair_sums(low, q), pair_sums(high, q + 4)));
+                }
+                if constexpr (five && p == 1)
+                    for (int t = 0; t < R; ++t) {
+                        sums[t] = _mm256_add_epi32(sums[t], _mm256_madd_epi16(pairs[t], scale));
+                        pairs[t] = _mm256_setzero_si256();
+                    }
+            });
+            for (int t = 0; t < R; ++t) sums[t] = _mm256_add_epi32(sums[t], _mm256_madd_epi16(pairs[t], scale));
+        });
+        const __m256 d = f16x8(column), dmin = f16x8(column + 16);
+        for (int t = 0; t < R; ++t) {
+            __m256i min_sum = _mm256_setzero_si256();
+            for (int k = 0; k < 4; ++k) {  // mins 2k and 2k + 1 times the activations' 32-sums 2k and 2k + 1
+                const __m256i pair = _mm256_shuffle_epi8(min_bytes[k / 2], byte_pairs(2 * (k % 2), 2 * (k % 2) + 1));
+                int32_t sums32;
+                std::memcpy(&sums32, act.sum32[t] + 8 * c + 2 * k, 4);
+                min_sum = _mm256_add_epi32(min_sum, _mm256_madd_epi16(pair, _mm256_set1_epi32(sums32)));
+            }
+            const __m256 step = _mm256_set1_ps(act.step[t][c]);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t]), _mm256_mul_ps(d, step), acc[t]);
+            mins[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(min_sum), _mm256_mul_ps(dmin, step), mins[t]);
+        }
+    }
+    for (int t = 0; t < R; ++t) out[t] = _mm256_sub_ps(acc[t], mins[t]);
+}
+
+// Q6_K: per super-block, 16 sub-blocks of 16 weights with signed 8-bit scales, levels centered at 32 (the center
+// times the scales and the activations' 16-sums is subtracted once per super-block).
+template <int R>
+inline void q6k_tile(const uint8_t* tile, int64_t n_super, const ActRows<R>& act, __m256 out[R]) {
+    constexpr int COLUMN = TILE_ROWS * Traits<Q6_K>::bytes;
+    const __m256i low16 = _mm256_set1_epi32(0xffff);
+    __m256 acc[R], centers[R];
+    for (int t = 0; t < R; ++t) acc[t] = centers[t] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < n_super; ++c) {
+        const uint8_t* column = tile + c * COLUMN;
+        __m256i sums[R], center_sums[R];
+        for (int t = 0; t < R; ++t) sums[t] = center_sums[t] = _mm256_setzero_si256();
+        unroll<8>([&](auto pair_) {
+            constexpr int pair = decltype(pair_)::value;
+            __m256i scale[2];  // sub-blocks 2 pair and 2 pair + 1: each row's scale as int16 (s, s)
+            __m256i wide[2];
+            for (int h = 0; h < 2; ++h) {
+                wide[h] = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(column + 16 + 8 * (2 * pair + h))));
+                scale[h] = _mm256_or_si256(_mm256_and_si256(wide[h], low16), _mm256_slli_epi32(wide[h], 16));
+            }
+            const __m256i both = _mm256_or_si256(_mm256_and_si256(wide[0], low16), _mm256_slli_epi32(wide[1], 16));
+            for (int h = 0; h < 2; ++h) {
+                const uint8_t* sub = column + 144 + 96 * (2 * pair + h);
+                const __m256i plane = load256(sub);
+                __m256i l0, l1, l2, l3;
+                nibble_levels(sub + 32, 0, l0, l1);
+                nibble_levels(sub + 32, 1, l2, l3);
+                l0 = _mm256_or_si256(l0, high_pair<0>(plane));
+                l1 = _mm256_or_si256(l1, high_pair<1>(plane));
+                l2 = _mm256_or_si256(l2, high_pair<2>(plane));
+                l3 = _mm256_or_si256(l3, high_pair<3>(plane));
+                for (int t = 0; t < R; ++t) {  // int16 pairs hold 2 products of 6-bit levels
+                    const int8_t* q = act.q[t] + 256 * c + 16 * (2 * pair + h);
+                    const __m256i first = _mm256_add_epi16(pair_sums(l0, q), pair_sums(l1, q + 4));
+                    const __m256i second = _mm256_add_epi16(pair_sums(l2, q + 8), pair_sums(l3, q + 12));
+                    sums[t] = _mm256_add_epi32(sums[t], _mm256_add_epi32(_mm256_madd_epi16(first, scale[h]),
+                                                                         _mm256_madd_epi16(second, scale[h])));
+                }
+            }
+            for (int t = 0; t < R; ++t) {
+                int32_t sums16;
+                std::memcpy(&sums16, act.sum16[t] + 16 * c + 2 * pair, 4);
+                center_sums[t] = _mm256_add_epi32(center_sums[t], _mm256_madd_epi16(both, _mm256_set1_epi32(sums16)));
+            }
+        });
+        const __m256 d = f16x8(column);
+        for (int t = 0; t < R; ++t) {
+            const __m256 step = _mm256_mul_ps(d, _mm256_set1_ps(act.step[t][c]));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t]), step, acc[t]);
+            centers[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(center_sums[t]), step, centers[t]);
+        }
+    }
+    for (int t = 0; t < R; ++t) out[t] = _mm256_fnmadd_ps(centers[t], _mm256_set1_ps(32.0f), acc[t]);
+}
+
+// An interleaved tile of k columns times R activation rows from r0: 8 outputs per activation row.
+template <int TYPE, int R>
+inline void tile_times(const uint8_t* tile, int64_t k, const QuantizedRows& act, int64_t r0, __m256 out[R]) {
+    const ActRows<R> rows(act, r0);
+    if constexpr (TYPE == Q6_K) q6k_tile<R>(tile, k / 256, rows, out);
+    else if constexpr (is_k_quant<TYPE>()) k45_tile<TYPE, R>(tile, k / 256, rows, out);
+    else legacy_tile<TYPE, R>(tile, k / 32, rows, out);
 }
 
 #else
 
 inline const char* dot_isa() { return "generic"; }
 
-// Every format from its chunks in memory: sum over groups of (scale * levels.q + offset * sum of q) * step.
-template <int TYPE, int TILE>
-inline void any_row(const uint8_t* row, int64_t k, const Tile<TILE>& tile, int block, float out[TILE]) {
-    using B = Traits<TYPE>;
-    for (int t = 0; t < TILE; ++t) out[t] = 0.0f;
-    Chunk c;
-    for (int64_t index = 0; index * CHUNK < k; ++index) {
-        const int n = int(std::min<int64_t>(CHUNK / B::weights, (k - index * CHUNK) / B::weights));
-        unpack_generic<TYPE>(row + index * (CHUNK / B::weights) * B::bytes, n, c);
-        for (int t = 0; t < TILE; ++t)
-            for (int g = 0; g < n * B::weights / GROUP; ++g) {
-                const int64_t at = index * CHUNK + g * GROUP;
-                int32_t sum = 0;
-                for (int i = 0; i < GROUP; ++i) sum += int32_t(c.levels[GROUP * g + i]) * int32_t(tile.q[t][at + i]);
-                out[t] += (c.scale[g] * float(sum) + c.offset[g] * float(tile.sum16[t][at / GROUP])) * tile.step[t][at / block];
-            }
-    }
-}
-
-template <int TYPE, int TILE>
-inline void legacy_row(const uint8_t* row, int64_t k, const Tile<TILE>& tile, float out[TILE]) {
-    any_row<TYPE, TILE>(row, k, tile, 32, out);
-}
-
-template <int TYPE, int TILE>
-inline void k_row(const uint8_t* row, int64_t k, const Tile<TILE>& tile, float out[TILE]) {
-    any_row<TYPE, TILE>(row, k, tile, 256, out);
-}
-
 #endif
-
-template <int TYPE, int TILE>
-inline void dot_row(const uint8_t* row, int64_t k, const QuantizedRows& act, int64_t r0, float out[TILE]) {
-    const Tile<TILE> tile(act, r0);
-    if constexpr (is_k_quant<TYPE>()) k_row<TYPE, TILE>(row, k, tile, out);
-    else legacy_row<TYPE, TILE>(row, k, tile, out);
-}
 
 }  // namespace kvlm

@@ -272,6 +272,20 @@ inline void rms_norm_row(const void* x, const void* residual, bool bf16, int64_t
     for (int64_t i = 0; i < n; ++i) store_value(out, bf16, r * n + i, values[i] * inverse * load_value(weight, bf16, i));
 }
 
+// RMSNorm over each of n_heads heads of d values of one token, in place, each head with its own weight [n_heads][d]
+// (QK-norm): the same arithmetic as rms_norm_row, rounded once.
+inline void head_norm_token(void* x, bool bf16, int64_t at, int n_heads, int d, const void* weight, float eps,
+                            std::vector<float>& values) {
+    values.resize(d);
+    for (int h = 0; h < n_heads; ++h) {
+        const int64_t base = at + int64_t(h) * d;
+        load_floats(static_cast<char*>(x) + base * (bf16 ? 2 : 4), bf16, d, values.data());
+        const float inverse = 1.0f / std::sqrt(dot(values.data(), values.data(), d) / float(d) + eps);
+        for (int i = 0; i < d; ++i)
+            store_value(x, bf16, base + i, values[i] * inverse * load_value(weight, bf16, int64_t(h) * d + i));
+    }
+}
+
 // RoPE of n_heads heads of one token in place (pairs i, i + d/2: the Hugging Face layout), cos and sin [d] float32.
 inline void rope_token(void* x, bool bf16, int64_t at, int n_heads, int d, const float* cos, const float* sin) {
     const int half = d / 2;

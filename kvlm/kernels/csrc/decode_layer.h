@@ -1,0 +1,257 @@
+// A whole decoder layer for decode tokens in one call: what the model's Python runs as a dozen calls (a norm, the
+// Q/K/V product, bias, QK-norm and RoPE, the K/V write, attention, the output product, the residual add and the
+// next norm, gate/up, the activation, down and the last add) runs here inside one OpenMP team, its phases
+// separated by barriers. Each phase computes what the separate native ops compute (layer_ops.h, products.h), in
+// the same activation dtype at the same points, so the layer's result is theirs.
+#pragma once
+
+#include <omp.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "layer_ops.h"
+#include "products.h"
+
+namespace kvlm {
+
+// What stays the same from step to step: the layer's shapes, weights and norms (vectors in the activation dtype).
+struct LayerSpec {
+    int bf16;                  // activations bfloat16, else float32
+    int gelu;                  // the gated activation: GELU (tanh), else SiLU
+    int n_head, n_kv, d;
+    int64_t n_embd, n_ff;
+    float eps, query_scale, attention_scale;
+    const void* attn_norm;     // [n_embd]
+    const void* qkv_bias;      // [(n_head + 2 n_kv) d] or null
+    const void* qk_norm;       // [n_head + n_kv][d] or null: each Q head's, then each K head's
+    const void* post_attention_norm;  // [n_embd] or null (sandwich norms)
+    const void* ffn_norm;      // [n_embd]
+    const void* post_ffw_norm; // [n_embd] or null
+    Matrix qkv, output, gate_up, down;
+};
+
+// What a step brings: its tokens' RoPE, the cells they write and read, and the KV store's planes.
+struct StepSpec {
+    int64_t n_tokens;
+    const float* cos;          // [n_tokens][d]
+    const float* sin;
+    const int64_t* write_cells;  // [n_tokens]: where each token's K and V go
+    const int64_t* cells;      // [n_tokens][cells_stride]: the cells each token reads (its own included) ...
+    int64_t cells_stride;
+    const int64_t* lengths;    // ... how many of them
+    void* k;                   // the store's planes, every layer: [n_layer][n_cells][n_kv][d] of kv_type
+    uint16_t* k_scales;        // q8_0: [n_layer][n_cells][n_kv][d / 32] f16
+    void* v;
+    uint16_t* v_scales;
+    int kv_type;
+    int64_t n_cells;
+};
+
+inline uint16_t float_to_f16(float f) {
+#if defined(__F16C__)
+    return uint16_t(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
+#else
+    // Round to nearest even, as torch's .to(torch.float16).
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    const uint32_t sign = (bits >> 16) & 0x8000u, magnitude = bits & 0x7fffffffu;
+    if (magnitude > 0x7f800000u) return uint16_t(sign | 0x7e00u);  // NaN
+    if (magnitude >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // rounds beyond the largest f16: infinity
+    if (magnitude < 0x38800000u) {  // subnormal in f16 (or zero): round the value times 2^24 to an integer
+        float scaled;
+        const uint32_t abs_bits = magnitude;
+        std::memcpy(&scaled, &abs_bits, 4);
+        return uint16_t(sign | uint32_t(std::nearbyint(scaled * 16777216.0f)));
+    }
+    const uint32_t rounded = magnitude + 0xfffu + ((magnitude >> 13) & 1u) - (112u << 23);
+    return uint16_t(sign | (rounded >> 13));
+#endif
+}
+
+// One token's K or V head (d values) into its cell, converted as the KV store converts (kvlm.memory.kv_store):
+// float types rounded to nearest even; q8_0 per 32 values, step max|x| / 127, levels round(x / step).
+inline void write_kv_row(void* plane, uint16_t* scales, int type, int64_t row, int d, const float* values) {
+    const int64_t at = row * d;
+    switch (type) {
+        case KV_F32: std::copy_n(values, d, static_cast<float*>(plane) + at); break;
+        case KV_F16:
+            for (int i = 0; i < d; ++i) static_cast<uint16_t*>(plane)[at + i] = float_to_f16(values[i]);
+            break;
+        case KV_BF16:
+            for (int i = 0; i < d; ++i) static_cast<uint16_t*>(plane)[at + i] = float_to_bf16(values[i]);
+            break;
+        default:
+            for (int b = 0; b < d / 32; ++b) {
+                float amax = 0.0f;
+                for (int i = 0; i < 32; ++i) amax = std::fmax(amax, std::fabs(values[32 * b + i]));
+                const float step = amax / 127.0f, divisor = std::fmax(step, 1e-30f);
+                for (int i = 0; i < 32; ++i) {
+                    const float level = std::fmin(std::fmax(std::nearbyint(values[32 * b + i] / divisor), -127.0f), 127.0f);
+                    static_cast<int8_t*>(plane)[at + 32 * b + i] = int8_t(level);
+                }
+                scales[at / 32 + b] = float_to_f16(step);
+            }
+    }
+}
+
+// One layer's K and V planes in the store, to write to.
+struct LayerPlanes {
+    void* data[2];           // K, V: [n_cells][n_kv][d]
+    uint16_t* scales[2];     // q8_0: [n_cells][n_kv][d / 32]
+    int type;
+
+    LayerPlanes(const StepSpec& S, int layer, int64_t row_values) {  // row_values: n_kv * d
+        const int element = S.kv_type == KV_F32 ? 4 : S.kv_type == KV_Q8_0 ? 1 : 2;
+        const int64_t before = int64_t(layer) * S.n_cells * row_values;  // values of the layers before this one
+        data[0] = static_cast<char*>(S.k) + before * element;
+        data[1] = static_cast<char*>(S.v) + before * element;
+        scales[0] = S.k_scales ? S.k_scales + before / 32 : nullptr;
+        scales[1] = S.v_scales ? S.v_scales + before / 32 : nullptr;
+        type = S.kv_type;
+    }
+
+    KVPlane read(int which, int n_kv, int d) const { return {data[which], scales[which], type, n_kv, d}; }
+};
+
+// Head h of token t in the stacked Q/K/V row: bias, QK-norm (Q and K heads), RoPE (Q and K), the query scale (Q);
+// K and V heads are then written to the token's cell. Each step rounds to the activation dtype, as torch's ops do.
+inline void finish_head(const LayerSpec& L, const StepSpec& S, const LayerPlanes& planes, void* qkv, int64_t t,
+                        int h, std::vector<float>& values) {
+    const bool bf16 = L.bf16;
+    const int d = L.d, n_qk = L.n_head + L.n_kv;
+    const int64_t width = int64_t(L.n_head + 2 * L.n_kv) * d, at = t * width + int64_t(h) * d;
+    values.resize(d);
+    load_floats(static_cast<char*>(qkv) + at * (bf16 ? 2 : 4), bf16, d, values.data());
+    const auto round = [&](float v) { return bf16 ? bf16_to_float(float_to_bf16(v)) : v; };
+    if (L.qkv_bias)
+        for (int i = 0; i < d; ++i) values[i] = round(values[i] + load_value(L.qkv_bias, bf16, int64_t(h) * d + i));
+    for (int i = 0; i < d; ++i) store_value(qkv, bf16, at + i, values[i]);
+    if (h < n_qk) {
+        if (L.qk_norm) {
+            const char* weight = static_cast<const char*>(L.qk_norm) + int64_t(h) * d * (bf16 ? 2 : 4);
+            head_norm_token(qkv, bf16, at, 1, d, weight, L.eps, values);
+        }
+        rope_token(qkv, bf16, at, 1, d, S.cos + t * d, S.sin + t * d);
+        load_floats(static_cast<char*>(qkv) + at * (bf16 ? 2 : 4), bf16, d, values.data());
+    }
+    if (h < L.n_head) {
+        if (L.query_scale != 1.0f)
+            for (int i = 0; i < d; ++i) store_value(qkv, bf16, at + i, values[i] * L.query_scale);
+        return;
+    }
+    const int which = h < n_qk ? 0 : 1;  // K or V
+    const int head = h - L.n_head - which * L.n_kv;
+    write_kv_row(planes.data[which], planes.scales[which], planes.type, S.write_cells[t] * L.n_kv + head, d,
+                 values.data());
+}
+
+// Where the fused layers' time goes (for bench/profile_step.py), summed while `on`: the weight products, attention,
+// and the rest (norms, bias, RoPE, the K/V write, the activation, the adds), timed by the team's first thread at
+// the barriers between phases.
+struct LayerTimes {
+    bool on = false;
+    double products = 0.0, attention = 0.0, other = 0.0;
+};
+inline LayerTimes layer_times;
+
+// The phase that just ended (on the team's first thread, when timing is on).
+struct PhaseClock {
+    double last = 0.0;
+    void start() {
+        if (layer_times.on && omp_get_thread_num() == 0) last = omp_get_wtime();
+    }
+    void lap(double LayerTimes::*bucket) {
+        if (!layer_times.on || omp_get_thread_num() != 0) return;
+        const double now = omp_get_wtime();
+        layer_times.*bucket += now - last;
+        last = now;
+    }
+};
+
+// The layer for S.n_tokens decode tokens, x [n_tokens][n_embd] (the residual stream, updated in place).
+inline void decode_layer(const LayerSpec& L, const StepSpec& S, int layer, void* x, int n_threads) {
+    const bool bf16 = L.bf16;
+    const int64_t T = S.n_tokens, element = bf16 ? 2 : 4;
+    const int d = L.d, n_heads_all = L.n_head + 2 * L.n_kv, group = L.n_head / L.n_kv;
+    const int64_t q_width = int64_t(L.n_head) * d, qkv_width = int64_t(n_heads_all) * d;
+    // Buffers shared by the team: the calling thread's, reused from call to call (named by pointer before the
+    // team starts: inside it, a thread_local name is each thread's own).
+    static thread_local std::vector<uint8_t> memory;
+    static thread_local QuantizedRows quantized[2];
+    QuantizedRows* act = quantized;
+    const int64_t sizes[] = {T * L.n_embd, T * qkv_width, T * q_width, T * L.n_embd, T * 2 * L.n_ff, T * L.n_ff};
+    int64_t total = 0;
+    for (int64_t size : sizes) total += (size * element + 63) / 64 * 64;
+    memory.resize(size_t(total));
+    char* next = reinterpret_cast<char*>(memory.data());
+    void* buffers[6];
+    for (int i = 0; i < 6; ++i) {
+        buffers[i] = next;
+        next += (sizes[i] * element + 63) / 64 * 64;
+    }
+    void *normed = buffers[0], *qkv = buffers[1], *attended = buffers[2], *h = buffers[3], *gate_up = buffers[4],
+         *gated = buffers[5];
+    const LayerPlanes planes(S, layer, int64_t(L.n_kv) * d);
+    const KVPlane k_plane = planes.read(0, L.n_kv, d), v_plane = planes.read(1, L.n_kv, d);
+    using T_ = LayerTimes;
+#pragma omp parallel num_threads(n_threads)
+    {
+        static thread_local std::vector<float> values, query, result, scores, row;
+        PhaseClock clock;
+        clock.start();
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; ++t) rms_norm_row(x, nullptr, bf16, t, L.n_embd, L.attn_norm, L.eps, normed, nullptr, values);
+        clock.lap(&T_::other);
+        product_in_team(L.qkv, normed, bf16, T, act, qkv, bf16);
+#pragma omp barrier
+        clock.lap(&T_::products);
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < T * n_heads_all; ++task)
+            finish_head(L, S, planes, qkv, task / n_heads_all, int(task % n_heads_all), values);
+        clock.lap(&T_::other);
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < T * L.n_kv; ++task) {  // a token's query heads that share one KV head
+            const int64_t t = task / L.n_kv;
+            const int head = int(task % L.n_kv);
+            const int64_t first = t * qkv_width + int64_t(head) * group * d;
+            query.resize(size_t(group) * d);
+            result.resize(size_t(group) * d);
+            load_floats(static_cast<char*>(qkv) + first * element, bf16, int64_t(group) * d, query.data());
+            attend_one_head(query.data(), group, d, L.attention_scale, S.cells + t * S.cells_stride, S.lengths[t],
+                            k_plane, v_plane, head, scores, row, result.data());
+            const int64_t out = t * q_width + int64_t(head) * group * d;
+            for (int64_t i = 0; i < int64_t(group) * d; ++i) store_value(attended, bf16, out + i, result[i]);
+        }
+        clock.lap(&T_::attention);
+        product_in_team(L.output, attended, bf16, T, act, h, bf16);
+#pragma omp barrier
+        clock.lap(&T_::products);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; ++t) {
+            if (L.post_attention_norm)
+                rms_norm_row(h, nullptr, bf16, t, L.n_embd, L.post_attention_norm, L.eps, h, nullptr, values);
+            rms_norm_row(x, h, bf16, t, L.n_embd, L.ffn_norm, L.eps, normed, x, values);  // x += h, then the norm
+        }
+        clock.lap(&T_::other);
+        product_in_team(L.gate_up, normed, bf16, T, act, gate_up, bf16);
+#pragma omp barrier
+        clock.lap(&T_::products);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; ++t) gated_row(gate_up, bf16, t, L.n_ff, L.gelu, gated);
+        clock.lap(&T_::other);
+        product_in_team(L.down, gated, bf16, T, act, h, bf16);
+#pragma omp barrier
+        clock.lap(&T_::products);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; ++t) {
+            if (L.post_ffw_norm) rms_norm_row(h, nullptr, bf16, t, L.n_embd, L.post_ffw_norm, L.eps, h, nullptr, values);
+            for (int64_t i = 0; i < L.n_embd; ++i)
+                store_value(x, bf16, t * L.n_embd + i, load_value(x, bf16, t * L.n_embd + i) + load_value(h, bf16, t * L.n_embd + i));
+        }
+        clock.lap(&T_::other);
+    }
+}
+
+}  // namespace kvlm

@@ -1,0 +1,226 @@
+// The products and the dequantization over whole matrices: which kernel reads which part (dot.h: tiles or rows),
+// how a matrix's output columns are shared among a team's threads, and gguf's exact values of a row.
+//
+// Threads: OpenMP, linked against the runtime torch has already loaded (the same libgomp.so.1), so torch's ops
+// and these share one pool of threads.
+#pragma once
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "activations.h"
+#include "dot.h"
+#include "formats.h"
+#include "tiles.h"
+
+namespace kvlm {
+
+enum Status : int { OK = 0, UNSUPPORTED_TYPE = 1, BAD_SHAPE = 2 };
+
+template <int TYPE> using TypeTag = std::integral_constant<int, TYPE>;
+
+// Calls f(TypeTag<type>{}) for a type the kernels read; false for any other.
+template <class F> bool with_type(int32_t type, F&& f) {
+    switch (type) {
+        case Q4_0: f(TypeTag<Q4_0>{}); return true;
+        case Q4_1: f(TypeTag<Q4_1>{}); return true;
+        case Q5_0: f(TypeTag<Q5_0>{}); return true;
+        case Q5_1: f(TypeTag<Q5_1>{}); return true;
+        case Q8_0: f(TypeTag<Q8_0>{}); return true;
+        case Q4_K: f(TypeTag<Q4_K>{}); return true;
+        case Q5_K: f(TypeTag<Q5_K>{}); return true;
+        case Q6_K: f(TypeTag<Q6_K>{}); return true;
+        default: return false;
+    }
+}
+
+int block_weights(int32_t type) {
+    int weights = 0;
+    with_type(type, [&](auto tag) { weights = Traits<decltype(tag)::value>::weights; });
+    return weights;
+}
+
+// Chunk `index` of a row of n_cols weights, in memory; returns its number of groups (fewer only in a row's last
+// chunk of a 32-weight format), whose levels, scales and offsets past them are zero.
+template <int TYPE> inline int read_chunk(const uint8_t* row, int64_t n_cols, int64_t index, Chunk& c) {
+    using B = Traits<TYPE>;
+    constexpr int per_chunk = CHUNK / B::weights;
+    const int64_t total = n_cols / B::weights, first = index * per_chunk;
+    const int n = int(std::min<int64_t>(per_chunk, total - first));
+#if defined(KVLM_TILES)
+    unpack<TYPE>(row + first * B::bytes, n, c);
+#else
+    unpack_generic<TYPE>(row + first * B::bytes, n, c);
+#endif
+    const int groups = n * B::weights / GROUP;
+    std::fill(c.levels + groups * GROUP, c.levels + CHUNK, uint8_t(0));
+    std::fill(c.scale + groups, c.scale + GROUPS, 0.0f);
+    std::fill(c.offset + groups, c.offset + GROUPS, 0.0f);
+    return groups;
+}
+
+void store(void* out, bool bf16, int64_t at, float v) {
+    if (bf16) static_cast<uint16_t*>(out)[at] = float_to_bf16(v);
+    else static_cast<float*>(out)[at] = v;
+}
+
+// One group's weights as gguf computes them: scale * (level - center), or scale * level + offset rounded once.
+// Either way the same bits as gguf's dequantize. Straight-line code over 16 values, which the compiler vectorizes.
+template <int CENTER, class Out> inline void dequantize_group(const uint8_t* levels, float scale, float offset,
+                                                              Out* out) {
+    float values[GROUP];
+    for (int i = 0; i < GROUP; ++i)
+        values[i] = CENTER ? scale * float(int(levels[i]) - CENTER) : std::fma(scale, float(levels[i]), offset);
+    if constexpr (sizeof(Out) == 4) {
+        std::memcpy(out, values, sizeof(values));
+    } else {
+        for (int i = 0; i < GROUP; ++i) {  // float_to_bf16, without branches
+            uint32_t bits;
+            std::memcpy(&bits, &values[i], 4);
+            const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+            out[i] = uint16_t((bits & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);
+        }
+    }
+}
+
+template <int TYPE, class Out> void dequantize_row(const uint8_t* row, int64_t n_cols, Out* out) {
+    Chunk c;
+    for (int64_t index = 0; index * CHUNK < n_cols; ++index) {
+        const int groups = read_chunk<TYPE>(row, n_cols, index, c);
+        for (int g = 0; g < groups; ++g)
+            dequantize_group<Traits<TYPE>::center>(c.levels + g * GROUP, c.scale[g], c.offset[g],
+                                                  out + index * CHUNK + g * GROUP);
+    }
+}
+
+// Rows j0 <= j < j1 of one part in the file's layout times every activation row, into y's columns offset + j.
+template <int TYPE> void product_rows(const uint8_t* weights, int64_t k, int64_t j0, int64_t j1,
+                                      const QuantizedRows& act, void* y, bool y_bf16, int64_t y_cols,
+                                      int64_t y_offset) {
+    float sums[MAX_ACT_ROWS];
+    for (int64_t j = j0; j < j1; ++j) {
+        const uint8_t* row = weights + j * row_bytes<TYPE>(k);
+        for (int64_t r0 = 0; r0 < act.n_rows; r0 += MAX_ACT_ROWS) {
+            const int n = int(std::min<int64_t>(MAX_ACT_ROWS, act.n_rows - r0));
+            switch (n) {
+                case 1: row_times<TYPE, 1>(row, k, ActRows<1>(act, r0), sums); break;
+                case 2: row_times<TYPE, 2>(row, k, ActRows<2>(act, r0), sums); break;
+                case 3: row_times<TYPE, 3>(row, k, ActRows<3>(act, r0), sums); break;
+                default: row_times<TYPE, MAX_ACT_ROWS>(row, k, ActRows<MAX_ACT_ROWS>(act, r0), sums); break;
+            }
+            for (int t = 0; t < n; ++t) store(y, y_bf16, (r0 + t) * y_cols + y_offset + j, sums[t]);
+        }
+    }
+}
+
+#if defined(KVLM_TILES)
+// Tiles t0 <= t < t1 of one interleaved part times every activation row, into y's columns offset + 8 t ...
+template <int TYPE> void product_tiles(const uint8_t* weights, int64_t k, int64_t t0, int64_t t1,
+                                       const QuantizedRows& act, void* y, bool y_bf16, int64_t y_cols,
+                                       int64_t y_offset) {
+    const int64_t tile_bytes = TILE_ROWS * row_bytes<TYPE>(k);
+    for (int64_t t = t0; t < t1; ++t) {
+        const uint8_t* tile = weights + t * tile_bytes;
+        for (int64_t r0 = 0; r0 < act.n_rows; r0 += MAX_ACT_ROWS) {
+            const int n = int(std::min<int64_t>(MAX_ACT_ROWS, act.n_rows - r0));
+            __m256 out[MAX_ACT_ROWS];
+            switch (n) {
+                case 1: tile_times<TYPE, 1>(tile, k, act, r0, out); break;
+                case 2: tile_times<TYPE, 2>(tile, k, act, r0, out); break;
+                case 3: tile_times<TYPE, 3>(tile, k, act, r0, out); break;
+                default: tile_times<TYPE, MAX_ACT_ROWS>(tile, k, act, r0, out); break;
+            }
+            for (int r = 0; r < n; ++r) {
+                const int64_t at = (r0 + r) * y_cols + y_offset + TILE_ROWS * t;
+                if (y_bf16) {
+                    alignas(32) float values[TILE_ROWS];
+                    _mm256_store_ps(values, out[r]);
+                    for (int i = 0; i < TILE_ROWS; ++i) static_cast<uint16_t*>(y)[at + i] = float_to_bf16(values[i]);
+                } else {
+                    _mm256_storeu_ps(static_cast<float*>(y) + at, out[r]);
+                }
+            }
+        }
+    }
+}
+#endif
+
+// A matrix as the products read it: parts stacked by rows, each in its own format and layout, k columns.
+struct Matrix {
+    int n_parts;
+    const int32_t* types;
+    const uint8_t* const* weights;
+    const int64_t* rows;
+    const int32_t* interleaved;
+    int64_t k;
+
+    int64_t n_rows() const {
+        int64_t n = 0;
+        for (int p = 0; p < n_parts; ++p) n += rows[p];
+        return n;
+    }
+};
+
+int check_matrix(const Matrix& w) {
+    for (int p = 0; p < w.n_parts; ++p) {
+        const int weights_per_block = block_weights(w.types[p]);
+        if (weights_per_block == 0) return UNSUPPORTED_TYPE;
+#if defined(KVLM_TILES)
+        const bool tiles = true;
+#else
+        const bool tiles = false;
+#endif
+        if (w.k % weights_per_block || (w.interleaved[p] && (!tiles || w.rows[p] % TILE_ROWS))) return BAD_SHAPE;
+    }
+    return w.k % 32 ? BAD_SHAPE : OK;
+}
+
+// y [m][n_rows] = x [m][k] times the matrix, run by every thread of the calling team: the activations quantized
+// in blocks of 32 and/or 256 (as the parts' formats read them) into `act`, then each thread an equal share of the
+// units of 8 output columns (a tile, or 8 rows read one at a time). No barrier at the end: the caller's.
+void product_in_team(const Matrix& w, const void* x, bool x_bf16, int64_t m, QuantizedRows act[2], void* y,
+                     bool y_bf16) {
+    bool wanted[2] = {false, false};
+    int64_t units = 0;
+    for (int p = 0; p < w.n_parts; ++p) {
+        wanted[block_weights(w.types[p]) == 256] = true;
+        units += (w.rows[p] + TILE_ROWS - 1) / TILE_ROWS;
+    }
+#pragma omp single
+    for (int f = 0; f < 2; ++f)
+        if (wanted[f]) resize_for(act[f], f ? 256 : 32, m, w.k);
+    for (int f = 0; f < 2; ++f) {
+        if (!wanted[f]) continue;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; ++r) quantize_row(x, x_bf16, r, w.k, act[f]);
+    }
+    const int64_t n = w.n_rows();
+    const int count = omp_get_num_threads(), thread = omp_get_thread_num();
+    const int64_t begin = units * thread / count, end = units * (thread + 1) / count;
+    int64_t part_unit = 0, part_column = 0;
+    for (int p = 0; p < w.n_parts; ++p) {
+        const int64_t part_units = (w.rows[p] + TILE_ROWS - 1) / TILE_ROWS;
+        const int64_t u0 = std::max(begin, part_unit) - part_unit, u1 = std::min(end, part_unit + part_units) - part_unit;
+        if (u0 < u1)
+            with_type(w.types[p], [&](auto tag) {
+                constexpr int TYPE = decltype(tag)::value;
+                const QuantizedRows& a = act[is_k_quant<TYPE>()];
+#if defined(KVLM_TILES)
+                if (w.interleaved[p]) {
+                    product_tiles<TYPE>(w.weights[p], w.k, u0, u1, a, y, y_bf16, n, part_column);
+                    return;
+                }
+#endif
+                product_rows<TYPE>(w.weights[p], w.k, u0 * TILE_ROWS, std::min(u1 * TILE_ROWS, w.rows[p]), a, y, y_bf16,
+                                   n, part_column);
+            });
+        part_unit += part_units;
+        part_column += w.rows[p];
+    }
+}
+
+}  // namespace kvlm

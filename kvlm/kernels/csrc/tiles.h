@@ -1,0 +1,269 @@
+// The interleaved layout the products read: the rows of a quantized matrix in tiles of 8, each tile holding, block
+// column after block column, the 8 rows' blocks rearranged so that one 32-bit lane of a vector register is one row.
+// A product then computes 8 output values per pass in the lanes of one register: each row's levels meet the same
+// broadcast activations, the 8 rows' scales load as one vector, and no row is summed across lanes at the end (the
+// file's row-by-row layout needs a horizontal sum and a scalar scale conversion per row and block).
+//
+// The rearrangement is a permutation of the file's bits: a tile takes exactly the bytes its 8 rows take in the file,
+// so the weights are rearranged in place at load (kvlm_interleave) and memory stays the file's size. Per block
+// column of a tile (one block of each row):
+//
+//   Q4_0   d[8]                 nibbles(32)                      scales as f16, one per row
+//   Q4_1   d[8] m[8]            nibbles(32)
+//   Q5_0   d[8]      fifth(32)  nibbles(32)
+//   Q5_1   d[8] m[8] fifth(32)  nibbles(32)
+//   Q8_0   d[8]                 bytes(32)
+//   Q4_K   d[8] dmin[8] A[8] B[8] C[8], then per 32-weight sub-block: nibbles(32)        A, B, C: the three words
+//   Q5_K   d[8] dmin[8] A[8] B[8] C[8], then per 32-weight sub-block: fifth(32) nibbles(32)   of packed scales
+//   Q6_K   d[8] scales[16][8], then per 16-weight sub-block: high2(16) nibbles(16)
+//
+// where, for w[r][i] the levels of row r (formats.h: unsigned, 0..15, 31, 63; Q8_0 its signed bytes):
+//   nibbles(n): n/8 registers of 32 bytes; register p, byte 4r + i = (w[r][8p+i] & 15) | (w[r][8p+4+i] & 15) << 4
+//   fifth(32):  one register; byte 4r + i, bit g = bit 4 of w[r][4g+i]                          (g = 0..7)
+//   high2(16):  one register; byte 4r + i, bits 2g, 2g+1 = bits 4, 5 of w[r][4g+i]              (g = 0..3)
+//   bytes(32):  8 registers; register g, byte 4r + i = w[r][4g+i]
+// so the levels of weights 4g..4g+3 of every row are one register (after a mask and a shift), to be multiplied by
+// the activations 4g..4g+3 broadcast to every lane.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "formats.h"
+
+namespace kvlm {
+
+constexpr int TILE_ROWS = 8;
+
+// A part of a block column: levels of weights [first, first + n) of each row in one of the forms above, or a
+// side value (scales) copied as it is: `count` items of `size` bytes from the file block at `file`, item k of row
+// r at tile offset `at + (8 k + r) size`.
+enum SectionKind : int { NIBBLES, FIFTH, HIGH2, BYTES, SIDE };
+
+struct Section {
+    SectionKind kind;
+    int at;           // offset in the tile's block column
+    int first, n;     // levels: the weights of each row's block
+    int file, size;   // side values: offset in the file's block, and item size
+};
+
+template <int TYPE> struct TileLayout;
+
+template <> struct TileLayout<Q4_0> {
+    static constexpr Section sections[] = {{SIDE, 0, 0, 1, 0, 2}, {NIBBLES, 16, 0, 32, 0, 0}};
+};
+template <> struct TileLayout<Q4_1> {
+    static constexpr Section sections[] = {{SIDE, 0, 0, 2, 0, 2}, {NIBBLES, 32, 0, 32, 0, 0}};
+};
+template <> struct TileLayout<Q5_0> {
+    static constexpr Section sections[] = {{SIDE, 0, 0, 1, 0, 2}, {FIFTH, 16, 0, 32, 0, 0}, {NIBBLES, 48, 0, 32, 0, 0}};
+};
+template <> struct TileLayout<Q5_1> {
+    static constexpr Section sections[] = {{SIDE, 0, 0, 2, 0, 2}, {FIFTH, 32, 0, 32, 0, 0}, {NIBBLES, 64, 0, 32, 0, 0}};
+};
+template <> struct TileLayout<Q8_0> {
+    static constexpr Section sections[] = {{SIDE, 0, 0, 1, 0, 2}, {BYTES, 16, 0, 32, 0, 0}};
+};
+
+// Q4_K: d, dmin (two f16 from byte 0), the 12 bytes of scales as three words (from byte 4), 8 sub-blocks of nibbles.
+#define KVLM_K_SIDES {SIDE, 0, 0, 2, 0, 2}, {SIDE, 32, 0, 3, 4, 4}
+template <> struct TileLayout<Q4_K> {
+    static constexpr int scales_bytes = 128;
+    static constexpr Section sections[] = {
+        KVLM_K_SIDES,
+        {NIBBLES, 128, 0, 32, 0, 0}, {NIBBLES, 256, 32, 32, 0, 0}, {NIBBLES, 384, 64, 32, 0, 0},
+        {NIBBLES, 512, 96, 32, 0, 0}, {NIBBLES, 640, 128, 32, 0, 0}, {NIBBLES, 768, 160, 32, 0, 0},
+        {NIBBLES, 896, 192, 32, 0, 0}, {NIBBLES, 1024, 224, 32, 0, 0}};
+};
+template <> struct TileLayout<Q5_K> {
+    static constexpr Section sections[] = {
+        KVLM_K_SIDES,
+        {FIFTH, 128, 0, 32, 0, 0}, {NIBBLES, 160, 0, 32, 0, 0}, {FIFTH, 288, 32, 32, 0, 0}, {NIBBLES, 320, 32, 32, 0, 0},
+        {FIFTH, 448, 64, 32, 0, 0}, {NIBBLES, 480, 64, 32, 0, 0}, {FIFTH, 608, 96, 32, 0, 0}, {NIBBLES, 640, 96, 32, 0, 0},
+        {FIFTH, 768, 128, 32, 0, 0}, {NIBBLES, 800, 128, 32, 0, 0}, {FIFTH, 928, 160, 32, 0, 0}, {NIBBLES, 960, 160, 32, 0, 0},
+        {FIFTH, 1088, 192, 32, 0, 0}, {NIBBLES, 1120, 192, 32, 0, 0}, {FIFTH, 1248, 224, 32, 0, 0},
+        {NIBBLES, 1280, 224, 32, 0, 0}};
+};
+#undef KVLM_K_SIDES
+
+// Q6_K: d (f16 at byte 208), the 16 signed scales (bytes 192..207, one item each), 16 sub-blocks of 16 weights.
+#define KVLM_Q6(j) {HIGH2, 144 + 96 * (j), 16 * (j), 16, 0, 0}, {NIBBLES, 176 + 96 * (j), 16 * (j), 16, 0, 0}
+template <> struct TileLayout<Q6_K> {
+    static constexpr Section sections[] = {
+        {SIDE, 0, 0, 1, 208, 2}, {SIDE, 16, 0, 16, 192, 1},
+        KVLM_Q6(0), KVLM_Q6(1), KVLM_Q6(2), KVLM_Q6(3), KVLM_Q6(4), KVLM_Q6(5), KVLM_Q6(6), KVLM_Q6(7),
+        KVLM_Q6(8), KVLM_Q6(9), KVLM_Q6(10), KVLM_Q6(11), KVLM_Q6(12), KVLM_Q6(13), KVLM_Q6(14), KVLM_Q6(15)};
+};
+#undef KVLM_Q6
+
+// --- a block's levels in the file's own bytes (the inverse of formats.h's readers) ---
+
+template <int TYPE> void file_levels(const uint8_t* block, uint8_t* levels) {
+    Chunk c;
+    unpack_generic<TYPE>(block, 1, c);
+    std::memcpy(levels, c.levels, Traits<TYPE>::weights);
+    if (TYPE == Q8_0)
+        for (int i = 0; i < 32; ++i) levels[i] ^= 0x80;  // the signed bytes as stored
+}
+
+inline void set_nibble_pairs(uint8_t* qs, const uint8_t* low, const uint8_t* high, int n) {
+    for (int i = 0; i < n; ++i) qs[i] = uint8_t((low[i] & 15) | (high[i] & 15) << 4);
+}
+
+inline void set_fifth_word(uint8_t* qh, const uint8_t* levels) {
+    uint32_t bits = 0;
+    for (int i = 0; i < 32; ++i) bits |= uint32_t((levels[i] >> 4) & 1) << i;
+    std::memcpy(qh, &bits, 4);
+}
+
+// The level bits of a file block from its levels; the block's other bytes (scales) are left as they are.
+template <int TYPE> void set_file_levels(uint8_t* block, const uint8_t* w);
+template <> inline void set_file_levels<Q4_0>(uint8_t* block, const uint8_t* w) { set_nibble_pairs(block + 2, w, w + 16, 16); }
+template <> inline void set_file_levels<Q4_1>(uint8_t* block, const uint8_t* w) { set_nibble_pairs(block + 4, w, w + 16, 16); }
+template <> inline void set_file_levels<Q5_0>(uint8_t* block, const uint8_t* w) {
+    set_fifth_word(block + 2, w);
+    set_nibble_pairs(block + 6, w, w + 16, 16);
+}
+template <> inline void set_file_levels<Q5_1>(uint8_t* block, const uint8_t* w) {
+    set_fifth_word(block + 4, w);
+    set_nibble_pairs(block + 8, w, w + 16, 16);
+}
+template <> inline void set_file_levels<Q8_0>(uint8_t* block, const uint8_t* w) { std::memcpy(block + 2, w, 32); }
+template <> inline void set_file_levels<Q4_K>(uint8_t* block, const uint8_t* w) {
+    for (int j = 0; j < 4; ++j) set_nibble_pairs(block + 16 + 32 * j, w + 64 * j, w + 64 * j + 32, 32);
+}
+template <> inline void set_file_levels<Q5_K>(uint8_t* block, const uint8_t* w) {
+    uint8_t* qh = block + 16;
+    std::memset(qh, 0, 32);
+    for (int j = 0; j < 4; ++j) {
+        set_nibble_pairs(block + 48 + 32 * j, w + 64 * j, w + 64 * j + 32, 32);
+        for (int i = 0; i < 32; ++i)
+            qh[i] |= uint8_t(((w[64 * j + i] >> 4) & 1) << (2 * j) | ((w[64 * j + 32 + i] >> 4) & 1) << (2 * j + 1));
+    }
+}
+template <> inline void set_file_levels<Q6_K>(uint8_t* block, const uint8_t* w) {
+    uint8_t* ql = block;
+    uint8_t* qh = block + 128;
+    std::memset(ql, 0, 192);
+    for (int h = 0; h < 2; ++h)
+        for (int k = 0; k < 4; ++k)
+            for (int i = 0; i < 32; ++i) {
+                const uint8_t level = w[128 * h + 32 * k + i];
+                ql[64 * h + 32 * (k % 2) + i] |= uint8_t((level & 15) << (4 * (k / 2)));
+                qh[32 * h + i] |= uint8_t(((level >> 4) & 3) << (2 * k));
+            }
+}
+
+// --- one section of a block column, for the 8 rows' levels w[r] (each a block's worth) ---
+
+inline void put_levels(const Section& s, const uint8_t* const w[TILE_ROWS], uint8_t* column) {
+    uint8_t* out = column + s.at;
+    for (int r = 0; r < TILE_ROWS; ++r) {
+        const uint8_t* v = w[r] + s.first;
+        for (int i = 0; i < 4; ++i) {
+            const int at = 4 * r + i;
+            switch (s.kind) {
+                case NIBBLES:
+                    for (int p = 0; p < s.n / 8; ++p) out[32 * p + at] = uint8_t((v[8 * p + i] & 15) | (v[8 * p + 4 + i] & 15) << 4);
+                    break;
+                case FIFTH: {
+                    uint8_t bits = 0;
+                    for (int g = 0; g < 8; ++g) bits |= uint8_t(((v[4 * g + i] >> 4) & 1) << g);
+                    out[at] = bits;
+                    break;
+                }
+                case HIGH2: {
+                    uint8_t bits = 0;
+                    for (int g = 0; g < 4; ++g) bits |= uint8_t(((v[4 * g + i] >> 4) & 3) << (2 * g));
+                    out[at] = bits;
+                    break;
+                }
+                case BYTES:
+                    for (int g = 0; g < 8; ++g) out[32 * g + at] = v[4 * g + i];
+                    break;
+                case SIDE:
+                    break;
+            }
+        }
+    }
+}
+
+// The inverse for one row r: its levels of the section, added into w (sections of one block never overlap).
+inline void get_levels(const Section& s, const uint8_t* column, int r, uint8_t* w) {
+    const uint8_t* in = column + s.at;
+    uint8_t* v = w + s.first;
+    for (int i = 0; i < 4; ++i) {
+        const int at = 4 * r + i;
+        switch (s.kind) {
+            case NIBBLES:
+                for (int p = 0; p < s.n / 8; ++p) {
+                    v[8 * p + i] |= in[32 * p + at] & 15;
+                    v[8 * p + 4 + i] |= in[32 * p + at] >> 4;
+                }
+                break;
+            case FIFTH:
+                for (int g = 0; g < 8; ++g) v[4 * g + i] |= uint8_t(((in[at] >> g) & 1) << 4);
+                break;
+            case HIGH2:
+                for (int g = 0; g < 4; ++g) v[4 * g + i] |= uint8_t(((in[at] >> (2 * g)) & 3) << 4);
+                break;
+            case BYTES:
+                for (int g = 0; g < 8; ++g) v[4 * g + i] = in[32 * g + at];
+                break;
+            case SIDE:
+                break;
+        }
+    }
+}
+
+// One block column of a tile from the 8 rows' blocks in the file's layout.
+template <int TYPE> void pack_column(const uint8_t* const blocks[TILE_ROWS], uint8_t* column) {
+    uint8_t levels[TILE_ROWS][256];
+    const uint8_t* w[TILE_ROWS];
+    for (int r = 0; r < TILE_ROWS; ++r) {
+        file_levels<TYPE>(blocks[r], levels[r]);
+        w[r] = levels[r];
+    }
+    for (const Section& s : TileLayout<TYPE>::sections) {
+        if (s.kind != SIDE) {
+            put_levels(s, w, column);
+            continue;
+        }
+        for (int k = 0; k < s.n; ++k)
+            for (int r = 0; r < TILE_ROWS; ++r)
+                std::memcpy(column + s.at + (8 * k + r) * s.size, blocks[r] + s.file + k * s.size, s.size);
+    }
+}
+
+// Row r's block of a tile's block column, in the file's layout.
+template <int TYPE> void unpack_column(const uint8_t* column, int r, uint8_t* block) {
+    uint8_t levels[256] = {};
+    for (const Section& s : TileLayout<TYPE>::sections) {
+        if (s.kind != SIDE) {
+            get_levels(s, column, r, levels);
+            continue;
+        }
+        for (int k = 0; k < s.n; ++k) std::memcpy(block + s.file + k * s.size, column + s.at + (8 * k + r) * s.size, s.size);
+    }
+    set_file_levels<TYPE>(block, levels);
+}
+
+// Rows 8t .. 8t+7 of a matrix (rows of n_blocks blocks) rearranged in place into one tile.
+template <int TYPE> void interleave_tile(uint8_t* rows, int64_t n_blocks, uint8_t* scratch) {
+    constexpr int B = Traits<TYPE>::bytes;
+    std::memcpy(scratch, rows, size_t(TILE_ROWS * n_blocks * B));
+    for (int64_t b = 0; b < n_blocks; ++b) {
+        const uint8_t* blocks[TILE_ROWS];
+        for (int r = 0; r < TILE_ROWS; ++r) blocks[r] = scratch + (r * n_blocks + b) * B;
+        pack_column<TYPE>(blocks, rows + b * TILE_ROWS * B);
+    }
+}
+
+// Row `row` of an interleaved matrix, in the file's layout (for dequantization).
+template <int TYPE> void deinterleave_row(const uint8_t* weights, int64_t n_blocks, int64_t row, uint8_t* out) {
+    constexpr int B = Traits<TYPE>::bytes;
+    const uint8_t* tile = weights + (row / TILE_ROWS) * TILE_ROWS * n_blocks * B;
+    for (int64_t b = 0; b < n_blocks; ++b) unpack_column<TYPE>(tile + b * TILE_ROWS * B, int(row % TILE_ROWS), out + b * B);
+}
+
+}  // namespace kvlm

@@ -1,0 +1,141 @@
+"""One native call per decoder layer for decode tokens (kvlm/kernels/csrc/decode_layer.h) against the same layers run
+op by op (the decoder with the native layer ops and products, kvlm.model.fused.LayerOps): the same arithmetic in the
+same order, so the logits and the bytes written to the KV cache are equal bit for bit. Real files (SmolLM2's Q4_1,
+Qwen2.5's Q5_0/Q8_0/Q4_K/Q6_K with Q/K/V biases, Gemma 3's QK-norm, sandwich norms, GeGLU and two KV pools) and a
+random Gemma 3 whose sliding window the steps run past; every KV dtype; float32 and bfloat16 activations; ragged
+sequences decoding together and a lone one; the build for this CPU and the plain C++ one."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import decode_ok
+from kvlm import Batch, Context, load_model
+from kvlm.kernels import native_kernels
+from kvlm.kernels.decode_layer import NativeDecodeLayer
+from test_gemma3 import WINDOW, gguf_of, random_gemma3
+
+pytestmark = pytest.mark.skipif(native_kernels() is None, reason="the native kernels are not built here")
+
+PROMPTS = [[1, 504, 3575, 282, 4649], [1, 314, 253, 1345, 28, 653, 1584], [1, 11164, 12816]]
+
+
+def steps(model, kv_dtype: str, n_steps: int, prompts=PROMPTS) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The prompts in one batch, then `n_steps` greedy steps of every sequence together, then two steps of the
+    first alone: every step's logits, and the KV cache's planes afterwards."""
+    ctx = Context(model, n_ctx=256, n_batch=64, n_ubatch=64, n_seq_max=len(prompts), kv_dtype=kv_dtype)
+    tokens = [t for p in prompts for t in p]
+    seq_ids = [s for s, p in enumerate(prompts) for _ in p]
+    outputs = [i == len(p) - 1 for p in prompts for i in range(len(p))]
+    decode_ok(ctx, Batch(tokens=tokens, seq_ids=seq_ids, logits=outputs))
+    logits = [torch.stack([ctx.get_logits_ith(s) for s in range(len(prompts))])]
+    positions = [len(p) for p in prompts]
+    for _ in range(n_steps):
+        following = [int(row.argmax()) % 900 + 50 for row in logits[-1]]
+        decode_ok(ctx, Batch(tokens=following, pos=positions, seq_ids=list(range(len(prompts))),
+                             logits=[True] * len(prompts)))
+        positions = [p + 1 for p in positions]
+        logits.append(torch.stack([ctx.get_logits_ith(s) for s in range(len(prompts))]))
+    for _ in range(2):
+        decode_ok(ctx, Batch(tokens=[int(logits[-1][0].argmax()) % 900 + 50], pos=[positions[0]], seq_ids=[0],
+                             logits=[True]))
+        positions[0] += 1
+        logits.append(ctx.get_logits_ith(0).expand(len(prompts), -1))
+    planes = [t.clone() for pool in ctx.memory.pools for plane in (pool.store.k, pool.store.v)
+              for t in plane.stored() if t is not None]
+    return torch.stack(logits), planes
+
+
+def fused_and_op_by_op(model, kv_dtype: str, monkeypatch, n_steps: int = 4, prompts=PROMPTS):
+    calls = []
+    original = NativeDecodeLayer.__call__
+    monkeypatch.setattr(NativeDecodeLayer, "__call__",
+                        lambda self, x, step, layer: calls.append(x.shape[0]) or original(self, x, step, layer))
+    fused = steps(model, kv_dtype, n_steps, prompts)
+    decode_layers, model.decoder.decode_layers = model.decoder.decode_layers, None
+    try:
+        op_by_op = steps(model, kv_dtype, n_steps, prompts)
+    finally:
+        model.decoder.decode_layers = decode_layers
+    return fused, op_by_op, calls
+
+
+def assert_same(fused, op_by_op) -> None:
+    (logits, planes), (expected_logits, expected_planes) = fused, op_by_op
+    assert torch.equal(logits, expected_logits), f"logits differ by {(logits - expected_logits).abs().max():.3e}"
+    assert all(torch.equal(a, b) for a, b in zip(planes, expected_planes)), "the KV cache differs"
+
+
+@pytest.fixture(scope="module")
+def smollm2_defaults(smollm2_gguf_path):
+    return load_model(str(smollm2_gguf_path), progress=False)
+
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16", "bf16", "q8_0"])
+def test_smollm2_decodes_as_op_by_op(smollm2_defaults, kv_dtype, monkeypatch):
+    fused, op_by_op, calls = fused_and_op_by_op(smollm2_defaults, kv_dtype, monkeypatch)
+    assert_same(fused, op_by_op)
+    n_layer = smollm2_defaults.config.n_layer
+    assert calls == [3] * 4 * n_layer + [1] * 2 * n_layer  # every decode step, never the prompts
+
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "bf16"])
+def test_bfloat16_activations_decode_as_op_by_op(smollm2_gguf_path, kv_dtype, monkeypatch):
+    model = load_model(str(smollm2_gguf_path), "bfloat16", progress=False)
+    fused, op_by_op, calls = fused_and_op_by_op(model, kv_dtype, monkeypatch, n_steps=2)
+    assert_same(fused, op_by_op)
+    assert calls
+
+
+@pytest.mark.parametrize("kv_dtype", ["f16", "q8_0"])
+def test_qwen_with_biases_and_mixed_formats_decodes_as_op_by_op(qwen_gguf_path, kv_dtype, monkeypatch):
+    model = load_model(str(qwen_gguf_path), progress=False)
+    fused, op_by_op, calls = fused_and_op_by_op(model, kv_dtype, monkeypatch, n_steps=3)
+    assert_same(fused, op_by_op)
+    assert len(calls) == 5 * model.config.n_layer
+
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "bf16"])
+def test_gemma_with_qk_norm_sandwich_norms_and_two_pools_decodes_as_op_by_op(gemma_gguf_path, kv_dtype,
+                                                                              monkeypatch):
+    model = load_model(str(gemma_gguf_path), progress=False)
+    fused, op_by_op, calls = fused_and_op_by_op(model, kv_dtype, monkeypatch, n_steps=3)
+    assert_same(fused, op_by_op)
+    assert len(calls) == 5 * model.config.n_layer
+
+
+def test_decode_past_the_sliding_window_is_op_by_op(tmp_path, monkeypatch):
+    """A random Gemma 3 requantized to Q8_0 (so its matrices are read natively) decodes well past its window: the
+    sliding layers' cells are the window's, the full layers' all of them."""
+    model = load_model(str(gguf_of(random_gemma3(), tmp_path)), "float32", quant="int8", progress=False)
+    prompts = [[1, 5, 7, 9], [1, 30, 40, 50, 60, 70], [1, 99]]  # within its 1000 tokens
+    fused, op_by_op, calls = fused_and_op_by_op(model, "f32", monkeypatch, n_steps=WINDOW + 4, prompts=prompts)
+    assert_same(fused, op_by_op)
+    assert len(calls) == (WINDOW + 6) * model.config.n_layer
+
+
+def test_the_plain_cpp_build_decodes_as_op_by_op(smollm2_gguf_path):
+    """The fused layer of a build without AVX2 (matrices read row by row in the file's layout), in a process of its
+    own (the kernels are chosen once per process)."""
+    script = f"""
+import sys
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+import pytest, torch
+from kvlm import load_model
+from kvlm.kernels import native_kernels
+import test_decode_layer as t
+assert not native_kernels().tiles, native_kernels().isa
+model = load_model({str(smollm2_gguf_path)!r}, progress=False)
+monkeypatch = pytest.MonkeyPatch()
+fused, op_by_op, calls = t.fused_and_op_by_op(model, "q8_0", monkeypatch, n_steps=2)
+t.assert_same(fused, op_by_op)
+assert calls
+print("same")
+"""
+    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "KVLM_NATIVE": "x86-64"},
+                          capture_output=True, text=True)
+    assert done.stdout.strip().endswith("same"), done.stderr[-3000:]
