@@ -25,6 +25,8 @@ from asyncio in the same process. Timers wrap whole calls (about a microsecond e
 """
 from __future__ import annotations
 
+import kvlm  # noqa: F401  - before torch: it sets OpenMP's and OpenBLAS's threads before they start
+
 import argparse
 import asyncio
 import functools

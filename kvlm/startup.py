@@ -5,6 +5,10 @@ import os
 # batched decode paid for threads migrating between cores: 2-4x slower at 32-64 sequences
 # (bench/multi_sequence). A value the user set wins.
 os.environ.setdefault("OMP_PROC_BIND", "true")
+# NumPy's OpenBLAS keeps threads of its own, which spin after each call: after one product big enough to use them
+# (the cells' visibility at 32 sequences), they took a core from torch's OpenMP workers and every later step ran
+# 2-3x slower. kvlm's NumPy products are small bookkeeping; one thread does them.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # The cores this process may use, read before OpenMP pins the main thread to one of them: tensor parallelism
 # shares them out between its ranks on this host.
 START_CPUS = tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else tuple(

@@ -55,6 +55,30 @@ def test_decode_attention_matches_torch(kernels, kv_dtype, dtype, n_head, n_kv, 
         torch.testing.assert_close(out[t:t + 1].double(), expected, **tolerance(dtype))
 
 
+@pytest.mark.parametrize("kv_dtype", ["f32", "q8_0"])
+def test_long_contexts_are_attended_in_chunks_merged_exactly(kernels, kv_dtype):  # noqa: F811
+    """Cells beyond one chunk of 256: the partial softmaxes merged give torch's attention; and the result is the
+    same bits whatever the number of threads and the other tokens of the step."""
+    n_cells, n_head, n_kv, dim = 1200, 8, 2, 64
+    (k_plane, k_values), (v_plane, v_values) = planes(kv_dtype, n_cells, n_kv, dim, seed=5)
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(3, n_head, dim, generator=g)
+    lengths = torch.tensor([1200, 257, 700])
+    cells = torch.stack([torch.randperm(n_cells, generator=g) for _ in range(3)])
+    out = kernels.layer_ops.decode_attention(q, k_plane, v_plane, cells, lengths, dim ** -0.5)
+    for t, n in enumerate(lengths.tolist()):
+        rows = cells[t, :n]
+        expected = grouped_attention(q[t:t + 1].double(), k_values[rows], v_values[rows], None)
+        torch.testing.assert_close(out[t:t + 1].double(), expected, atol=1e-5, rtol=1e-5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = kernels.layer_ops.decode_attention(q[2:], k_plane, v_plane, cells[2:], lengths[2:], dim ** -0.5)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, out[2:])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,width", [(1, 576), (3, 40), (70, 1000)])
 def test_rms_norm_with_and_without_residual(kernels, dtype, rows, width):  # noqa: F811

@@ -10,6 +10,7 @@ import torch
 
 KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 KV_Q8_0 = 3
+HEAD_DIM_STEP = 16  # decode attention's head_dim must be a multiple of this (attention.h's HEAD_DIM_STEP)
 
 
 class NativeLayerOps:

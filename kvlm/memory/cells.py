@@ -201,13 +201,19 @@ class Cells:
         """bool [n_tokens, n_kv]: token i sees cell j iff they share a sequence and pos[j] <= positions[i], and
         with a sliding `window`, positions[i] - pos[j] < window (the token's own position counts as one).
 
-        Empty cells have no sequence, so sharing one also means the cell is used. The shared-sequence
-        test is a float32 matrix product, which BLAS does faster than NumPy's bool matmul.
+        Empty cells have no sequence, so sharing one also means the cell is used. When every token has one
+        sequence (every engine step) the test is a gather of that sequence's column; no BLAS product (whose
+        threads spin after it and take a core from the compute threads).
         """
         if not 0 <= n_kv <= self.n_cells:
             raise ValueError(f"n_kv {n_kv} is outside [0, {self.n_cells}]")
         positions, seq_mask = self._check_batch(positions, seq_mask)
-        shared = seq_mask.astype(np.float32) @ self.seqs[:n_kv].T.astype(np.float32) > 0
+        if np.all(seq_mask.sum(axis=1) == 1):
+            shared = self.seqs[:n_kv, seq_mask.argmax(axis=1)].T
+        else:
+            shared = np.zeros((len(positions), n_kv), dtype=bool)
+            for seq in np.flatnonzero(seq_mask.any(axis=0)):
+                shared |= seq_mask[:, seq, None] & self.seqs[None, :n_kv, seq]
         visible = shared & (self.pos[None, :n_kv] <= positions[:, None])
         if window:
             visible &= positions[:, None] - self.pos[None, :n_kv] < window

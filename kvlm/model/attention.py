@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvlm.kernels.layer_ops import HEAD_DIM_STEP
 from kvlm.model.ops import gathered_attention, grouped_attention
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ def _native_decode(q: torch.Tensor, layer: int, kv: KVView, native: NativeLayerO
     """The native decode attention where every token of the step reads its own rows (or a few tokens read all
     visible rows); None for anything else (prompt chunks, masked shared rows)."""
     cells = kv.decode_cells
-    if cells is None:
+    if cells is None or q.shape[-1] % HEAD_DIM_STEP:
         return None
     planes = (kv.store.k.native(layer), kv.store.v.native(layer))
     return native.decode_attention(q.contiguous(), *planes, *cells, q.shape[-1] ** -0.5)

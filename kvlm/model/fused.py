@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlm.kernels.decode_layer import DecodeStep, LayerShape, NativeDecodeLayer
-from kvlm.kernels.layer_ops import NativeLayerOps
+from kvlm.kernels.layer_ops import HEAD_DIM_STEP, NativeLayerOps
 from kvlm.kernels.native import NativeKernels
 from kvlm.loader.config import ModelConfig
 from kvlm.memory.view import KVView
@@ -81,7 +81,7 @@ class DecodeLayers:
         shape = LayerShape(config.n_head, config.n_head_kv, config.head_dim, config.n_embd, config.n_ff,
                            config.rms_norm_eps, config.query_scale, config.family.activation == "gelu_tanh")
         self.layers = {i: self._native(kernels, shape, dtype, layer) for i, layer in enumerate(layers)
-                       if self._eligible(layer)}
+                       if self._eligible(layer) and shape.head_dim % HEAD_DIM_STEP == 0}
         self._steps: list[tuple[KVView, torch.Tensor, DecodeStep]] = []  # of the forward pass under way
 
     @staticmethod

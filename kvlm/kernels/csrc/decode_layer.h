@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "attention.h"
 #include "layer_ops.h"
 #include "products.h"
 
@@ -174,7 +175,7 @@ struct PhaseClock {
 inline void decode_layer(const LayerSpec& L, const StepSpec& S, int layer, void* x, int n_threads) {
     const bool bf16 = L.bf16;
     const int64_t T = S.n_tokens, element = bf16 ? 2 : 4;
-    const int d = L.d, n_heads_all = L.n_head + 2 * L.n_kv, group = L.n_head / L.n_kv;
+    const int d = L.d, n_heads_all = L.n_head + 2 * L.n_kv;
     const int64_t q_width = int64_t(L.n_head) * d, qkv_width = int64_t(n_heads_all) * d;
     // Buffers shared by the team: the calling thread's, reused from call to call (named by pointer before the
     // team starts: inside it, a thread_local name is each thread's own).
@@ -194,11 +195,15 @@ inline void decode_layer(const LayerSpec& L, const StepSpec& S, int layer, void*
     void *normed = buffers[0], *qkv = buffers[1], *attended = buffers[2], *h = buffers[3], *gate_up = buffers[4],
          *gated = buffers[5];
     const LayerPlanes planes(S, layer, int64_t(L.n_kv) * d);
-    const KVPlane k_plane = planes.read(0, L.n_kv, d), v_plane = planes.read(1, L.n_kv, d);
+    const AttentionWork attention{qkv, bf16, qkv_width, T, L.n_head, L.n_kv, d, L.attention_scale, S.cells,
+                                  S.cells_stride, S.lengths, planes.read(0, L.n_kv, d), planes.read(1, L.n_kv, d),
+                                  attended, q_width};
+    static thread_local std::vector<float> partials;
+    std::vector<float>* shared_partials = &partials;
     using T_ = LayerTimes;
 #pragma omp parallel num_threads(n_threads)
     {
-        static thread_local std::vector<float> values, query, result, scores, row;
+        static thread_local std::vector<float> values;
         PhaseClock clock;
         clock.start();
 #pragma omp for schedule(static)
@@ -211,19 +216,7 @@ inline void decode_layer(const LayerSpec& L, const StepSpec& S, int layer, void*
         for (int64_t task = 0; task < T * n_heads_all; ++task)
             finish_head(L, S, planes, qkv, task / n_heads_all, int(task % n_heads_all), values);
         clock.lap(&T_::other);
-#pragma omp for schedule(static)
-        for (int64_t task = 0; task < T * L.n_kv; ++task) {  // a token's query heads that share one KV head
-            const int64_t t = task / L.n_kv;
-            const int head = int(task % L.n_kv);
-            const int64_t first = t * qkv_width + int64_t(head) * group * d;
-            query.resize(size_t(group) * d);
-            result.resize(size_t(group) * d);
-            load_floats(static_cast<char*>(qkv) + first * element, bf16, int64_t(group) * d, query.data());
-            attend_one_head(query.data(), group, d, L.attention_scale, S.cells + t * S.cells_stride, S.lengths[t],
-                            k_plane, v_plane, head, scores, row, result.data());
-            const int64_t out = t * q_width + int64_t(head) * group * d;
-            for (int64_t i = 0; i < int64_t(group) * d; ++i) store_value(attended, bf16, out + i, result[i]);
-        }
+        attention_in_team(attention, *shared_partials);
         clock.lap(&T_::attention);
         product_in_team(L.output, attended, bf16, T, act, h, bf16);
 #pragma omp barrier

@@ -11,6 +11,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention.h"
 #include "decode_layer.h"
 #include "layer_ops.h"
 #include "products.h"
@@ -116,31 +117,21 @@ int kvlm_matmul(const void* x, int x_bf16, int64_t m, int64_t k, int n_parts, co
     return OK;
 }
 
-// Decode attention straight from the KV planes: token t's query heads [n_head][d] (q, float32 or bfloat16) over
-// the cells cells[t][0 .. lengths[t]-1] of K and V ([cells][n_kv][d] of kv_type; q8_0 with scales), query heads
-// g*j .. g*j+g-1 reading KV head j; out [n_tokens][n_head * d] in q's dtype. One task per (token, KV head).
+// Decode attention straight from the KV planes (attention.h): token t's query heads [n_head][d] (q, float32 or
+// bfloat16) over the cells cells[t][0 .. lengths[t]-1] of K and V ([cells][n_kv][d] of kv_type; q8_0 with scales),
+// query heads g*j .. g*j+g-1 reading KV head j; out [n_tokens][n_head * d] in q's dtype.
 int kvlm_decode_attention(const void* q, int q_bf16, int64_t n_tokens, int n_head, int n_kv, int d, float scale,
                           const void* k, const uint16_t* k_scales, const void* v, const uint16_t* v_scales,
                           int kv_type, const int64_t* cells, int64_t cells_stride, const int64_t* lengths,
                           void* out, int n_threads) {
-    if (n_kv <= 0 || n_head % n_kv || (kv_type == KV_Q8_0 && d % 32) || kv_type < KV_F32 || kv_type > KV_Q8_0)
-        return BAD_SHAPE;
-    const KVPlane planes[2] = {{k, k_scales, kv_type, n_kv, d}, {v, v_scales, kv_type, n_kv, d}};
-    const int group = n_head / n_kv;
-    const int64_t tasks = n_tokens * n_kv;
-    // One task per (token, KV head): always worth sharing out, whatever its length.
-    for_rows(tasks, tasks << 16, n_threads, [&](int64_t task) {
-        static thread_local std::vector<float> query, result, scores, row;
-        query.resize(size_t(group) * d);
-        result.resize(size_t(group) * d);
-        const int64_t t = task / n_kv;
-        const int head = int(task % n_kv);
-        const int64_t first = (t * n_head + int64_t(head) * group) * d;
-        load_floats(static_cast<const char*>(q) + first * (q_bf16 ? 2 : 4), q_bf16, int64_t(group) * d, query.data());
-        attend_one_head(query.data(), group, d, scale, cells + t * cells_stride, lengths[t], planes[0], planes[1],
-                        head, scores, row, result.data());
-        for (int64_t i = 0; i < int64_t(group) * d; ++i) store_value(out, q_bf16, first + i, result[i]);
-    });
+    if (n_kv <= 0 || n_head % n_kv || d % HEAD_DIM_STEP || kv_type < KV_F32 || kv_type > KV_Q8_0) return BAD_SHAPE;
+    const int64_t width = int64_t(n_head) * d;
+    const AttentionWork work{q, q_bf16 != 0, width, n_tokens, n_head, n_kv, d, scale, cells, cells_stride, lengths,
+                             {k, k_scales, kv_type, n_kv, d}, {v, v_scales, kv_type, n_kv, d}, out, width};
+    static thread_local std::vector<float> partials;
+    std::vector<float>* shared = &partials;  // the calling thread's (in the team, `partials` is each thread's own)
+#pragma omp parallel num_threads(n_threads)
+    attention_in_team(work, *shared);
     return OK;
 }
 
@@ -189,7 +180,7 @@ int kvlm_decode_layer(const LayerSpec* spec, const StepSpec* step, int layer, vo
         const int status = check_matrix(*w);
         if (status != OK) return status;
     }
-    if (L.n_kv <= 0 || L.n_head % L.n_kv || L.d % 2 || (step->kv_type == KV_Q8_0 && L.d % 32) ||
+    if (L.n_kv <= 0 || L.n_head % L.n_kv || L.d % HEAD_DIM_STEP || (step->kv_type == KV_Q8_0 && L.d % 32) ||
         step->kv_type < KV_F32 || step->kv_type > KV_Q8_0)
         return BAD_SHAPE;
     decode_layer(L, *step, layer, x, n_threads);

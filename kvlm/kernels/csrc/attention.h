@@ -1,0 +1,361 @@
+// Decode attention read straight from the KV cells: each token's query heads over the cells it reads (its own
+// included), K and V converted from the cache's dtype (f32, f16, bf16, q8_0) as they are read, float32 throughout.
+//
+// The work is one task per (token, KV head, chunk of CHUNK_CELLS cells): the query heads sharing that KV head take
+// their scores against the chunk's rows, a softmax with the chunk's own maximum, and the weighted sum of its V rows;
+// the chunks of a (token, KV head) are then merged (each rescaled by exp(its maximum - the overall one)). So one
+// token over a long context is shared among the threads, and since chunks are fixed by position in the cell list,
+// the result depends neither on the number of threads nor on the other tokens of the step.
+#pragma once
+
+#include <omp.h>
+
+#include <algorithm>
+#include <tuple>
+#include <utility>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include "formats.h"
+
+namespace kvlm {
+
+// How a KV plane stores its rows (kvlm.memory.kv_store): dense float types, or q8_0 (int8 with an f16 scale per 32).
+enum KVType : int { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_Q8_0 = 3 };
+
+constexpr int64_t CHUNK_CELLS = 256;  // cells per partial softmax
+constexpr int MAX_GROUP = 8;          // query heads taking their scores together (more are done 8 at a time)
+constexpr int HEAD_DIM_STEP = 16;     // head_dim must be a multiple of this (every vector width divides it)
+
+// One layer's K or V plane: [cells][n_kv][d] of `type` (int8 levels for q8_0, with scales [cells][n_kv][d / 32]).
+struct KVPlane {
+    const void* data;
+    const uint16_t* scales;
+    int type;
+    int n_kv, d;
+};
+
+// --- float vectors of LANES values: AVX-512, AVX2 or one value at a time ---
+#if defined(__AVX512F__)
+constexpr int LANES = 16;
+using fvec = __m512;
+inline fvec vzero() { return _mm512_setzero_ps(); }
+inline fvec vset(float v) { return _mm512_set1_ps(v); }
+inline fvec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, fvec v) { _mm512_storeu_ps(p, v); }
+inline fvec vfma(fvec a, fvec b, fvec c) { return _mm512_fmadd_ps(a, b, c); }
+inline fvec vmul(fvec a, fvec b) { return _mm512_mul_ps(a, b); }
+inline float vsum(fvec v) { return _mm512_reduce_add_ps(v); }
+inline fvec vhalves(const uint16_t* p, bool bf16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)) : _mm512_cvtph_ps(h);
+}
+inline fvec vbytes(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr int LANES = 8;
+using fvec = __m256;
+inline fvec vzero() { return _mm256_setzero_ps(); }
+inline fvec vset(float v) { return _mm256_set1_ps(v); }
+inline fvec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, fvec v) { _mm256_storeu_ps(p, v); }
+inline fvec vfma(fvec a, fvec b, fvec c) { return _mm256_fmadd_ps(a, b, c); }
+inline fvec vmul(fvec a, fvec b) { return _mm256_mul_ps(a, b); }
+inline float vsum(fvec v) {
+    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
+}
+inline fvec vhalves(const uint16_t* p, bool bf16) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)) : _mm256_cvtph_ps(h);
+}
+inline fvec vbytes(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+#else
+constexpr int LANES = 1;
+using fvec = float;
+inline fvec vzero() { return 0.0f; }
+inline fvec vset(float v) { return v; }
+inline fvec vload(const float* p) { return *p; }
+inline void vstore(float* p, fvec v) { *p = v; }
+inline fvec vfma(fvec a, fvec b, fvec c) { return a * b + c; }
+inline fvec vmul(fvec a, fvec b) { return a * b; }
+inline float vsum(fvec v) { return v; }
+inline fvec vhalves(const uint16_t* p, bool bf16) { return bf16 ? bf16_to_float(*p) : fp16_to_float(*p); }
+inline fvec vbytes(const int8_t* p) { return float(*p); }
+#endif
+
+// LANES values of one cached row (one KV head of one cell) from value `at` of the row, as float32.
+template <int TYPE> inline fvec row_values(const KVPlane& plane, int64_t cell, int head, int at) {
+    const int64_t first = (cell * plane.n_kv + head) * int64_t(plane.d) + at;
+    if constexpr (TYPE == KV_F32) return vload(static_cast<const float*>(plane.data) + first);
+    else if constexpr (TYPE == KV_F16 || TYPE == KV_BF16)
+        return vhalves(static_cast<const uint16_t*>(plane.data) + first, TYPE == KV_BF16);
+    else  // LANES divides 32: the values share one scale
+        return vmul(vbytes(static_cast<const int8_t*>(plane.data) + first), vset(fp16_to_float(plane.scales[first / 32])));
+}
+
+// exp(x) for x <= 0 (scores less their maximum), within 2 ulp: Cody-Waite reduction by ln 2 and Cephes' polynomial.
+inline float exp_nonpositive(float value) {
+    const float x = std::max(value, -87.0f);
+    const float k = std::floor(x * 1.44269504088896341f + 0.5f);
+    const float r = (x - k * 0.693359375f) + k * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float y = p * r * r + r + 1.0f;
+    const int32_t bits = (int32_t(k) + 127) << 23;
+    float two_k;
+    std::memcpy(&two_k, &bits, 4);
+    return y * two_k;
+}
+
+#if defined(__AVX2__)
+// The same operations on 8 values (AVX2, which AVX-512 CPUs run too): the same results as the scalar one.
+inline __m256 exp_nonpositive(__m256 value) {
+    const __m256 x = _mm256_max_ps(value, _mm256_set1_ps(-87.0f));
+    const __m256 k = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                                   _mm256_set1_ps(0.5f)));
+    const __m256 r = _mm256_add_ps(_mm256_sub_ps(x, _mm256_mul_ps(k, _mm256_set1_ps(0.693359375f))),
+                                   _mm256_mul_ps(k, _mm256_set1_ps(2.12194440e-4f)));
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+        p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(c));
+    const __m256 y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(k), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+#endif
+
+// One head's scores turned into exp(score - their maximum), in place; returns (maximum, sum of the exps).
+inline std::pair<float, float> exp_less_maximum(float* s, int64_t n) {
+    const float top = *std::max_element(s, s + n);
+    float total = 0.0f;
+    int64_t j = 0;
+#if defined(__AVX2__)
+    __m256 sums = _mm256_setzero_ps();
+    for (; j + 8 <= n; j += 8) {
+        const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(top)));
+        _mm256_storeu_ps(s + j, e);
+        sums = _mm256_add_ps(sums, e);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, sums);
+    for (const float lane : lanes) total += lane;
+#endif
+    for (; j < n; ++j) {
+        s[j] = exp_nonpositive(s[j] - top);
+        total += s[j];
+    }
+    return {top, total};
+}
+
+constexpr int PREFETCH_CELLS = 8;  // how many cells ahead rows are fetched: cells are gathered, not streamed
+
+// Asks for the row of `cell` (one KV head, d values of the plane's type) to be brought into the cache.
+inline void prefetch_row(const KVPlane& plane, int64_t cell, int head) {
+    const int element = plane.type == KV_F32 ? 4 : plane.type == KV_Q8_0 ? 1 : 2;
+    const char* row = static_cast<const char*>(plane.data) + ((cell * plane.n_kv + head) * int64_t(plane.d)) * element;
+    for (int64_t line = 0; line < int64_t(plane.d) * element; line += 64) __builtin_prefetch(row + line, 0, 3);
+}
+
+// About 8 independent accumulators keep the FMA units busy (each FMA waits ~4 cycles for the one before it in its
+// own chain): G query heads times UNROLL cells (scores) or column blocks (values).
+template <int G> constexpr int unroll_for() { return G >= 8 ? 1 : 8 / G; }
+
+// scores[g][j] = scale * q_g . K[cells[j]] for G query heads (q: [G][d]) and n cells.
+template <int TYPE, int G>
+inline void scores_of(const float* q, int d, float scale, const int64_t* cells, int64_t n, const KVPlane& k,
+                      int head, float* scores, int64_t stride) {
+    constexpr int J = unroll_for<G>();
+    int64_t j = 0;
+    for (; j + J <= n; j += J) {  // J cells at a time
+        for (int c = 0; c < J && j + PREFETCH_CELLS + c < n; ++c) prefetch_row(k, cells[j + PREFETCH_CELLS + c], head);
+        fvec acc[J][G];
+        for (int c = 0; c < J; ++c)
+            for (int g = 0; g < G; ++g) acc[c][g] = vzero();
+        for (int at = 0; at < d; at += LANES)
+            for (int c = 0; c < J; ++c) {
+                const fvec row = row_values<TYPE>(k, cells[j + c], head, at);
+                for (int g = 0; g < G; ++g) acc[c][g] = vfma(vload(q + g * d + at), row, acc[c][g]);
+            }
+        for (int c = 0; c < J; ++c)
+            for (int g = 0; g < G; ++g) scores[g * stride + j + c] = vsum(acc[c][g]) * scale;
+    }
+    for (; j < n; ++j) {
+        fvec acc[G];
+        for (int g = 0; g < G; ++g) acc[g] = vzero();
+        for (int at = 0; at < d; at += LANES) {
+            const fvec row = row_values<TYPE>(k, cells[j], head, at);
+            for (int g = 0; g < G; ++g) acc[g] = vfma(vload(q + g * d + at), row, acc[g]);
+        }
+        for (int g = 0; g < G; ++g) scores[g * stride + j] = vsum(acc[g]) * scale;
+    }
+}
+
+// out[g] = sum over j of p[g][j] V[cells[j]] for G query heads (out: [G][d]), B column blocks of LANES at a time.
+template <int TYPE, int G>
+inline void values_of(const float* p, int d, const int64_t* cells, int64_t n, const KVPlane& v, int head,
+                      int64_t stride, float* out) {
+    constexpr int B = unroll_for<G>();
+    int at = 0;
+    for (; at + B * LANES <= d; at += B * LANES) {
+        fvec acc[B][G];
+        for (int b = 0; b < B; ++b)
+            for (int g = 0; g < G; ++g) acc[b][g] = vzero();
+        for (int64_t j = 0; j < n; ++j) {
+            if (at == 0 && j + PREFETCH_CELLS < n) prefetch_row(v, cells[j + PREFETCH_CELLS], head);
+            for (int b = 0; b < B; ++b) {
+                const fvec row = row_values<TYPE>(v, cells[j], head, at + b * LANES);
+                for (int g = 0; g < G; ++g) acc[b][g] = vfma(vset(p[g * stride + j]), row, acc[b][g]);
+            }
+        }
+        for (int b = 0; b < B; ++b)
+            for (int g = 0; g < G; ++g) vstore(out + g * d + at + b * LANES, acc[b][g]);
+    }
+    for (; at < d; at += LANES) {
+        fvec acc[G];
+        for (int g = 0; g < G; ++g) acc[g] = vzero();
+        for (int64_t j = 0; j < n; ++j) {
+            const fvec row = row_values<TYPE>(v, cells[j], head, at);
+            for (int g = 0; g < G; ++g) acc[g] = vfma(vset(p[g * stride + j]), row, acc[g]);
+        }
+        for (int g = 0; g < G; ++g) vstore(out + g * d + at, acc[g]);
+    }
+}
+
+template <class F> inline void with_kv_type(int type, F&& f) {
+    switch (type) {
+        case KV_F32: f(std::integral_constant<int, KV_F32>{}); break;
+        case KV_F16: f(std::integral_constant<int, KV_F16>{}); break;
+        case KV_BF16: f(std::integral_constant<int, KV_BF16>{}); break;
+        default: f(std::integral_constant<int, KV_Q8_0>{}); break;
+    }
+}
+
+template <class F> inline void with_group(int g, F&& f) {
+    switch (g) {
+        case 1: f(std::integral_constant<int, 1>{}); break;
+        case 2: f(std::integral_constant<int, 2>{}); break;
+        case 3: f(std::integral_constant<int, 3>{}); break;
+        case 4: f(std::integral_constant<int, 4>{}); break;
+        case 5: f(std::integral_constant<int, 5>{}); break;
+        case 6: f(std::integral_constant<int, 6>{}); break;
+        case 7: f(std::integral_constant<int, 7>{}); break;
+        default: f(std::integral_constant<int, 8>{}); break;
+    }
+}
+
+// One chunk of one token's cells for `group` query heads (q: [group][d] float32): each head's maximum score, the sum
+// of exp(score - maximum), and the unnormalized sum of V rows weighted by those exps (out: [group][d]).
+inline void attend_chunk(const float* q, int group, int d, float scale, const int64_t* cells, int64_t n,
+                         const KVPlane& k, const KVPlane& v, int head, float* maxima, float* sums, float* out,
+                         std::vector<float>& scores) {
+    scores.resize(size_t(group) * n);
+    with_kv_type(k.type, [&](auto type) {
+        constexpr int TYPE = decltype(type)::value;
+        for (int g0 = 0; g0 < group; g0 += MAX_GROUP)
+            with_group(std::min(MAX_GROUP, group - g0), [&](auto width) {
+                constexpr int G = decltype(width)::value;
+                scores_of<TYPE, G>(q + int64_t(g0) * d, d, scale, cells, n, k, head, scores.data() + g0 * n, n);
+            });
+        for (int g = 0; g < group; ++g)
+            std::tie(maxima[g], sums[g]) = exp_less_maximum(scores.data() + int64_t(g) * n, n);
+        for (int g0 = 0; g0 < group; g0 += MAX_GROUP)
+            with_group(std::min(MAX_GROUP, group - g0), [&](auto width) {
+                constexpr int G = decltype(width)::value;
+                values_of<TYPE, G>(scores.data() + g0 * n, d, cells, n, v, head, n, out + int64_t(g0) * d);
+            });
+    });
+}
+
+// Where a step's attention reads and writes: per token its query heads (float32 or bfloat16, q_stride values
+// apart from one token to the next), its cells and their count, and its output row (out_stride apart).
+struct AttentionWork {
+    const void* q;
+    bool bf16;
+    int64_t q_stride;
+    int64_t n_tokens;
+    int n_head, n_kv, d;
+    float scale;
+    const int64_t* cells;
+    int64_t cells_stride;
+    const int64_t* lengths;
+    KVPlane k, v;
+    void* out;
+    int64_t out_stride;
+};
+
+inline int64_t chunks_of(int64_t length) { return std::max<int64_t>(1, (length + CHUNK_CELLS - 1) / CHUNK_CELLS); }
+
+// The attention of a step, run by every thread of the calling team; `partials` is the caller's, shared (one
+// team's). Ends with a barrier.
+inline void attention_in_team(const AttentionWork& w, std::vector<float>& partials) {
+    const int group = w.n_head / w.n_kv, d = w.d;
+    int64_t max_chunks = 1;
+    for (int64_t t = 0; t < w.n_tokens; ++t) max_chunks = std::max(max_chunks, chunks_of(w.lengths[t]));
+    const int64_t per_chunk = int64_t(group) * (d + 2);  // maxima, sums, then outputs of the chunk's heads
+    const int64_t per_head = max_chunks * per_chunk;
+#pragma omp single
+    partials.resize(size_t(w.n_tokens * w.n_kv * per_head));
+    static thread_local std::vector<float> query, scores, weights;
+#pragma omp for schedule(dynamic)
+    for (int64_t task = 0; task < w.n_tokens * w.n_kv * max_chunks; ++task) {
+        const int64_t chunk = task % max_chunks, t = task / max_chunks / w.n_kv;
+        const int head = int(task / max_chunks % w.n_kv);
+        const int64_t first = chunk * CHUNK_CELLS, n = std::min(CHUNK_CELLS, w.lengths[t] - first);
+        if (n <= 0) continue;
+        query.resize(size_t(group) * d);
+        const int64_t q_at = t * w.q_stride + int64_t(head) * group * d;
+        if (w.bf16)
+            for (int64_t i = 0; i < int64_t(group) * d; ++i) query[i] = bf16_to_float(static_cast<const uint16_t*>(w.q)[q_at + i]);
+        else
+            std::copy_n(static_cast<const float*>(w.q) + q_at, int64_t(group) * d, query.data());
+        float* part = partials.data() + (t * w.n_kv + head) * per_head + chunk * per_chunk;
+        attend_chunk(query.data(), group, d, w.scale, w.cells + t * w.cells_stride + first, n, w.k, w.v, head, part,
+                     part + group, part + 2 * group, scores);
+    }
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < w.n_tokens * w.n_kv; ++task) {  // the chunks merged
+        const int64_t t = task / w.n_kv;
+        const int head = int(task % w.n_kv);
+        const int64_t n_chunks = chunks_of(w.lengths[t]);
+        const float* parts = partials.data() + task * per_head;
+        weights.resize(size_t(n_chunks));
+        query.resize(size_t(d));  // the merged row, before its store
+        for (int g = 0; g < group; ++g) {
+            float top = -INFINITY, total = 0.0f;
+            for (int64_t c = 0; c < n_chunks; ++c) top = std::max(top, parts[c * per_chunk + g]);
+            for (int64_t c = 0; c < n_chunks; ++c) {
+                weights[c] = exp_nonpositive(parts[c * per_chunk + g] - top);
+                total += weights[c] * parts[c * per_chunk + group + g];
+            }
+            const float inverse = 1.0f / total;
+            float* row = query.data();
+            const float* first = parts + 2 * group + int64_t(g) * d;
+            for (int i = 0; i < d; ++i) row[i] = weights[0] * first[i];
+            for (int64_t c = 1; c < n_chunks; ++c) {
+                const float* chunk = parts + c * per_chunk + 2 * group + int64_t(g) * d;
+                for (int i = 0; i < d; ++i) row[i] += weights[c] * chunk[i];
+            }
+            const int64_t out_at = t * w.out_stride + (int64_t(head) * group + g) * d;
+            if (w.bf16)
+                for (int i = 0; i < d; ++i) static_cast<uint16_t*>(w.out)[out_at + i] = float_to_bf16(row[i] * inverse);
+            else
+                for (int i = 0; i < d; ++i) static_cast<float*>(w.out)[out_at + i] = row[i] * inverse;
+        }
+    }
+}
+
+}  // namespace kvlm
