@@ -125,6 +125,8 @@ template <int TYPE> void product_tiles(const uint8_t* weights, int64_t k, int64_
     const int64_t tile_bytes = TILE_ROWS * row_bytes<TYPE>(k);
     for (int64_t t = t0; t < t1; ++t) {
         const uint8_t* tile = weights + t * tile_bytes;
+        if (t + 1 < t1)  // the next tile on its way while this one is computed: each matrix is a short stream
+            for (int64_t line = 0; line < tile_bytes; line += 64) __builtin_prefetch(tile + tile_bytes + line, 0, 0);
         for (int64_t r0 = 0; r0 < act.n_rows; r0 += MAX_ACT_ROWS) {
             const int n = int(std::min<int64_t>(MAX_ACT_ROWS, act.n_rows - r0));
             __m256 out[MAX_ACT_ROWS];
