@@ -90,7 +90,7 @@ def child(args: argparse.Namespace) -> None:
     else:
         def open_context():
             model = load_model(str(path), progress=False, memory=MemoryRequest(n_ctx=args.n_ctx))
-            return KvlmContext(model, args.n_ctx, 1, resolve_kv_dtype(AUTO, model.decoder.dtype))
+            return KvlmContext(model, args.n_ctx, 1, resolve_kv_dtype(AUTO, model.decoder.dtype, model.decoder.quantized))
         result = measure(open_context, args.child_vocab, args.tokens)
     print("RESULT " + json.dumps(result), flush=True)
 

@@ -95,7 +95,7 @@ def child(args: argparse.Namespace) -> None:
             engine.close()
     else:
         dtype, quant = {label: (dtype, quant) for label, dtype, quant in KVLM_SETUPS}[args.child]
-        kv_dtype = lambda model: resolve_kv_dtype(args.kv_dtype, model.decoder.dtype)  # noqa: E731
+        kv_dtype = lambda model: resolve_kv_dtype(args.kv_dtype, model.decoder.dtype, model.decoder.quantized)  # noqa: E731
         model, result = timed_start(lambda: load_model(str(path), dtype, quant=quant, progress=False),
                                     lambda model: KvlmContext(model, args.n_ctx, 1, kv_dtype(model)), prompt)
         result["kv_dtype"] = kv_dtype(model)

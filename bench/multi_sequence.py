@@ -298,7 +298,7 @@ def main() -> None:
         print(f"{label}: {model.decoder.describe()}", flush=True)
         if not paragraph_ids:
             paragraph_ids = model.tokenizer.encode(PARAGRAPH)
-        kv_dtype = kv_dtypes[label] = resolve_kv_dtype(args.kv_dtype, model.decoder.dtype)
+        kv_dtype = kv_dtypes[label] = resolve_kv_dtype(args.kv_dtype, model.decoder.dtype, model.decoder.quantized)
         make = lambda n_ctx, n_seq, model=model, kv=kv_dtype: KvlmContext(model, n_ctx, n_seq, kv)  # noqa: E731
         decode[label], tokens[label] = {}, {}
         for n_seq in sequences:

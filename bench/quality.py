@@ -77,7 +77,7 @@ def kvlm_run(label: str, path: Path, text: str, args, **settings) -> tuple[Run, 
     model = load_model(str(path), **settings)
     tokens, bos_id = tokenize(model.tokenizer, text)
     plan = plan_chunks(tokens, args.ctx, args.chunks, bos_id)
-    kv_dtype = resolve_kv_dtype(AUTO, model.decoder.dtype)
+    kv_dtype = resolve_kv_dtype(AUTO, model.decoder.dtype, model.decoder.quantized)
     run = timed(label, f"{model.decoder.describe()}; KV {kv_dtype}", plan, kvlm_chunk_logits(model, args.ctx, AUTO))
     del model
     gc.collect()

@@ -68,7 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-num-seqs", type=int, default=32, help="requests running at once")
     srv.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step")
     srv.add_argument("--kv-dtype", choices=(AUTO, *KV_DTYPES), default=AUTO,
-                     help="KV cache dtype (default: the model's, bf16 for --dtype bfloat16)")
+                     help="KV cache dtype (default: bf16 for bfloat16 activations, f16 for float32 ones over quantized "
+                          "weights, f32 in the reference mode)")
     _swa_full_argument(srv)
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: no key)")
     srv.add_argument("--served-model-name", default=None, help="the name clients use (default: from --model)")
@@ -102,7 +103,8 @@ def _parser() -> argparse.ArgumentParser:
     ppl.set_defaults(n_ctx=512)  # also the default of --n-ctx, which sets the same value
     ppl.add_argument("--chunks", type=int, default=None, help="evaluate only the first N chunks (default: all)")
     ppl.add_argument("--kv-dtype", choices=(AUTO, *KV_DTYPES), default=AUTO,
-                     help="KV cache dtype (default: the model's, bf16 for bfloat16)")
+                     help="KV cache dtype (default: bf16 for bfloat16 activations, f16 for float32 ones over quantized "
+                          "weights, f32 in the reference mode)")
     ppl.add_argument("--json", action="store_true", help="print one JSON object instead of the progress lines")
     ppl.set_defaults(handler=_perplexity)
 

@@ -232,7 +232,7 @@ def kvlm_chunk_logits(model: Model, n_ctx: int, kv_dtype: str = AUTO) -> Callabl
     if n_ctx > model.config.n_ctx_train:  # llama.cpp warns the same way and goes on
         log.warning("the model was trained on only %d context tokens (%d specified)", model.config.n_ctx_train, n_ctx)
     context = Context(model, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=min(n_ctx, N_UBATCH), n_seq_max=1,
-                      kv_dtype=resolve_kv_dtype(kv_dtype, model.decoder.dtype))
+                      kv_dtype=resolve_kv_dtype(kv_dtype, model.decoder.dtype, model.decoder.quantized))
 
     def run(tokens: list[int], first: int) -> torch.Tensor:
         context.memory.clear()

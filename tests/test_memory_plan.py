@@ -33,8 +33,9 @@ def test_a_model_that_does_not_fit_is_refused_before_any_weight_is_read(qwen_ggu
     with pytest.raises(MemoryPlanError) as refused:
         load_model(str(qwen_gguf_path), memory=MemoryRequest(n_ctx=32768, n_seq_max=2))
     message = str(refused.value)
-    # The KV cache takes the activations' dtype, which this CPU decides: 2 x 24 layers x 32768 cells x 128 values.
-    kv = "384 MiB (n_ctx 32768, bf16" if resolve_settings().dtype == "bfloat16" else "768 MiB (n_ctx 32768, f32"
+    # The KV cache is bf16 or f16 (bfloat16 or float32 activations, which this CPU decides): 2 x 24 layers x 32768
+    # cells x 128 values x 2 bytes.
+    kv = f"384 MiB (n_ctx 32768, {'bf16' if resolve_settings().dtype == 'bfloat16' else 'f16'}"
     for part in ("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf does not fit in memory", "weights 463 MiB",
                  f"KV cache {kv}, 2 sequences)", "compute buffers", "cgroup limit 1024 MiB",
                  "What would fit: --n-ctx", "with --kv-dtype q8_0"):
@@ -108,7 +109,7 @@ def test_the_plan_is_what_the_decoder_holds(smollm2_gguf_path, qwen_gguf_path, d
 
 def test_llm_refuses_a_context_that_does_not_fit_a_loaded_model(smollm2_gguf_path, monkeypatch):
     model = load_model(str(smollm2_gguf_path), memory=MemoryRequest(n_ctx=512))
-    limited(monkeypatch, 700 * MiB, in_use=model.decoder.nbytes + 100 * MiB)
+    limited(monkeypatch, 500 * MiB, in_use=model.decoder.nbytes + 100 * MiB)  # 2-byte KV (bf16 or f16)
     with pytest.raises(MemoryPlanError, match=r"KV cache .*n_ctx 65536"):
         LLM(model, n_ctx=65536)
     assert LLM(model).engine.n_ctx < 8192  # what fits

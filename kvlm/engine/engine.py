@@ -47,7 +47,7 @@ class Engine:
                                  block_size, swa_full)
         self.plan = plan_for_loaded(model, request, memory_budget)
         n_ctx = self.plan.n_ctx
-        kv_dtype = resolve_kv_dtype(kv_dtype, model.decoder.dtype)
+        kv_dtype = resolve_kv_dtype(kv_dtype, model.decoder.dtype, model.decoder.quantized)
         self.context = Context(model, n_ctx=n_ctx, n_batch=max_num_batched_tokens,
                                n_ubatch=max_num_batched_tokens, n_seq_max=max_num_seqs + 1, kv_dtype=kv_dtype,
                                swa_full=swa_full, swa_keep_extra=block_size - 1 if enable_prefix_caching else 0)

@@ -113,7 +113,7 @@ def fit(config: ModelConfig, held: int, copyable: int, settings: ComputeSettings
     process's memory already (so not counted twice)."""
     if budget is not None and (not isinstance(budget, int) or budget <= 0):
         raise ValueError(f"memory_budget must be a positive number of bytes, got {budget!r}")
-    kv_dtype = resolve_kv_dtype(request.kv_dtype, settings.torch_dtype)
+    kv_dtype = resolve_kv_dtype(request.kv_dtype, settings.torch_dtype, settings.quant is not None)
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {AUTO}, {', '.join(KV_DTYPES)}, got {request.kv_dtype!r}")
     limit, source = memory_limit()

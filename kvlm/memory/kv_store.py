@@ -14,11 +14,15 @@ KV_DTYPES = tuple(BYTES_PER_ELEMENT)
 AUTO = "auto"
 
 
-def resolve_kv_dtype(kv_dtype: str, compute_dtype: torch.dtype) -> str:
-    """"auto" (vLLM's default) is the model's own dtype: bf16 for bfloat16, f32 for float32."""
+def resolve_kv_dtype(kv_dtype: str, compute_dtype: torch.dtype, quantized: bool = False) -> str:
+    """"auto": bf16 for a bfloat16 model (vLLM's default, the model's own dtype); for a float32 one, f32 in the
+    reference mode (dense weights, as transformers) and f16 when its weights are quantized (the fast mode:
+    llama.cpp's default, half the bytes decode attention reads and the cache holds)."""
     if kv_dtype != AUTO:
         return kv_dtype
-    return "bf16" if compute_dtype == torch.bfloat16 else "f32"
+    if compute_dtype == torch.bfloat16:
+        return "bf16"
+    return "f16" if quantized else "f32"
 
 
 def kv_bytes_for(config: ModelConfig, n_cells: int, dtype: str, n_layer: int | None = None) -> int:

@@ -117,6 +117,11 @@ class Decoder:
         self._blocks = {ATTENTION: self._attention_block, SLIDING: self._attention_block,  # by layer kind
                         CONV: self._conv_block, MAMBA: self._mamba_block}
 
+    @property
+    def quantized(self) -> bool:
+        """Whether its matrices may be kept quantized (the fast mode), not all dense (the reference mode)."""
+        return self.settings.quant is not None
+
     def describe(self) -> str:
         """The chosen settings and how many matrices each kernel got, for logs and `kvlm inspect`."""
         counts = Counter(linear_kind(m) for m in self.matrices())

@@ -30,7 +30,7 @@ class ServeSettings:
     n_ctx: int | None = None  # None: the largest that fits in memory, up to the model's own
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
-    kv_dtype: str = AUTO  # the model's dtype
+    kv_dtype: str = AUTO  # bf16 for a bfloat16 model; f16 (quantized weights) or f32 (dense) for a float32 one
     swa_full: bool = False  # keep every cell of sliding-window layers (one unified pool, llama.cpp's --swa-full)
     api_key: str | None = None
     served_model_name: str | None = None

@@ -206,21 +206,22 @@ inline void decode_layer(const LayerSpec& L, const StepSpec& S, int layer, void*
         static thread_local std::vector<float> values;
         PhaseClock clock;
         clock.start();
+        const auto multiply = [&](const Matrix& w, const void* in, void* out) {  // every thread, then all wait
+            product_in_team(w, in, bf16, T, act, out, bf16);
+#pragma omp barrier
+            clock.lap(&T_::products);
+        };
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; ++t) rms_norm_row(x, nullptr, bf16, t, L.n_embd, L.attn_norm, L.eps, normed, nullptr, values);
         clock.lap(&T_::other);
-        product_in_team(L.qkv, normed, bf16, T, act, qkv, bf16);
-#pragma omp barrier
-        clock.lap(&T_::products);
+        multiply(L.qkv, normed, qkv);
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < T * n_heads_all; ++task)
             finish_head(L, S, planes, qkv, task / n_heads_all, int(task % n_heads_all), values);
         clock.lap(&T_::other);
         attention_in_team(attention, *shared_partials);
         clock.lap(&T_::attention);
-        product_in_team(L.output, attended, bf16, T, act, h, bf16);
-#pragma omp barrier
-        clock.lap(&T_::products);
+        multiply(L.output, attended, h);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; ++t) {
             if (L.post_attention_norm)
@@ -228,15 +229,11 @@ inline void decode_layer(const LayerSpec& L, const StepSpec& S, int layer, void*
             rms_norm_row(x, h, bf16, t, L.n_embd, L.ffn_norm, L.eps, normed, x, values);  // x += h, then the norm
         }
         clock.lap(&T_::other);
-        product_in_team(L.gate_up, normed, bf16, T, act, gate_up, bf16);
-#pragma omp barrier
-        clock.lap(&T_::products);
+        multiply(L.gate_up, normed, gate_up);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; ++t) gated_row(gate_up, bf16, t, L.n_ff, L.gelu, gated);
         clock.lap(&T_::other);
-        product_in_team(L.down, gated, bf16, T, act, h, bf16);
-#pragma omp barrier
-        clock.lap(&T_::products);
+        multiply(L.down, gated, h);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; ++t) {
             if (L.post_ffw_norm) rms_norm_row(h, nullptr, bf16, t, L.n_embd, L.post_ffw_norm, L.eps, h, nullptr, values);
