@@ -262,15 +262,16 @@ def run_transformers(path: Path, prompts: list[list[int]], max_tokens: int) -> R
 
 
 def run_vllm(python: str, path: Path, prompts: list[list[int]], max_tokens: int, threads: int, warmup: list[int],
-             max_num_batched_tokens: int) -> tuple[Run, str]:
+             max_num_batched_tokens: int, dtype: str) -> tuple[Run, str]:
     folder = vllm_driver.hf_folder(path)
     result = vllm_driver.run_vllm(python, folder, prompts, max_tokens, threads, warmup, WARMUP_OUTPUT_TOKENS,
-                                  max_num_batched_tokens)
+                                  max_num_batched_tokens, dtype)
     ttft = result["ttft"] if None not in result["ttft"] else [float("nan")] * len(prompts)
     note = (f"{result['setup']}; weights: {folder} (bf16, converted by transformers from {path.name}); "
             f"load + warm-up {result['load_s']:.0f} s; {result['cached']} prompt tokens from its prefix cache; "
             f"log {result['log']}")
-    return Run("vLLM (bf16, KV bf16)", result["wall"], ttft, result["tokens"], note), note
+    label = "vLLM (bf16, KV bf16)" if dtype in ("auto", "bfloat16") else f"vLLM ({dtype}, KV {dtype})"
+    return Run(label, result["wall"], ttft, result["tokens"], note), note
 
 
 # --- shared prefix -------------------------------------------------------------------------------------------------
@@ -382,6 +383,8 @@ def main() -> None:
     parser.add_argument("--vllm-python", default=None,
                         help="the Python of a virtualenv with vLLM's CPU build (e.g. /tmp/vllmvenv/bin/python); "
                              "without it vLLM is skipped")
+    parser.add_argument("--vllm-dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                        help="vLLM's dtype (auto: the folder's bfloat16; float32 suits a CPU without native bf16)")
     parser.add_argument("--vllm-max-batched-tokens", type=int, default=N_BATCH,
                         help=f"vLLM's max_num_batched_tokens (default {N_BATCH}, kvlm's and llama.cpp's batch; "
                              "vLLM's own default on CPU is 4096)")
@@ -455,7 +458,7 @@ def main() -> None:
             started = time.perf_counter()
             try:
                 run, vllm_note = run_vllm(args.vllm_python, path, prompts, args.max_tokens, threads, warmup,
-                                          args.vllm_max_batched_tokens)
+                                          args.vllm_max_batched_tokens, args.vllm_dtype)
                 runs.append(checked(run, args.max_tokens))
                 print(f"vLLM: {runs[-1].tok_s:.1f} output tok/s", flush=True)
                 timed("vLLM", started)
@@ -475,7 +478,7 @@ def main() -> None:
     # --- report
     print(f"\n{machine_line()}; {threads} threads for every engine (torch.set_num_threads, llama.cpp n_threads and "
           f"n_threads_batch); OMP_PROC_BIND={os.environ.get('OMP_PROC_BIND')}")
-    kv_note = " (the model's dtype: bf16 for bfloat16, f32 for float32)" if args.kv_dtype == "auto" else ""
+    kv_note = " (bf16 for bfloat16 activations, f16 for float32 ones over quantized weights)" if args.kv_dtype == "auto" else ""
     print(f"GGUF: {path.name}; kvlm KV cache {args.kv_dtype}{kv_note}, max_num_batched_tokens {N_BATCH}; {llama_note}; "
           f"transformers float32 (weights dequantized from the GGUF)")
     for note in settings_notes:

@@ -103,11 +103,12 @@ def preload(python: str) -> str:
 
 
 def run_vllm(python: str, folder: Path, prompts: list[list[int]], max_tokens: int, threads: int,
-             warmup: list[int], warmup_tokens: int, max_num_batched_tokens: int) -> dict:
+             warmup: list[int], warmup_tokens: int, max_num_batched_tokens: int, dtype: str = "auto") -> dict:
     """One vLLM `LLM` in a child process: warm-up on `warmup`, prefix cache reset, then all prompts in one
-    `generate`, greedy, EOS ignored. Returns {"wall", "ttft", "tokens", "cached", "setup", "load_s"}."""
+    `generate`, greedy, EOS ignored. `dtype`: vLLM's (auto: the folder's bfloat16; float32 where the CPU has no
+    native bf16). Returns {"wall", "ttft", "tokens", "cached", "setup", "load_s"}."""
     request = {"folder": str(folder), "prompts": prompts, "max_tokens": max_tokens, "warmup": warmup,
-               "warmup_tokens": warmup_tokens, "max_num_batched_tokens": max_num_batched_tokens}
+               "warmup_tokens": warmup_tokens, "max_num_batched_tokens": max_num_batched_tokens, "dtype": dtype}
     env = child_env(threads)
     libs = preload(python)
     if libs:
@@ -169,11 +170,11 @@ def run(request_path: Path, result_path: Path) -> None:
     from vllm.inputs import TokensPrompt
 
     prompts, max_tokens = request["prompts"], request["max_tokens"]
-    # dtype and KV cache dtype stay "auto" (the folder's bfloat16); disable_log_stats=False so that each
-    # output carries its request's metrics (arrival time, first-token latency).
+    # dtype as asked ("auto": the folder's bfloat16), KV cache dtype "auto" (the model's); disable_log_stats=False
+    # so that each output carries its request's metrics (arrival time, first-token latency).
     llm = LLM(model=request["folder"], max_model_len=max(map(len, prompts)) + max_tokens,
               max_num_seqs=len(prompts), max_num_batched_tokens=request["max_num_batched_tokens"], seed=0,
-              disable_log_stats=False)
+              disable_log_stats=False, dtype=request.get("dtype", "auto"))
     warmup = request["warmup"]
     llm.generate([TokensPrompt(prompt_token_ids=warmup), TokensPrompt(prompt_token_ids=warmup[1:])],
                  SamplingParams(temperature=0.0, max_tokens=request["warmup_tokens"], ignore_eos=True),
