@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections import Counter
+from pathlib import Path
 
 from kvlm.engine.chat_session import ChatSession
 from kvlm.engine.engine import memory_request
@@ -23,6 +25,7 @@ from kvlm.memory.kv_store import KV_DTYPES, kv_bytes_for
 from kvlm.memory.protocol import recurrent_state_shapes
 from kvlm.memory.sizes import iswa_pools, recurrent_state
 from kvlm.model.settings import AUTO, DTYPES, QUANTS, resolve_settings
+from kvlm.structured.params import StructuredOutputsParams
 from kvlm.tokenizer import StreamDecoder, checked_template_kwargs
 
 
@@ -50,6 +53,11 @@ def _parser() -> argparse.ArgumentParser:
     _sampling_arguments(gen)
     gen.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step (baseline)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    constraint = gen.add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", type=_json_schema, metavar="FILE|JSON",
+                            help="the output must be JSON matching this schema (a file, or the schema itself)")
+    constraint.add_argument("--regex", help="the output must match this regular expression")
+    constraint.add_argument("--choice", nargs="+", metavar="TEXT", help="the output must be one of these texts")
     _swa_full_argument(gen)
     gen.set_defaults(handler=_generate)
 
@@ -193,8 +201,28 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
                           top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
 
 
+def _json_schema(value: str) -> dict:
+    """A JSON schema given as its text or as the path of a file holding it."""
+    text = Path(value).read_text(encoding="utf-8") if not value.lstrip().startswith("{") else value
+    try:
+        schema = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a JSON schema (nor a file holding one): {exc}") from None
+    if not isinstance(schema, dict):
+        raise argparse.ArgumentTypeError(f"a JSON schema is an object, got {text[:80]!r}")
+    return schema
+
+
+def _constraint(args: argparse.Namespace) -> StructuredOutputsParams | None:
+    if args.json_schema is not None:
+        return StructuredOutputsParams(json=args.json_schema)
+    if args.regex is not None:
+        return StructuredOutputsParams(regex=args.regex)
+    return StructuredOutputsParams(choice=args.choice) if args.choice else None
+
+
 def _generate(args: argparse.Namespace) -> int:
-    params = _sampling_params(args)
+    params = dataclasses.replace(_sampling_params(args), structured_outputs=_constraint(args))
     if args.prompt is not None and args.chat_template_kwargs:
         raise ValueError("--chat-template-kwargs applies to --chat only; a --prompt is tokenized as is")
     model = _load_model(args, max_num_seqs=1)

@@ -187,6 +187,10 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def backend_json(self) -> str:
+        """The whole tokenizer as `tokenizers` serialises it (what llguidance builds its token trie from)."""
+        return self._backend.to_str()
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for: part of a character, for a byte-level or <0xNN> token that splits one."""
         token = self._backend.id_to_token(token_id)

@@ -4,6 +4,9 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
+
+import torch
 
 from kvlm.batch import Batch
 from kvlm.context import Context, DecodeStatus
@@ -17,6 +20,9 @@ from kvlm.errors import KvlmError
 from kvlm.loader.load import Model, plan_for_loaded
 from kvlm.loader.memory_plan import MemoryRequest
 from kvlm.memory.kv_store import AUTO, resolve_kv_dtype
+from kvlm.structured.compiler import GrammarCompiler, GrammarError
+from kvlm.structured.request_grammar import RequestGrammar
+from kvlm.structured.step_masks import StepMasks
 
 log = logging.getLogger("kvlm")
 
@@ -60,6 +66,9 @@ class Engine:
         self.scheduler = Scheduler(memory, self.prefix_cache, max_num_seqs, max_num_batched_tokens,
                                    first_seq_id=PREFIX_CACHE_SEQ + 1)
         self.requests: dict[str, Request] = {}
+        # structured output: compiled off the step loop (the vocabulary's trie is built at the first use)
+        self.grammars = GrammarCompiler(model.tokenizer, model.config.vocab_size)
+        self.step_masks = StepMasks(self.grammars)
         self._ids = itertools.count()
         self.n_prefill_tokens = 0  # prompt tokens actually run through the model (cache hits excluded)
 
@@ -67,14 +76,21 @@ class Engine:
     def n_ctx(self) -> int:
         return self.context.n_ctx
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    reasoning_ended: Callable[[str], int | None] | None = None) -> str:
+        """`reasoning_ended(output_text)`, for a model that may reason before it answers: where the answer starts
+        in the output so far (None while it may still be reasoning); a structured-output constraint then applies
+        only to the answer (see RequestGrammar)."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         tokenizer = self.model.tokenizer
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = RequestGrammar(self.grammars.submit(params.structured_outputs), self.grammars, reasoning_ended)
         request = Request(request_id, list(prompt_token_ids), params,
                           RequestSampler(params, list(prompt_token_ids)),
-                          StopChecker(tokenizer, params, tokenizer.stop_ids))
+                          StopChecker(tokenizer, params, tokenizer.stop_ids), grammar)
         self.requests[request_id] = request
         problem = self._unfit(request)
         if problem:
@@ -112,9 +128,10 @@ class Engine:
         return RequestOutput.of(self.requests.pop(request_id))
 
     def step(self) -> list[StepEvent]:
-        events = self._finish_full_sequences()
+        events = self._finish_full_sequences() + self._fail_bad_grammars()
         plan = self.scheduler.schedule()
         if not plan:
+            self._wait_for_a_grammar()
             return events
         status = self.context.decode(self._batch(plan))
         if status != DecodeStatus.OK:
@@ -128,6 +145,20 @@ class Engine:
             self.scheduler.finish(request, "length")
         return [StepEvent(r.request_id, r.stop.finish(), [], True) for r in full]
 
+    def _fail_bad_grammars(self) -> list[StepEvent]:
+        """Requests whose constraint failed to compile end with the compiler's message."""
+        failed = [r for r in self.scheduler.waiting if r.grammar is not None and r.grammar.error is not None]
+        for request in failed:
+            request.error = request.grammar.error
+            self.scheduler.finish(request, "error")
+        return [StepEvent(r.request_id, r.stop.finish(), [], True) for r in failed]
+
+    def _wait_for_a_grammar(self) -> None:
+        """Nothing could run: rather than spin, wait (briefly) for a compiling grammar."""
+        compiling = next((r.grammar for r in self.scheduler.waiting if not r.ready), None)
+        if compiling is not None:
+            compiling.wait(timeout=0.05)
+
     def _batch(self, plan: list[Scheduled]) -> Batch:
         tokens, positions, seq_ids, outputs = [], [], [], []
         for item in plan:
@@ -140,31 +171,52 @@ class Engine:
         return Batch(tokens=tokens, pos=positions, seq_ids=seq_ids, logits=outputs)
 
     def _advance(self, plan: list[Scheduled]) -> list[StepEvent]:
-        events, n_output = [], 0
+        sampling = []  # the requests that get a token this step, in the order of the batch's logits
         for item in plan:
             request = item.request
             if len(request.output_token_ids) == 0:
                 self.n_prefill_tokens += item.n_tokens
-            outputs = item.outputs
+            outputs = item.outputs  # (read before n_computed moves)
             request.n_computed += item.n_tokens
             if not outputs:
                 continue
             if not request.output_token_ids:
                 self.scheduler.cache_computed_prefix(request)  # later requests can share the prompt now
-            events.append(self._sample(request, self.context.get_logits_ith(n_output)))
-            n_output += 1
+            sampling.append(request)
+        constrained = [r for r in sampling if r.grammar is not None and self._constrained(r)]
+        allowed = self.step_masks.fill(constrained) if constrained else {}
+        events = []
+        for i, request in enumerate(sampling):
+            if request.error is not None:  # its output broke its grammar
+                self.scheduler.finish(request, "error")
+                events.append(StepEvent(request.request_id, request.stop.finish(), [], True))
+            else:
+                events.append(self._sample(request, self.context.get_logits_ith(i), allowed.get(request.request_id)))
         return events
 
-    def _sample(self, request: Request, logits) -> StepEvent:
-        sampled = request.sampler.sample(logits)
+    def _constrained(self, request: Request) -> bool:
+        """Whether the request's grammar masks this step's token; a grammar its output broke fails it."""
+        try:
+            return request.grammar.active(request.stop.text, request.output_token_ids)
+        except GrammarError as exc:
+            request.error = str(exc)
+            return False
+
+    def _sample(self, request: Request, logits: torch.Tensor, allowed: torch.Tensor | None = None) -> StepEvent:
+        sampled = request.sampler.sample(logits, allowed)
+        complete = allowed is not None and request.grammar.accept(sampled.token_id)
         request.output_token_ids.append(sampled.token_id)
         request.logprobs.append(sampled)
         if request.first_token_time is None:
             request.first_token_time = time.perf_counter()
         result = request.stop.add(sampled.token_id)
+        new_text = result.new_text
         if result.finished:
             self.scheduler.finish(request, result.finish_reason)
+        elif complete:  # the grammar allows nothing more: the request ends as at a stop token
+            new_text += request.stop.finish()
+            self.scheduler.finish(request, "stop")
         elif len(request.output_token_ids) >= request.params.max_tokens:
             self.scheduler.finish(request, "length")
         logprobs = [sampled] if request.params.logprobs is not None else None
-        return StepEvent(request.request_id, result.new_text, [sampled.token_id], request.finished, logprobs)
+        return StepEvent(request.request_id, new_text, [sampled.token_id], request.finished, logprobs)

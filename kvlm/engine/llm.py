@@ -81,7 +81,9 @@ class LLM:
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamChunk]:
         """Yield text as it is completed (never half a character), then a last chunk with the output."""
-        request_id = self.engine.add_request(self._ids(prompt), params or SamplingParams())
+        params = params or SamplingParams()
+        self._check_constraints([params])
+        request_id = self.engine.add_request(self._ids(prompt), params)
         try:
             while not self.engine.requests[request_id].finished:
                 for event in self.engine.step():
@@ -94,10 +96,17 @@ class LLM:
                 self.engine.abort(request_id)
                 self.engine.release(request_id)
 
+    def _check_constraints(self, params: list[SamplingParams]) -> None:
+        """A constraint that cannot compile is refused (GrammarError) before any request starts."""
+        for sp in params:
+            if sp.structured_outputs is not None:
+                self.engine.grammars.compile(sp.structured_outputs)
+
     def _ids(self, prompt: Prompt) -> list[int]:
         return list(prompt) if _is_token_list(prompt) else self.tokenizer.encode(prompt)
 
     def _run(self, prompts: list[list[int]], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        self._check_constraints(params)
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
         with tqdm(total=len(ids), desc="requests", unit="req", disable=not use_tqdm) as bar:
             started, generated = time.perf_counter(), 0

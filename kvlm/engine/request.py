@@ -8,6 +8,7 @@ from enum import Enum
 from kvlm.engine.sampler import RequestSampler, SampledToken
 from kvlm.engine.sampling_params import SamplingParams
 from kvlm.engine.stop import StopChecker
+from kvlm.structured.request_grammar import RequestGrammar
 
 
 class RequestState(Enum):
@@ -23,6 +24,7 @@ class Request:
     params: SamplingParams
     sampler: RequestSampler
     stop: StopChecker
+    grammar: RequestGrammar | None = None  # a structured-output constraint
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[SampledToken] = field(default_factory=list)
     state: RequestState = RequestState.WAITING
@@ -49,6 +51,11 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.state is RequestState.FINISHED
+
+    @property
+    def ready(self) -> bool:
+        """Whether it can be scheduled: not waiting for its grammar to compile."""
+        return self.grammar is None or self.grammar.ready
 
 
 @dataclass

@@ -3,6 +3,7 @@
 Differences from vLLM's `SamplingParams`, all deliberate:
 
 - Only the fields below exist (no `n`, `best_of`, `min_tokens`, `include_stop_str_in_output`, ...).
+- `structured_outputs` may also be given as a dict of `StructuredOutputsParams` fields.
 - `max_tokens` must be an int >= 1; vLLM also takes None ("until the context is full").
 - `stop` and `stop_token_ids` are stored as tuples and `logit_bias` as a copied dict, so a params object is
   hashable (`logit_bias` is left out of the hash) and cannot change under a running request.
@@ -26,6 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from kvlm.structured.params import StructuredOutputsParams
+
 SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: temperatures below it are greedy
 _SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 
@@ -48,6 +51,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         def set_(name: str, value: Any) -> None:  # frozen: normalised values go past __setattr__
@@ -89,6 +93,8 @@ class SamplingParams:
             set_("logprobs", _integer("logprobs", self.logprobs))
             if self.logprobs < 0:
                 raise ValueError(f"logprobs must be non-negative, got {self.logprobs}")
+        if self.structured_outputs is not None:
+            set_("structured_outputs", StructuredOutputsParams.from_dict(self.structured_outputs))
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> SamplingParams:

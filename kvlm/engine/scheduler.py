@@ -79,12 +79,15 @@ class Scheduler:
             self.prefix_cache.insert(request.token_ids[: request.n_computed], request.seq_id)
 
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        for request in list(self.waiting):
+            if len(self.running) >= self.max_num_seqs:
+                return
+            if not request.ready:  # its grammar still compiles: the requests behind it go first
+                continue
             # Room for the whole remaining prompt and one token more, so admission rarely ends in preemption.
             if not self._has_room(request.n_pending + 1) and self.running:
                 return
-            self.waiting.popleft()
+            self.waiting.remove(request)
             request.seq_id = self.free_seq_ids.pop()
             request.state = RequestState.RUNNING
             self._reuse_cached_prefix(request)

@@ -1,0 +1,69 @@
+"""One request's constraint as the engine steps it: compiling, then a matcher that masks and follows tokens.
+
+While a reasoning model thinks, its output is free: the grammar constrains only what follows the end of the
+reasoning (`</think>`), as vLLM's structured output does with a reasoning parser. Whether an output reasons
+is known only from its first token (does it open `<think>`?), so that token is free; when it does not open
+reasoning, the matcher starts by following it (and the request fails, naming the grammar's complaint, in the
+rare case it does not fit).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+
+import llguidance
+import numpy as np
+import torch
+
+from kvlm.structured.compiler import GrammarCompiler, GrammarError
+
+
+class RequestGrammar:
+    def __init__(self, compiling: Future[str], compiler: GrammarCompiler,
+                 reasoning_ended: Callable[[str], int | None] | None = None) -> None:
+        """`reasoning_ended(output_text)`: where the content starts (0: the output does not reason), None while
+        the output may still be reasoning; None for a request whose constraint holds from the first token."""
+        self._compiling, self._compiler = compiling, compiler
+        self._reasoning_ended = reasoning_ended
+        self.matcher: llguidance.LLMatcher | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Compiled (or failed: `error` says why); a request runs only once this is true."""
+        return self._compiling.done()
+
+    @property
+    def error(self) -> str | None:
+        if not self._compiling.done() or self._compiling.exception() is None:
+            return None
+        return str(self._compiling.exception())
+
+    def wait(self, timeout: float) -> None:
+        try:
+            self._compiling.exception(timeout)
+        except TimeoutError:
+            pass
+
+    def active(self, output_text: str, output_token_ids: list[int]) -> bool:
+        """Whether the next token is constrained: once the reasoning (if any) has ended in the output so far."""
+        if self.matcher is None:
+            content_start = 0 if self._reasoning_ended is None else self._reasoning_ended(output_text)
+            if content_start is None:
+                return False
+            self.matcher = self._compiler.matcher(self._compiling.result())
+            if content_start == 0 and output_token_ids:  # no reasoning after all: follow the free first token
+                for token_id in output_token_ids:
+                    self.accept(token_id)
+        return not self.matcher.is_stopped()
+
+    def accept(self, token_id: int) -> bool:
+        """Follow the sampled token; True when the grammar is complete (nothing but the end may follow)."""
+        if not self.matcher.consume_token(token_id):
+            raise GrammarError(f"token {token_id} does not fit the constraint: {self.matcher.get_error()}")
+        return self.matcher.is_stopped()
+
+
+def allowed_tokens(bitmask_row: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """A bool [vocab_size] of the tokens one int32 bitmask row allows (bit i of word w is token 32 w + i)."""
+    bits = np.unpackbits(bitmask_row.numpy().view(np.uint8), bitorder="little")[:vocab_size]
+    return torch.from_numpy(bits.view(np.bool_))
