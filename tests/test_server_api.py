@@ -199,6 +199,8 @@ def test_wrong_api_key_is_refused(server):
 # --- bad input ---
 
 LONG_PROMPT = "word " * (N_CTX + 10)
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 BAD_REQUESTS = [
     # (path, body, headers, status, param, words in the message)
     ("/v1/completions", '{"model": "x", "prompt": ', AUTH, 400, None, ["JSON"]),
@@ -227,7 +229,35 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, AUTH, 400,
      "messages.0.role", []),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                              "tools": [{"type": "function"}]}, AUTH, 400, "tools", ["tools"]),
+                              "tools": [{"type": "function"}]}, AUTH, 400, "tools.0.function", ["function"]),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                              "tools": [TOOL]}, AUTH, 400, "tools", ["no tool-call format", "required"]),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                              "tool_choice": "required"}, AUTH, 400, "tool_choice", ["`tools` must be set"]),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [TOOL],
+                              "tool_choice": {"type": "function", "function": {"name": "nope"}}}, AUTH, 400,
+     "tool_choice", ["'nope'", "get_weather"]),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [TOOL],
+                              "tool_choice": "required", "response_format": {"type": "json_object"}}, AUTH, 400,
+     "tools", ["cannot be combined with tools"]),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                                  "type": "nosuch"}}}}, AUTH, 400, "response_format", ["json", "nosuch"]),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "xml"}}, AUTH, 400, "response_format.type", []),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_schema"}}, AUTH, 400, "response_format",
+     ["json_schema.schema"]),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "guided_regex": "(", "guided_choice": ["a"]}, AUTH, 400,
+     "guided_choice", ["at most one", "guided_regex", "guided_choice"]),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "structured_outputs": {"regex": "("}}, AUTH, 400,
+     "structured_outputs", ["regex", "unclosed group"]),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "grammar": "root ::= foo"}, AUTH, 400, "grammar",
+     ["grammar"]),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "structured_outputs": {"choice": "yes"}}, AUTH, 400,
+     "structured_outputs", ["choice", "list"]),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": None}]}, AUTH, 400,
+     "messages", ["needs content"]),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                               "top_logprobs": 3}, AUTH, 400, "top_logprobs", ["logprobs"]),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],

@@ -4,23 +4,25 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from importlib import resources
 
-import jinja2
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from kvlm.engine.engine import Engine
 from kvlm.engine.request import RequestOutput
 from kvlm.engine.sampling_params import SamplingParams
-from kvlm.errors import KvlmError
+from kvlm.structured.compiler import GrammarError
+from kvlm.structured.params import StructuredOutputsParams
 from kvlm.server.async_engine import AsyncEngine, EngineFailure, Finished
 from kvlm.server.errors import error_body, install_error_handlers
 from kvlm.server.kv_report import kv_report
 from kvlm.server.metrics import ServerMetrics
+from kvlm.server.chat_output import ChatOutputSpec, ChoiceStream
+from kvlm.server.chat_turn import chat_prompt, chat_turn
 from kvlm.server.protocol import (
     BadRequest,
     ChatCompletionRequest,
@@ -42,6 +44,7 @@ class Choice:
     index: int
     prompt_token_ids: list[int]
     params: SamplingParams
+    reasoning_ended: Callable[[str], int | None] | None = None  # see Engine.add_request
 
 
 def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> FastAPI:
@@ -85,13 +88,14 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         in_vocabulary(ids, field)
         return ids
 
-    def chat_token_ids(body: ChatCompletionRequest | TokenizeRequest) -> list[int]:
-        messages, kwargs = [m.as_template_message() for m in body.messages], body.template_kwargs()
-        try:
-            return tokenizer.encode_chat(messages, body.add_generation_prompt, **kwargs)
-        # e.g. a template that wants roles to alternate, or a template kwarg of a type it cannot use
-        except (jinja2.TemplateError, KvlmError, TypeError, ValueError) as exc:
-            raise BadRequest(f"the chat template refused the messages: {exc}", "messages") from None
+    async def checked_constraint(body: CompletionRequest) -> StructuredOutputsParams | None:
+        constraint = body.constraint()
+        if constraint is not None:
+            try:
+                await asyncio.to_thread(engine.grammars.compile, constraint)
+            except GrammarError as exc:
+                raise BadRequest(str(exc), next(iter(body.constraints()))) from None
+        return constraint
 
     def sampling_checked(params: SamplingParams) -> SamplingParams:
         in_vocabulary((params.logit_bias or {}).keys(), "logit_bias")
@@ -103,10 +107,12 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         check_model(body.model)
         body.check_supported()
         prompts = [token_ids(p, "prompt") for p in body.prompts()]
+        constraint = await checked_constraint(body)
         n, choices = body.n_choices(), []
         for p, ids in enumerate(prompts):
             max_tokens = checked_max_tokens(body.max_tokens, len(ids), engine.n_ctx, "max_tokens")
-            choices += [Choice(p * n + i, ids, sampling_checked(body.sampling_params(max_tokens, body.logprobs, i)))
+            choices += [Choice(p * n + i, ids, sampling_checked(body.sampling_params(max_tokens, body.logprobs, i,
+                                                                                     constraint)))
                         for i in range(n)]
         reply = Reply("text_completion", model_name)
         return await respond(reply, body, choices, sum(map(len, prompts)), request)
@@ -114,20 +120,24 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        ids = chat_token_ids(body)
+        turn = await chat_turn(tokenizer, engine.grammars, body)
+        ids = turn.prompt_token_ids
+        in_vocabulary(ids, "messages")
         field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = checked_max_tokens(body.requested_max_tokens(), len(ids), engine.n_ctx, field, "messages")
         logprobs = body.logprobs_count()
-        choices = [Choice(i, ids, sampling_checked(body.sampling_params(max_tokens, logprobs, i)))
+        choices = [Choice(i, ids, sampling_checked(body.sampling_params(max_tokens, logprobs, i, turn.constraint)),
+                          turn.reasoning_ended)
                    for i in range(body.n_choices())]
         reply = Reply("chat.completion", model_name)
-        return await respond(reply, body, choices, len(ids), request)
+        return await respond(reply, body, choices, len(ids), request, turn.output)
 
-    async def respond(reply: Reply, body, choices: list[Choice], n_prompt: int, request: Request) -> Response:
+    async def respond(reply: Reply, body, choices: list[Choice], n_prompt: int, request: Request,
+                      output_spec: ChatOutputSpec | None = None) -> Response:
         formatter = LogprobsFormatter(tokenizer, reply.chat)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(stream_events(reply, choices, formatter, n_prompt, include_usage),
+            return StreamingResponse(stream_events(reply, choices, formatter, n_prompt, include_usage, output_spec),
                                      media_type="text/event-stream")
         outputs = await until_disconnected(request, asyncio.gather(*(run_choice(reply, c) for c in choices)))
         if outputs is None:
@@ -136,46 +146,52 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
             if output.error:
                 raise BadRequest(output.error, "prompt")
         return JSONResponse(reply.body(
-            [reply.choice(c.index, o.text, formatter.format(o.logprobs or []), o.finish_reason)
+            [reply.choice(c.index, o.text, formatter.format(o.logprobs or []), o.finish_reason, output_spec)
              for c, o in zip(choices, outputs)],
             usage(n_prompt, sum(len(o.token_ids) for o in outputs))))
 
     async def run_choice(reply: Reply, choice: Choice) -> RequestOutput:
-        async for item in runner.generate(f"{reply.id}-{choice.index}", choice.prompt_token_ids, choice.params):
+        async for item in runner.generate(f"{reply.id}-{choice.index}", choice.prompt_token_ids, choice.params,
+                                          choice.reasoning_ended):
             if isinstance(item, Finished):
                 return item.output
         raise EngineFailure("the engine stopped before the request finished")
 
     async def stream_events(reply: Reply, choices: list[Choice], formatter: LogprobsFormatter, n_prompt: int,
-                            include_usage: bool) -> AsyncIterator[str]:
+                            include_usage: bool, output_spec: ChatOutputSpec | None) -> AsyncIterator[str]:
         merged: asyncio.Queue = asyncio.Queue()
 
         async def pump(choice: Choice) -> None:
             try:
                 async for item in runner.generate(f"{reply.id}-{choice.index}", choice.prompt_token_ids,
-                                                  choice.params):
+                                                  choice.params, choice.reasoning_ended):
                     await merged.put((choice.index, item))
             except EngineFailure as exc:
                 await merged.put((choice.index, exc))
 
         tasks = [asyncio.create_task(pump(c)) for c in choices]
         offsets = {c.index: 0 for c in choices}
-        started, n_generated, n_open = set(), 0, len(choices)
+        readers = {c.index: ChoiceStream(output_spec) for c in choices}
+        n_generated, n_open = 0, len(choices)
         try:
             while n_open:
                 index, item = await merged.get()
                 if isinstance(item, EngineFailure):
                     yield sse(error_body(str(item), 500))
                     break
+                reader = readers[index]
                 if isinstance(item, Finished):
                     n_open -= 1
                     n_generated += len(item.output.token_ids)
-                    yield sse(reply.chunk([reply.delta(index, "", None, item.output.finish_reason)]))
+                    for delta in reader.last_deltas():
+                        yield sse(reply.chunk([reply.delta(index, delta, None, None)]))
+                    yield sse(reply.chunk([reply.delta(index, {}, None, reader.finish_reason(item.output.finish_reason))]))
                     continue
                 logprobs = formatter.format(item.new_logprobs or [], offsets[index])
                 offsets[index] = formatter.next_offset(logprobs, offsets[index])
-                yield sse(reply.chunk([reply.delta(index, item.new_text, logprobs, None, index not in started)]))
-                started.add(index)
+                for delta in reader.deltas(item.new_text, logprobs is not None):
+                    yield sse(reply.chunk([reply.delta(index, delta, logprobs, None)]))
+                    logprobs = None
             if include_usage:
                 yield sse(reply.chunk([], usage(n_prompt, n_generated)))
             yield "data: [DONE]\n\n"
@@ -192,7 +208,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         if body.prompt is not None:
             ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
-            ids = chat_token_ids(body)
+            ids = tokenizer.encode(chat_prompt(tokenizer, body), add_special_tokens=False)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.n_ctx}
 
     @app.post("/detokenize", dependencies=[Depends(authorized)])

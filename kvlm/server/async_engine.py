@@ -72,14 +72,15 @@ class AsyncEngine:
             raise EngineFailure("the engine is not running")
 
     # --- what handlers call ---
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[StepEvent | Finished]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       reasoning_ended: Callable[[str], int | None] | None = None
+                       ) -> AsyncIterator[StepEvent | Finished]:
         """The request's events as they come, then `Finished`. Leaving early (a disconnect) aborts it."""
         self._check_running()
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, events)
-        self._commands.put(lambda: self._add(request_id, prompt_token_ids, params))
+        self._commands.put(lambda: self._add(request_id, prompt_token_ids, params, reasoning_ended))
         finished = False
         try:
             while True:
@@ -161,14 +162,15 @@ class AsyncEngine:
             if event.finished:
                 self._finish(event.request_id)
 
-    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+             reasoning_ended: Callable[[str], int | None] | None) -> None:
         if request_id not in self._streams:  # the client left before its request reached the engine
             return
         if self._stopping.is_set():
             self._fail(request_id, EngineFailure("the server is shutting down"))
             return
         try:
-            self.engine.add_request(prompt_token_ids, params, request_id)
+            self.engine.add_request(prompt_token_ids, params, request_id, reasoning_ended)
         except Exception as exc:  # noqa: BLE001 - reported to its client
             self._fail(request_id, EngineFailure(f"the request could not start: {type(exc).__name__}: {exc}"))
             return

@@ -39,6 +39,16 @@ class ServerMetrics(StepObserver):
                                    registry=r)
         self.prefix_hit_tokens = Counter("kvlm_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
                                          registry=r)
+        # structured output: what compiling grammars and masking tokens cost, and how many requests were constrained
+        self.grammar_compile_seconds = Counter("kvlm_grammar_compile_seconds", "Time spent compiling grammars",
+                                               registry=r)
+        self.grammar_mask_seconds = Counter("kvlm_grammar_mask_seconds", "Time the step loop spent on token masks",
+                                            registry=r)
+        self.grammar_masks = Counter("kvlm_grammar_masks", "Token masks computed (one per constrained token)",
+                                     registry=r)
+        self.constrained_requests = Counter("kvlm_constrained_requests", "Requests with an output constraint",
+                                            registry=r)
+        self._structured_totals = (0.0, 0.0, 0)
         self._last_token_time: dict[str, float] = {}
 
     def on_step(self, engine: Engine, events: list[StepEvent], now: float) -> None:
@@ -50,6 +60,8 @@ class ServerMetrics(StepObserver):
             last = self._last_token_time.get(event.request_id)
             if last is None:
                 request = engine.requests[event.request_id]
+                if request.grammar is not None:
+                    self.constrained_requests.inc()
                 self.time_to_first_token.observe(now - request.arrival_time)
                 if request.n_cached_tokens:
                     self.prefix_hits.inc()
@@ -57,6 +69,7 @@ class ServerMetrics(StepObserver):
             else:
                 self.inter_token_latency.observe((now - last) / n)
             self._last_token_time[event.request_id] = now
+        self._count_structured(engine)
         scheduler, memory = engine.scheduler, engine.context.memory
         self.running.set(len(scheduler.running))
         self.waiting.set(len(scheduler.waiting))
@@ -69,6 +82,15 @@ class ServerMetrics(StepObserver):
         if slots is not None:
             self.recurrent_slots_used.set(slots.n_used)
             self.recurrent_slots_total.set(slots.n_seq_max)
+
+    def _count_structured(self, engine: Engine) -> None:
+        """The engine keeps running totals; the counters get what they added since the last step."""
+        totals = (engine.grammars.compile_seconds, engine.step_masks.mask_seconds, engine.step_masks.n_masks)
+        for counter, now, before in zip((self.grammar_compile_seconds, self.grammar_mask_seconds, self.grammar_masks),
+                                        totals, self._structured_totals):
+            if now > before:
+                counter.inc(now - before)
+        self._structured_totals = totals
 
     def on_finished(self, output: RequestOutput) -> None:
         self.requests.labels(finish_reason=output.finish_reason or "unknown").inc()

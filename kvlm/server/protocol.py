@@ -2,15 +2,20 @@
 
 Unknown fields are refused (400) rather than ignored, so a client never believes a setting took effect
 when it did not. Besides OpenAI's fields, vLLM's extras are accepted: top_k, min_p, repetition_penalty,
-ignore_eos, stop_token_ids, and for chat chat_template_kwargs.
+ignore_eos, stop_token_ids, structured_outputs (and its older guided_* spellings), and for chat
+chat_template_kwargs and include_reasoning; llama.cpp's json_schema and grammar on completions. OpenAI fields that
+change nothing here are accepted so that SDKs work: `store`, `metadata`, `user`, and in messages sent back the
+fields kvlm itself returns (`reasoning_content`, `refusal`, `annotations`, `audio`, `function_call`).
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from kvlm.engine.sampling_params import SamplingParams
+from kvlm.structured.params import StructuredOutputsParams
 from kvlm.tokenizer import checked_template_kwargs
 
 MAX_N = 16  # choices per request
@@ -48,12 +53,37 @@ class SamplingFields(BaseModel):
     seed: StrictInt | None = None
     stop: str | list[str] | None = None
     user: str | None = None
+    store: StrictBool | None = None  # OpenAI's; nothing is stored here
+    metadata: dict[str, str] | None = None
     # vLLM's extras
     top_k: StrictInt | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: StrictBool | None = None
     stop_token_ids: list[StrictInt] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def constraints(self) -> dict[str, StructuredOutputsParams]:
+        """Each field that constrains the output, as the params it asks for (400 when one is malformed)."""
+        found = {}
+        if self.structured_outputs is not None:
+            found["structured_outputs"] = _constraint("structured_outputs", self.structured_outputs)
+        for field, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                            ("guided_grammar", "grammar")):
+            if getattr(self, field) is not None:
+                found[field] = _constraint(field, {kind: getattr(self, field)})
+        return found
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The one output constraint of this request; 400 when several fields give one."""
+        found = self.constraints()
+        if len(found) > 1:
+            raise BadRequest(f"give at most one output constraint; got {', '.join(found)}", list(found)[1])
+        return next(iter(found.values()), None)
 
     def _check_limits(self, logprobs: int | None) -> None:
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
@@ -68,13 +98,14 @@ class SamplingFields(BaseModel):
             raise BadRequest(f"n must be between 1 and {MAX_N}, got {self.n}", "n")
         return self.n
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, choice: int,
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """The engine's params for choice `choice` of n: with a seed, choice i samples with seed + i."""
         self._check_limits(logprobs)
         names = ("temperature", "top_p", "frequency_penalty", "presence_penalty", "logit_bias", "stop", "top_k",
                  "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids")
         values: dict[str, Any] = {name: getattr(self, name) for name in names}
-        values.update(max_tokens=max_tokens, logprobs=logprobs,
+        values.update(max_tokens=max_tokens, logprobs=logprobs, structured_outputs=structured_outputs,
                       seed=None if self.seed is None else self.seed + choice)
         try:
             return SamplingParams.from_dict(values)
@@ -91,6 +122,19 @@ class CompletionRequest(SamplingFields):
     echo: StrictBool = False
     best_of: StrictInt | None = None
     suffix: str | None = None
+    response_format: ResponseFormat | None = None
+    json_schema: dict[str, Any] | None = None  # llama.cpp's
+    grammar: str | None = None  # llama.cpp's (GBNF; Lark is taken too)
+
+    def constraints(self) -> dict[str, StructuredOutputsParams]:
+        found = super().constraints()
+        if self.json_schema is not None:
+            found["json_schema"] = _constraint("json_schema", {"json": self.json_schema})
+        if self.grammar is not None:
+            found["grammar"] = _constraint("grammar", {"grammar": self.grammar})
+        if self.response_format is not None and self.response_format.constraint() is not None:
+            found["response_format"] = self.response_format.constraint()
+        return found
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text, or token ids."""
@@ -118,20 +162,123 @@ class TextPart(BaseModel):
     text: str
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str | dict[str, Any]  # OpenAI sends a JSON string; an object is taken as it is
+
+
+class ToolCall(BaseModel):
+    """A call in an assistant message sent back in the history."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+    index: StrictInt | None = None  # as streamed deltas carry it
+
+    def as_template_call(self) -> dict[str, Any]:
+        """Arguments as an object: templates write them out themselves (a string would be encoded twice)."""
+        arguments = self.function.arguments
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError:
+                raise BadRequest(f"tool call arguments must be a JSON object, got {arguments!r}",
+                                 "messages") from None
+        call = {"type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+        return call if self.id is None else {"id": self.id, **call}
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None  # vLLM's newer name for reasoning_content
+    # what OpenAI's SDK sends back of a returned message; nothing here depends on them
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
 
-    def as_template_message(self) -> dict[str, str]:
-        text = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+    def as_template_message(self) -> dict[str, Any]:
+        if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.function_call)):
+            raise BadRequest(f"a {self.role} message needs content (only an assistant message with tool calls may "
+                             "have none)", "messages")
+        content = self.content if isinstance(self.content, str) or self.content is None else \
+            "".join(part.text for part in self.content)
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        if self.tool_calls:
+            message["tool_calls"] = [call.as_template_call() for call in self.tool_calls]
+        for field in ("name", "tool_call_id"):
+            if getattr(self, field) is not None:
+                message[field] = getattr(self, field)
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
+        return message
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
 
 
 class ResponseFormat(BaseModel):
+    """OpenAI's response_format; llama.cpp's `{"type": "json_object", "schema": {...}}` too."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return _constraint("response_format", {"json": self.schema_} if self.schema_ else {"json_object": True})
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise BadRequest("response_format of type json_schema needs json_schema.schema", "response_format")
+        return _constraint("response_format", {"json": self.json_schema.schema_})
+
+
+def _constraint(field: str, values: Any) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams.from_dict(values)
+    except (TypeError, ValueError) as exc:
+        raise BadRequest(f"{field}: {exc}", field) from None
+
+
+class FunctionSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    type: Literal["text"]
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatTemplateFields(BaseModel):
@@ -155,6 +302,36 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
     response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
+    include_reasoning: StrictBool = True  # vLLM's: False drops reasoning_content from the response
+
+    def constraints(self) -> dict[str, StructuredOutputsParams]:
+        found = super().constraints()
+        if self.response_format is not None and self.response_format.constraint() is not None:
+            found["response_format"] = self.response_format.constraint()
+        return found
+
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        return [tool.model_dump(exclude_none=True) for tool in self.tools or []]
+
+    def effective_tool_choice(self) -> str | None:
+        """"none", "auto", "required" or a function's name, checked against `tools` as vLLM and OpenAI do."""
+        choice = self.tool_choice
+        if choice is not None and self.tools is None:
+            raise BadRequest("When using `tool_choice`, `tools` must be set.", "tool_choice")
+        if choice is None:
+            return "auto" if self.tools else "none"
+        if choice == "required" and not self.tools:
+            return "none"  # OpenAI's behaviour for an empty tool list
+        if isinstance(choice, NamedToolChoice):
+            names = [tool.function.name for tool in self.tools]
+            if choice.function.name not in names:
+                raise BadRequest(f"tool_choice names the function {choice.function.name!r}, which is not among "
+                                 f"the tools: {names}", "tool_choice")
+            return choice.function.name
+        return choice
 
     def logprobs_count(self) -> int | None:
         """How many alternatives per token the engine must return (None: no logprobs at all)."""
@@ -198,3 +375,6 @@ def checked_max_tokens(requested: int | None, n_prompt: int, n_ctx: int, field: 
                          f"completion). Please reduce the length of the prompt or the completion.", field,
                          code="context_length_exceeded")
     return requested
+
+
+CompletionRequest.model_rebuild()  # its response_format is defined below it

@@ -6,6 +6,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from kvlm.engine.sampler import SampledToken
+from kvlm.server.chat_output import ChatOutputSpec
 from kvlm.tokenizer import Tokenizer
 
 
@@ -37,18 +38,19 @@ class Reply:
             body["usage"] = usage
         return body
 
-    def choice(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
+    def choice(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None,
+               output: ChatOutputSpec | None = None) -> dict:
         if self.chat:
-            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                    "finish_reason": finish_reason}
+            message, finish_reason = output.message(text, finish_reason) if output is not None else \
+                ({"role": "assistant", "content": text}, finish_reason)
+            return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def delta(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None,
-              first: bool = False) -> dict:
+    def delta(self, index: int, delta: str | dict, logprobs: dict | None, finish_reason: str | None) -> dict:
+        """A stream chunk's choice: for chat `delta` is OpenAI's delta object, for completions the text."""
         if self.chat:
-            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
             return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "text": delta or "", "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -1,0 +1,82 @@
+"""What a chat request asks of one turn: the prompt, the constraint on the output (a response format, or a
+forced tool call in the model's own format), and how the output is read back (reasoning, tool calls).
+
+Checks follow vLLM and llama.cpp: `tool_choice` without `tools`, a named function not among them, a response
+constraint together with tools, or tools sent to a model whose template shows no tool-call format (unless
+tool_choice forces a call, which then uses a plain JSON form) are 400s.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jinja2
+
+from kvlm.errors import KvlmError
+from kvlm.server.chat_output import ChatOutputSpec
+from kvlm.server.protocol import BadRequest, ChatCompletionRequest, TokenizeRequest
+from kvlm.structured.compiler import GrammarCompiler, GrammarError
+from kvlm.structured.params import StructuredOutputsParams
+from kvlm.tokenizer import Tokenizer
+from kvlm.tool_calls.formats import JSON_FALLBACK, format_for_template
+from kvlm.tool_calls.reasoning import reasoning_for_template
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    prompt_token_ids: list[int]
+    constraint: StructuredOutputsParams | None
+    output: ChatOutputSpec
+
+    @property
+    def reasoning_ended(self) -> Callable[[str], int | None] | None:
+        """For the engine: where the answer starts, when a constraint must wait for the reasoning to end."""
+        if self.constraint is None or self.output.reasoning is None:
+            return None
+        return self.output.reasoning.reasoning_ended
+
+
+def chat_prompt(tokenizer: Tokenizer, body: ChatCompletionRequest | TokenizeRequest,
+                tools: list[dict] | None = None) -> str:
+    messages, kwargs = [m.as_template_message() for m in body.messages], body.template_kwargs()
+    try:
+        return tokenizer.apply_chat_template(messages, body.add_generation_prompt, tools or None, **kwargs)
+    # e.g. a template that wants roles to alternate, or a template kwarg of a type it cannot use
+    except (jinja2.TemplateError, KvlmError, TypeError, ValueError) as exc:
+        raise BadRequest(f"the chat template refused the messages: {exc}", "messages") from None
+
+
+async def chat_turn(tokenizer: Tokenizer, grammars: GrammarCompiler, body: ChatCompletionRequest) -> ChatTurn:
+    tool_choice, tools = body.effective_tool_choice(), body.tool_dicts()
+    constraint = body.constraint()
+    calling = tools and tool_choice != "none"
+    if calling and constraint is not None:
+        raise BadRequest("a response constraint (response_format, structured_outputs, guided_*) cannot be combined "
+                         "with tools; send tool_choice \"none\" or drop one of them", "tools")
+    tool_format = format_for_template(tokenizer.chat_template) if calling else None
+    forced = tool_choice not in ("none", "auto")
+    if calling and tool_format is None:
+        if not forced:
+            raise BadRequest("this model's chat template shows no tool-call format, so its tool calls cannot be read; "
+                             "send tool_choice \"required\" or a named function to force a call", "tools")
+        tool_format = JSON_FALLBACK
+    if calling and forced:
+        special = await asyncio.to_thread(grammars.special_tokens, tool_format.markers)
+        name = tool_choice if tool_choice != "required" else None
+        grammar = tool_format.forcing_grammar(tools, name, body.parallel_tool_calls, special)
+        constraint = StructuredOutputsParams(grammar=grammar)
+    if constraint is not None:
+        try:
+            await asyncio.to_thread(grammars.compile, constraint)
+        except GrammarError as exc:
+            raise BadRequest(str(exc), "tools" if calling else _constraint_field(body)) from None
+    prompt = chat_prompt(tokenizer, body, tools)
+    output = ChatOutputSpec(reasoning_for_template(tokenizer.chat_template, prompt), tool_format, tuple(tools),
+                            named_tool=forced and tool_choice != "required", include_reasoning=body.include_reasoning,
+                            parallel=body.parallel_tool_calls)
+    return ChatTurn(tokenizer.encode(prompt, add_special_tokens=False), constraint, output)
+
+
+def _constraint_field(body: ChatCompletionRequest) -> str:
+    return next(iter(body.constraints()), "response_format")

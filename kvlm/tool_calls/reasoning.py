@@ -1,0 +1,98 @@
+"""Reasoning output: the `<think>...</think>` part of an output, returned as `reasoning_content`.
+
+Qwen3 writes `<think>` itself; DeepSeek-R1-style templates (and Qwen3's thinking-only models) open it in the
+prompt, so the output starts inside the reasoning and only `</think>` is generated. Reasoning cut off before
+`</think>` (max_tokens) is all reasoning, with no content. A prompt that already closed an empty think block
+(Qwen3 with enable_thinking=false) gets no parser: all of the output is content.
+
+Tool calls and structured output concern the content only; `reasoning_ended` tells the engine where it
+starts. Reasoning is returned without its surrounding whitespace, content without its leading whitespace.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvlm.tool_calls.format import held_back
+
+THINK, END_THINK = "<think>", "</think>"
+
+
+@dataclass(frozen=True)
+class ReasoningParser:
+    start: str = THINK
+    end: str = END_THINK
+    starts_open: bool = False  # the prompt opened the reasoning: the output begins inside it
+
+    def split(self, text: str) -> tuple[str | None, str | None]:
+        """(reasoning, content) of a finished output; None for a part that is empty."""
+        reasoning, content = self.split_partial(text, final=True)
+        return reasoning or None, content if content.strip() else None
+
+    def split_partial(self, text: str, final: bool = False) -> tuple[str, str]:
+        """The certain prefixes of the reasoning and the content so far (all of them when `final`): text that
+        may still be a marker is held back, and so is whitespace that may end the reasoning."""
+        opened = self._reasoning_start(text, final)
+        if opened is None:
+            return "", ""
+        if opened < 0:
+            return "", text
+        close = text.find(self.end, opened)
+        if close < 0:
+            body = text[opened:]
+            body = body if final else body[:len(body) - held_back(body, self.end)]
+            return body.strip(), ""
+        return text[opened:close].strip(), text[close + len(self.end):].lstrip()
+
+    def reasoning_ended(self, text: str) -> int | None:
+        """Where the content starts in the output so far (0 when it has no reasoning); None while it may
+        still be reasoning."""
+        opened = self._reasoning_start(text, final=False)
+        if opened is None:
+            return None
+        if opened < 0:
+            return 0
+        close = text.find(self.end, opened)
+        return None if close < 0 else close + len(self.end)
+
+    def _reasoning_start(self, text: str, final: bool) -> int | None:
+        """Where the reasoning starts (after a `<think>` the output writes); -1 when the output has none; None
+        while that is not yet known (the output so far is whitespace or the start of `<think>`)."""
+        lead = text.lstrip()
+        skipped = len(text) - len(lead)
+        if lead.startswith(self.start):
+            return skipped + len(self.start)
+        if not final and self.start.startswith(lead):
+            return None
+        return 0 if self.starts_open else -1
+
+
+def reasoning_for_template(chat_template: str | None, prompt_text: str) -> ReasoningParser | None:
+    """A parser when the template reasons in `<think>` blocks, unless the prompt closed the block already."""
+    if not chat_template or THINK not in chat_template:
+        return None
+    tail = prompt_text.rstrip()
+    if tail.endswith(END_THINK):
+        return None
+    return ReasoningParser(starts_open=tail.endswith(THINK))
+
+
+class ReasoningStream:
+    """Reasoning and content deltas, from the whole output so far after every token (`update`), then once
+    more at the end (`finish`); each call gives (reasoning delta, content delta), either possibly empty."""
+
+    def __init__(self, parser: ReasoningParser) -> None:
+        self._parser = parser
+        self.reasoning, self.content = "", ""  # sent so far
+
+    def update(self, text: str) -> tuple[str, str]:
+        return self._advance(*self._parser.split_partial(text))
+
+    def finish(self, text: str) -> tuple[str, str]:
+        return self._advance(*self._parser.split_partial(text, final=True))
+
+    def _advance(self, reasoning: str, content: str) -> tuple[str, str]:
+        reasoning_delta = reasoning[len(self.reasoning):] if reasoning.startswith(self.reasoning) else ""
+        content_delta = content[len(self.content):] if content.strip() and content.startswith(self.content) else ""
+        self.reasoning += reasoning_delta
+        self.content += content_delta
+        return reasoning_delta, content_delta
