@@ -6,5 +6,6 @@ from kvlm.context import Context, DecodeStatus  # noqa: E402
 from kvlm.engine.llm import LLM  # noqa: E402
 from kvlm.engine.sampling_params import SamplingParams  # noqa: E402
 from kvlm.loader.load import load_model  # noqa: E402
+from kvlm.structured.params import StructuredOutputsParams  # noqa: E402
 
-__all__ = ["LLM", "Batch", "Context", "DecodeStatus", "SamplingParams", "load_model"]
+__all__ = ["LLM", "Batch", "Context", "DecodeStatus", "SamplingParams", "StructuredOutputsParams", "load_model"]

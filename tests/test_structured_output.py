@@ -9,6 +9,7 @@ import json
 from concurrent.futures import Future
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 
@@ -17,7 +18,7 @@ from kvlm.engine.sampler import RequestSampler
 from kvlm.engine.sampling_params import SamplingParams
 from kvlm.structured.compiler import MAX_JSON_WHITESPACE, GrammarCompiler, GrammarError
 from kvlm.structured.params import StructuredOutputsParams
-from kvlm.structured.request_grammar import RequestGrammar, allowed_tokens
+from kvlm.structured.request_grammar import RequestGrammar, TokenMask
 from kvlm.structured.step_masks import StepMasks
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0}},
@@ -38,7 +39,7 @@ def mask_of(compiler: GrammarCompiler, matcher) -> torch.Tensor:
     class Holder:  # StepMasks takes requests; one with this matcher
         request_id = "r"
         grammar = type("G", (), {"matcher": matcher})()
-    return StepMasks(compiler).fill([Holder])["r"]
+    return StepMasks(compiler).fill([Holder])["r"].tokens()
 
 
 @pytest.mark.parametrize("params, text", [
@@ -142,20 +143,37 @@ def test_a_failed_compilation_ends_only_its_request(llm, monkeypatch):
     assert output.finish_reason == "error" and "unclosed group" in output.error
 
 
-def test_the_mask_comes_before_bias_and_logprobs_stay_raw():
+def mask(allowed_ids: list[int], vocab_size: int) -> TokenMask:
+    words = np.zeros((vocab_size + 31) // 32, dtype=np.uint32)
+    for token_id in allowed_ids:
+        words[token_id // 32] |= np.uint32(1 << (token_id % 32))
+    return TokenMask(torch.from_numpy(words.view(np.int32)), vocab_size)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_mask_comes_before_bias_and_logprobs_stay_raw(temperature):
     logits = torch.tensor([0.0, 5.0, 1.0, 2.0])
-    allowed = torch.tensor([True, False, True, False])
-    params = SamplingParams(temperature=0, logit_bias={1: 100.0, 3: 100.0}, logprobs=1)
-    sampled = RequestSampler(params, []).sample(logits, allowed)
-    assert sampled.token_id == 2  # bias cannot bring back a masked token
-    assert sampled.logprob == pytest.approx(float(torch.log_softmax(logits, 0)[2]))
+    params = SamplingParams(temperature=temperature, logit_bias={1: 100.0, 3: 100.0}, logprobs=1, seed=0)
+    sampled = RequestSampler(params, []).sample(logits, mask([0, 2], 4))
+    assert sampled.token_id in (0, 2)  # bias cannot bring back a masked token
+    if temperature == 0:
+        assert sampled.token_id == 2
+    assert sampled.logprob == pytest.approx(float(torch.log_softmax(logits, 0)[sampled.token_id]))
     assert sampled.top_logprobs[0][0] == 1  # the raw distribution's best
 
 
-def test_allowed_tokens_reads_the_bitmask_bit_by_bit():
+def test_greedy_under_a_mask_whose_free_argmax_is_allowed_takes_it():
+    logits = torch.tensor([0.0, 5.0, 1.0, 2.0])
+    assert RequestSampler(SamplingParams(temperature=0), []).sample(logits, mask([1, 2], 4)).token_id == 1
+    assert RequestSampler(SamplingParams(temperature=0, repetition_penalty=2.0), [1]).sample(
+        logits, mask([0, 3], 4)).token_id == 3
+
+
+def test_a_token_mask_reads_the_bitmask_bit_by_bit():
     row = torch.tensor([0b1010, -2**31], dtype=torch.int32)  # tokens 1 and 3; and bit 31 of the second word
-    allowed = allowed_tokens(row, 64)
-    assert allowed.nonzero().flatten().tolist() == [1, 3, 63]
+    allowed = TokenMask(row, 64)
+    assert allowed.tokens().nonzero().flatten().tolist() == [1, 3, 63]
+    assert [allowed.allows(t) for t in (0, 1, 3, 62, 63)] == [False, True, True, False, True]
 
 
 def test_a_reasoning_output_is_free_until_its_end(compiler, smollm2):

@@ -21,7 +21,7 @@ from kvlm.loader.load import Model, plan_for_loaded
 from kvlm.loader.memory_plan import MemoryRequest
 from kvlm.memory.kv_store import AUTO, resolve_kv_dtype
 from kvlm.structured.compiler import GrammarCompiler, GrammarError
-from kvlm.structured.request_grammar import RequestGrammar
+from kvlm.structured.request_grammar import RequestGrammar, TokenMask
 from kvlm.structured.step_masks import StepMasks
 
 log = logging.getLogger("kvlm")
@@ -202,7 +202,7 @@ class Engine:
             request.error = str(exc)
             return False
 
-    def _sample(self, request: Request, logits: torch.Tensor, allowed: torch.Tensor | None = None) -> StepEvent:
+    def _sample(self, request: Request, logits: torch.Tensor, allowed: TokenMask | None = None) -> StepEvent:
         sampled = request.sampler.sample(logits, allowed)
         complete = allowed is not None and request.grammar.accept(sampled.token_id)
         request.output_token_ids.append(sampled.token_id)

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from kvlm.engine.sampling_params import SamplingParams
+from kvlm.structured.request_grammar import TokenMask
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,19 +69,26 @@ class RequestSampler:
             self._generator = torch.Generator().manual_seed(seed)
         return self._generator
 
-    def sample(self, logits: torch.Tensor, allowed: torch.Tensor | None = None) -> SampledToken:
+    def sample(self, logits: torch.Tensor, allowed: TokenMask | None = None) -> SampledToken:
         """The next token from this step's logits (float32 [vocab], left unchanged); recorded for penalties.
 
-        `allowed`: a bool [vocab] of the tokens a constraint lets through this step (None: all of them)."""
+        `allowed`: the tokens a constraint lets through this step (a TokenMask; None: all of them). A greedy row
+        tests only its argmax against it, and masks the logits only when that token is not allowed."""
         params = self.params
         raw = logits
-        if allowed is not None:
-            logits = torch.where(allowed, logits, float("-inf"))  # (several times faster than masked_fill)
+        if allowed is not None and not params.greedy:
+            logits = torch.where(allowed.tokens(), logits, float("-inf"))  # (several times faster than masked_fill)
         if self._argmax_only:
             token_id = argmax(logits)
         else:
             processed = self.process(logits)
             token_id = argmax(processed) if params.greedy else draw(processed, params, self.generator)
+        if allowed is not None and params.greedy and not allowed.allows(token_id):
+            # Bias and penalties leave a masked -inf at -inf, so the argmax of the masked logits is that of the
+            # processed ones among the allowed tokens: only needed when the free argmax is not allowed.
+            processed = logits if self._argmax_only else processed
+            token_id = argmax(torch.where(allowed.tokens(), processed, float("-inf")))
+        if not self._argmax_only:
             self._record(token_id)
         if params.logprobs is None:
             return SampledToken(token_id)

@@ -63,7 +63,21 @@ class RequestGrammar:
         return self.matcher.is_stopped()
 
 
-def allowed_tokens(bitmask_row: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """A bool [vocab_size] of the tokens one int32 bitmask row allows (bit i of word w is token 32 w + i)."""
-    bits = np.unpackbits(bitmask_row.numpy().view(np.uint8), bitorder="little")[:vocab_size]
-    return torch.from_numpy(bits.view(np.bool_))
+class TokenMask:
+    """The tokens a grammar allows at one step, as llguidance fills them: an int32 bitmask row in which bit i of
+    word w stands for token 32 w + i. Testing one token is a bit lookup; the whole bool vector is made on demand."""
+
+    def __init__(self, row: torch.Tensor, vocab_size: int) -> None:
+        self._words = row.numpy().copy()  # (the step's bitmask buffer is refilled next step)
+        self.vocab_size = vocab_size
+        self._tokens: torch.Tensor | None = None
+
+    def allows(self, token_id: int) -> bool:
+        return bool((int(self._words[token_id >> 5]) >> (token_id & 31)) & 1)
+
+    def tokens(self) -> torch.Tensor:
+        """A bool [vocab_size]: True for each allowed token."""
+        if self._tokens is None:
+            bits = np.unpackbits(self._words.view(np.uint8), bitorder="little")[: self.vocab_size]
+            self._tokens = torch.from_numpy(bits.view(np.bool_))
+        return self._tokens
