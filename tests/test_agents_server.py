@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import json
 import re
-import threading
-import time
 
 import httpx
 import jsonschema
 import openai
 import pytest
-import uvicorn
-from server_helpers import free_port
+from server_helpers import serving
 
 from kvlm.engine.engine import Engine
 from kvlm.server.app import create_app
@@ -61,18 +58,8 @@ def qwen_engine(qwen_gguf_path):
 
 @pytest.fixture(scope="module")
 def server(qwen_engine):
-    port = free_port()
-    uv = uvicorn.Server(uvicorn.Config(create_app(qwen_engine, MODEL), host="127.0.0.1", port=port,
-                                       log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not uv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    uv.should_exit = True
-    thread.join(timeout=30)
+    with serving(create_app(qwen_engine, MODEL)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,8 @@ import httpx
 import jinja2
 import openai
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
-from server_helpers import free_port
+from server_helpers import serving
 from test_cli_chat_kwargs import NO_THINKING, QWEN3_STYLE_TEMPLATE
 
 from kvlm.engine.engine import Engine
@@ -40,18 +39,8 @@ def engine(smollm2):
 @pytest.fixture(scope="module")
 def server(engine):
     """Base URL of a server on a thread; the engine is shut down with it."""
-    port = free_port()
-    uv = uvicorn.Server(uvicorn.Config(create_app(engine, MODEL, API_KEY), host="127.0.0.1", port=port,
-                                       log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    uv.should_exit = True
-    thread.join(timeout=30)
+    with serving(create_app(engine, MODEL, API_KEY)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
