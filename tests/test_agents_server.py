@@ -203,3 +203,22 @@ def test_metrics_count_constrained_requests_and_masks(server, client):
     assert values["kvlm_constrained_requests_total"] >= 1
     assert values["kvlm_grammar_masks_total"] >= 5
     assert values["kvlm_grammar_mask_seconds_total"] > 0 and values["kvlm_grammar_compile_seconds_total"] > 0
+
+
+def test_llm_chat_with_tools_returns_openai_messages(qwen_engine):
+    from kvlm.engine.llm import LLM
+    from kvlm.engine.sampling_params import SamplingParams
+
+    llm = LLM(qwen_engine.model, n_ctx=1024, max_num_seqs=2)
+    greedy = SamplingParams(max_tokens=80, temperature=0)
+    forced = llm.chat(ASK_WEATHER, greedy, use_tqdm=False, tools=[WEATHER, TIME], tool_choice="get_weather",
+                      parallel_tool_calls=False)[0]
+    assert forced.finish_reason == "stop" and forced.message["content"] is None
+    [call] = forced.message["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
+    free = llm.chat(ASK_WEATHER, greedy, use_tqdm=False, tools=[WEATHER])[0]
+    parsed = {"role": "assistant", "content": None, "tool_calls": []} if free.message is None else free.message
+    assert free.message is not None and (parsed["content"] or parsed.get("tool_calls"))
+    with pytest.raises(ValueError, match="nope"):
+        llm.chat(ASK_WEATHER, greedy, use_tqdm=False, tools=[WEATHER], tool_choice="nope")

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvlm.server.chat_output import ChatOutputSpec, ChoiceStream
+from kvlm.tool_calls.chat_output import ChatOutputSpec, ChoiceStream
 from kvlm.tool_calls.formats import HERMES
 from kvlm.tool_calls.reasoning import ReasoningParser
 

@@ -188,3 +188,18 @@ def test_a_reasoning_output_is_free_until_its_end(compiler, smollm2):
     first = smollm2.tokenizer.encode("o", add_special_tokens=False)
     assert no_reasoning.active("o", first)  # the free first token is followed
     assert no_reasoning.matcher.validate_tokens(smollm2.tokenizer.encode("k", add_special_tokens=False)) == 1
+
+
+def test_llm_chat_forces_a_json_call_on_a_model_without_a_tool_format(llm):
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    output = llm.chat(messages, SamplingParams(max_tokens=60, temperature=0), use_tqdm=False, tools=[weather],
+                      tool_choice="required", parallel_tool_calls=False)[0]
+    assert output.finish_reason == "tool_calls", output.text
+    [call] = output.message["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and call["id"].startswith("call_")
+    jsonschema.validate(json.loads(call["function"]["arguments"]), weather["function"]["parameters"])
+    with pytest.raises(ValueError, match="no tool-call format"):
+        llm.chat(messages, SamplingParams(max_tokens=4), use_tqdm=False, tools=[weather])
+    assert not llm.engine.requests

@@ -1,6 +1,7 @@
 """`LLM`: what most users call. Many prompts in, answers out, continuous batching underneath."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -13,7 +14,11 @@ from kvlm.engine.sampling_params import SamplingParams
 from kvlm.loader.fetch import DEFAULT_MODEL
 from kvlm.loader.load import Model, load_model
 from kvlm.memory.kv_store import AUTO
+from kvlm.structured.params import StructuredOutputsParams
 from kvlm.tokenizer import checked_template_kwargs
+from kvlm.tool_calls.chat_output import ChatOutputSpec
+from kvlm.tool_calls.reasoning import reasoning_for_template
+from kvlm.tool_calls.tool_choice import plan_tools
 
 Prompt = str | list[int]
 Conversation = list[dict]
@@ -67,17 +72,34 @@ class LLM:
     def chat(self, conversations: Conversation | Sequence[Conversation],
              params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True, *,
              add_generation_prompt: bool = True, tools: list[dict] | None = None,
+             tool_choice: str | dict | None = None, parallel_tool_calls: bool = True,
              chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Each conversation (a list of {"role", "content"}) is rendered with the model's chat template.
 
         As in vLLM, `tools` (OpenAI function specs) and `chat_template_kwargs` (e.g. {"enable_thinking": False})
-        reach the template.
+        reach the template. With `tools` (tool_choice "auto" by default, "none", "required", or a function's name
+        or {"type": "function", "function": {"name": ...}}) or a template that reasons in <think> blocks, each
+        output also carries `message`: content, tool_calls and reasoning_content as OpenAI's API returns them.
         """
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         kwargs = checked_template_kwargs(chat_template_kwargs or {}, "chat_template_kwargs")
-        prompts = [self.tokenizer.encode_chat(c, add_generation_prompt, tools, **kwargs) for c in conversations]
-        return self._run(prompts, _per_prompt(params, len(prompts)), use_tqdm)
+        texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt, tools, **kwargs) for c in conversations]
+        plan = plan_tools(self.tokenizer.chat_template, tools or [], _tool_choice_name(tools, tool_choice),
+                          parallel_tool_calls, self.engine.grammars.special_tokens)
+        params = _per_prompt(params, len(texts))
+        if plan.forcing_grammar is not None:
+            params = [_forcing(p, plan.forcing_grammar) for p in params]
+        prompts = [self.tokenizer.encode(text, add_special_tokens=False) for text in texts]
+        specs = [ChatOutputSpec(reasoning_for_template(self.tokenizer.chat_template, text), plan.format,
+                                tuple(tools or ()), named_tool=plan.named, parallel=parallel_tool_calls)
+                 for text in texts]
+        outputs = self._run(prompts, params, use_tqdm, [s.reasoning.reasoning_ended if s.reasoning else None
+                                                         for s in specs])
+        for output, spec in zip(outputs, specs):
+            if spec.reasoning is not None or spec.tool_format is not None:
+                output.message, output.finish_reason = spec.message(output.text, output.finish_reason)
+        return outputs
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamChunk]:
         """Yield text as it is completed (never half a character), then a last chunk with the output."""
@@ -105,9 +127,11 @@ class LLM:
     def _ids(self, prompt: Prompt) -> list[int]:
         return list(prompt) if _is_token_list(prompt) else self.tokenizer.encode(prompt)
 
-    def _run(self, prompts: list[list[int]], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[list[int]], params: list[SamplingParams], use_tqdm: bool,
+             reasoning_ended: list | None = None) -> list[RequestOutput]:
         self._check_constraints(params)
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        reasoning_ended = reasoning_ended or [None] * len(prompts)
+        ids = [self.engine.add_request(p, sp, reasoning_ended=r) for p, sp, r in zip(prompts, params, reasoning_ended)]
         with tqdm(total=len(ids), desc="requests", unit="req", disable=not use_tqdm) as bar:
             started, generated = time.perf_counter(), 0
             done = sum(self.engine.requests[i].finished for i in ids)
@@ -123,6 +147,24 @@ class LLM:
 
 def _is_token_list(value) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(t, int) for t in value)
+
+
+def _tool_choice_name(tools: list[dict] | None, tool_choice: str | dict | None) -> str:
+    """"none", "auto", "required" or a function's name, from any of OpenAI's spellings."""
+    if tool_choice is None:
+        return "auto" if tools else "none"
+    if isinstance(tool_choice, dict):
+        tool_choice = tool_choice.get("function", {}).get("name")
+    names = [tool["function"]["name"] for tool in tools or []]
+    if tool_choice not in ("none", "auto", "required") and tool_choice not in names:
+        raise ValueError(f"tool_choice {tool_choice!r} is neither none, auto, required nor one of the tools {names}")
+    return tool_choice
+
+
+def _forcing(params: SamplingParams, grammar: str) -> SamplingParams:
+    if params.structured_outputs is not None:
+        raise ValueError("a structured_outputs constraint cannot be combined with a forced tool call")
+    return dataclasses.replace(params, structured_outputs=StructuredOutputsParams(grammar=grammar))
 
 
 def _per_prompt(params, n: int) -> list[SamplingParams]:

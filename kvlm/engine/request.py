@@ -72,6 +72,9 @@ class RequestOutput:
     n_cached_tokens: int = 0
     time_to_first_token: float | None = None
     decode_seconds: float | None = None  # from the first token to the last
+    # LLM.chat with tools or a reasoning template: the assistant message as OpenAI's API returns it (content,
+    # tool_calls, reasoning_content); finish_reason is then OpenAI's too ("tool_calls" after calls)
+    message: dict | None = None
 
     @property
     def timings(self) -> dict[str, float]:

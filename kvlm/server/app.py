@@ -21,7 +21,7 @@ from kvlm.server.async_engine import AsyncEngine, EngineFailure, Finished
 from kvlm.server.errors import error_body, install_error_handlers
 from kvlm.server.kv_report import kv_report
 from kvlm.server.metrics import ServerMetrics
-from kvlm.server.chat_output import ChatOutputSpec, ChoiceStream
+from kvlm.tool_calls.chat_output import ChatOutputSpec, ChoiceStream
 from kvlm.server.chat_turn import chat_prompt, chat_turn
 from kvlm.server.protocol import (
     BadRequest,

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 import jinja2
 
 from kvlm.errors import KvlmError
-from kvlm.server.chat_output import ChatOutputSpec
+from kvlm.tool_calls.chat_output import ChatOutputSpec
 from kvlm.server.protocol import BadRequest, ChatCompletionRequest, TokenizeRequest
 from kvlm.structured.compiler import GrammarCompiler, GrammarError
 from kvlm.structured.params import StructuredOutputsParams
 from kvlm.tokenizer import Tokenizer
-from kvlm.tool_calls.formats import JSON_FALLBACK, format_for_template
 from kvlm.tool_calls.reasoning import reasoning_for_template
+from kvlm.tool_calls.tool_choice import plan_tools
 
 
 @dataclass(frozen=True)
@@ -54,26 +54,21 @@ async def chat_turn(tokenizer: Tokenizer, grammars: GrammarCompiler, body: ChatC
     if calling and constraint is not None:
         raise BadRequest("a response constraint (response_format, structured_outputs, guided_*) cannot be combined "
                          "with tools; send tool_choice \"none\" or drop one of them", "tools")
-    tool_format = format_for_template(tokenizer.chat_template) if calling else None
-    forced = tool_choice not in ("none", "auto")
-    if calling and tool_format is None:
-        if not forced:
-            raise BadRequest("this model's chat template shows no tool-call format, so its tool calls cannot be read; "
-                             "send tool_choice \"required\" or a named function to force a call", "tools")
-        tool_format = JSON_FALLBACK
-    if calling and forced:
-        special = await asyncio.to_thread(grammars.special_tokens, tool_format.markers)
-        name = tool_choice if tool_choice != "required" else None
-        grammar = tool_format.forcing_grammar(tools, name, body.parallel_tool_calls, special)
-        constraint = StructuredOutputsParams(grammar=grammar)
+    try:
+        plan = await asyncio.to_thread(plan_tools, tokenizer.chat_template, tools, tool_choice,
+                                       body.parallel_tool_calls, grammars.special_tokens)
+    except ValueError as exc:
+        raise BadRequest(str(exc), "tools") from None
+    if plan.forcing_grammar is not None:
+        constraint = StructuredOutputsParams(grammar=plan.forcing_grammar)
     if constraint is not None:
         try:
             await asyncio.to_thread(grammars.compile, constraint)
         except GrammarError as exc:
             raise BadRequest(str(exc), "tools" if calling else _constraint_field(body)) from None
     prompt = chat_prompt(tokenizer, body, tools)
-    output = ChatOutputSpec(reasoning_for_template(tokenizer.chat_template, prompt), tool_format, tuple(tools),
-                            named_tool=forced and tool_choice != "required", include_reasoning=body.include_reasoning,
+    output = ChatOutputSpec(reasoning_for_template(tokenizer.chat_template, prompt), plan.format, tuple(tools),
+                            named_tool=plan.named, include_reasoning=body.include_reasoning,
                             parallel=body.parallel_tool_calls)
     return ChatTurn(tokenizer.encode(prompt, add_special_tokens=False), constraint, output)
 

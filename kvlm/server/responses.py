@@ -6,7 +6,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from kvlm.engine.sampler import SampledToken
-from kvlm.server.chat_output import ChatOutputSpec
+from kvlm.tool_calls.chat_output import ChatOutputSpec
 from kvlm.tokenizer import Tokenizer
 
 

@@ -46,10 +46,15 @@ def marker(text: str, special_tokens: Collection[str] | None) -> str:
 
 
 def json_rule(schema: dict[str, Any], *, an_object: bool = False) -> str:
-    """`%json{...}` for a schema, with JSON whitespace bounded; `an_object` makes an untyped schema an object."""
+    """`%json{...}` for a schema, with JSON whitespace bounded; `an_object` makes an untyped schema an object.
+
+    Arguments with properties take only those (unless the schema says otherwise), as vLLM's guidance backend and
+    OpenAI's strict function calling do: a small model otherwise invents parameters until max_tokens."""
     schema = dict(schema)
     if an_object and "type" not in schema:
         schema["type"] = "object"
+    if an_object and "properties" in schema and "additionalProperties" not in schema:
+        schema["additionalProperties"] = False
     schema["x-guidance"] = {"whitespace_flexible": True, "whitespace_pattern": JSON_WHITESPACE}
     return "%json" + json.dumps(schema, ensure_ascii=False)
 

@@ -1,0 +1,41 @@
+"""What `tools` and `tool_choice` ask of a chat turn, decided once for the server and `LLM.chat`: the format the
+model's calls are read in, and for "required" or a named function the grammar that forces a call.
+
+As vLLM and OpenAI: "none" reads no calls; "auto" reads them when the model writes them, and needs a model whose
+chat template shows a tool-call format; "required" and a named function force one (or, with parallel calls, one
+or more) in the model's own format, or as plain JSON for a template without one.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import Any
+
+from kvlm.tool_calls.format import ToolCallFormat
+from kvlm.tool_calls.formats import JSON_FALLBACK, format_for_template
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    format: ToolCallFormat | None  # None: no calls are read
+    forcing_grammar: str | None  # Lark, for a call the request forces
+    named: bool  # a named function: finish_reason stays "stop"
+
+
+def plan_tools(chat_template: str | None, tools: list[dict[str, Any]], tool_choice: str, parallel: bool,
+               special_tokens: Callable[[tuple[str, ...]], Collection[str]]) -> ToolPlan:
+    """`tool_choice`: "none", "auto", "required" or a function's name (checked by the caller to be a tool's).
+    `special_tokens(markers)`: which of a format's markers are special tokens of the vocabulary. ValueError for
+    "auto" on a model without a tool-call format."""
+    if not tools or tool_choice == "none":
+        return ToolPlan(None, None, False)
+    fmt = format_for_template(chat_template)
+    forced = tool_choice != "auto"
+    if fmt is None and not forced:
+        raise ValueError("this model's chat template shows no tool-call format, so its tool calls cannot be read; "
+                         "send tool_choice \"required\" or a named function to force a call")
+    fmt = fmt or JSON_FALLBACK
+    if not forced:
+        return ToolPlan(fmt, None, False)
+    name = None if tool_choice == "required" else tool_choice
+    return ToolPlan(fmt, fmt.forcing_grammar(tools, name, parallel, special_tokens(fmt.markers)), name is not None)
