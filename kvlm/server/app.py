@@ -185,7 +185,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
                     n_generated += len(item.output.token_ids)
                     for delta in reader.last_deltas():
                         yield sse(reply.chunk([reply.delta(index, delta, None, None)]))
-                    yield sse(reply.chunk([reply.delta(index, {}, None, reader.finish_reason(item.output.finish_reason))]))
+                    finish_reason = reader.finish_reason(item.output.finish_reason)
+                    yield sse(reply.chunk([reply.delta(index, {}, None, finish_reason)]))
                     continue
                 logprobs = formatter.format(item.new_logprobs or [], offsets[index])
                 offsets[index] = formatter.next_offset(logprobs, offsets[index])
