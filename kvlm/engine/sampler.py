@@ -78,15 +78,11 @@ class RequestSampler:
         raw = logits
         if allowed is not None and not params.greedy:
             logits = torch.where(allowed.tokens(), logits, float("-inf"))  # (several times faster than masked_fill)
-        if self._argmax_only:
-            token_id = argmax(logits)
-        else:
-            processed = self.process(logits)
-            token_id = argmax(processed) if params.greedy else draw(processed, params, self.generator)
+        processed = logits if self._argmax_only else self.process(logits)
+        token_id = argmax(processed) if params.greedy else draw(processed, params, self.generator)
         if allowed is not None and params.greedy and not allowed.allows(token_id):
             # Bias and penalties leave a masked -inf at -inf, so the argmax of the masked logits is that of the
             # processed ones among the allowed tokens: only needed when the free argmax is not allowed.
-            processed = logits if self._argmax_only else processed
             token_id = argmax(torch.where(allowed.tokens(), processed, float("-inf")))
         if not self._argmax_only:
             self._record(token_id)

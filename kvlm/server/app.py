@@ -15,14 +15,12 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from kvlm.engine.engine import Engine
 from kvlm.engine.request import RequestOutput
 from kvlm.engine.sampling_params import SamplingParams
-from kvlm.structured.compiler import GrammarError
-from kvlm.structured.params import StructuredOutputsParams
 from kvlm.server.async_engine import AsyncEngine, EngineFailure, Finished
 from kvlm.server.errors import error_body, install_error_handlers
 from kvlm.server.kv_report import kv_report
 from kvlm.server.metrics import ServerMetrics
 from kvlm.tool_calls.chat_output import ChatOutputSpec, ChoiceStream
-from kvlm.server.chat_turn import chat_prompt, chat_turn
+from kvlm.server.chat_turn import chat_prompt, chat_turn, compiled, constraint_field
 from kvlm.server.protocol import (
     BadRequest,
     ChatCompletionRequest,
@@ -88,15 +86,6 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         in_vocabulary(ids, field)
         return ids
 
-    async def checked_constraint(body: CompletionRequest) -> StructuredOutputsParams | None:
-        constraint = body.constraint()
-        if constraint is not None:
-            try:
-                await asyncio.to_thread(engine.grammars.compile, constraint)
-            except GrammarError as exc:
-                raise BadRequest(str(exc), next(iter(body.constraints()))) from None
-        return constraint
-
     def sampling_checked(params: SamplingParams) -> SamplingParams:
         in_vocabulary((params.logit_bias or {}).keys(), "logit_bias")
         return params
@@ -107,7 +96,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         check_model(body.model)
         body.check_supported()
         prompts = [token_ids(p, "prompt") for p in body.prompts()]
-        constraint = await checked_constraint(body)
+        constraint = body.constraint()
+        await compiled(engine.grammars, constraint, constraint_field(body))
         n, choices = body.n_choices(), []
         for p, ids in enumerate(prompts):
             max_tokens = checked_max_tokens(body.max_tokens, len(ids), engine.n_ctx, "max_tokens")

@@ -15,7 +15,7 @@ import jinja2
 
 from kvlm.errors import KvlmError
 from kvlm.tool_calls.chat_output import ChatOutputSpec
-from kvlm.server.protocol import BadRequest, ChatCompletionRequest, TokenizeRequest
+from kvlm.server.protocol import BadRequest, ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from kvlm.structured.compiler import GrammarCompiler, GrammarError
 from kvlm.structured.params import StructuredOutputsParams
 from kvlm.tokenizer import Tokenizer
@@ -61,11 +61,7 @@ async def chat_turn(tokenizer: Tokenizer, grammars: GrammarCompiler, body: ChatC
         raise BadRequest(str(exc), "tools") from None
     if plan.forcing_grammar is not None:
         constraint = StructuredOutputsParams(grammar=plan.forcing_grammar)
-    if constraint is not None:
-        try:
-            await asyncio.to_thread(grammars.compile, constraint)
-        except GrammarError as exc:
-            raise BadRequest(str(exc), "tools" if calling else _constraint_field(body)) from None
+    await compiled(grammars, constraint, "tools" if calling else constraint_field(body))
     prompt = chat_prompt(tokenizer, body, tools)
     output = ChatOutputSpec(reasoning_for_template(tokenizer.chat_template, prompt), plan.format, tuple(tools),
                             named_tool=plan.named, include_reasoning=body.include_reasoning,
@@ -73,5 +69,17 @@ async def chat_turn(tokenizer: Tokenizer, grammars: GrammarCompiler, body: ChatC
     return ChatTurn(tokenizer.encode(prompt, add_special_tokens=False), constraint, output)
 
 
-def _constraint_field(body: ChatCompletionRequest) -> str:
+async def compiled(grammars: GrammarCompiler, constraint: StructuredOutputsParams | None, field: str) -> None:
+    """Compile the constraint off the event loop (cached for the engine); one that cannot compile is a 400 on
+    `field`."""
+    if constraint is None:
+        return
+    try:
+        await asyncio.to_thread(grammars.compile, constraint)
+    except GrammarError as exc:
+        raise BadRequest(str(exc), field) from None
+
+
+def constraint_field(body: ChatCompletionRequest | CompletionRequest) -> str:
+    """The request field its constraint came from, for an error's `param`."""
     return next(iter(body.constraints()), "response_format")

@@ -61,6 +61,7 @@ class SamplingFields(BaseModel):
     repetition_penalty: float | None = None
     ignore_eos: StrictBool | None = None
     stop_token_ids: list[StrictInt] | None = None
+    response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
@@ -76,6 +77,9 @@ class SamplingFields(BaseModel):
                             ("guided_grammar", "grammar")):
             if getattr(self, field) is not None:
                 found[field] = _constraint(field, {kind: getattr(self, field)})
+        format_constraint = self.response_format.constraint() if self.response_format is not None else None
+        if format_constraint is not None:
+            found["response_format"] = format_constraint
         return found
 
     def constraint(self) -> StructuredOutputsParams | None:
@@ -122,7 +126,6 @@ class CompletionRequest(SamplingFields):
     echo: StrictBool = False
     best_of: StrictInt | None = None
     suffix: str | None = None
-    response_format: ResponseFormat | None = None
     json_schema: dict[str, Any] | None = None  # llama.cpp's
     grammar: str | None = None  # llama.cpp's (GBNF; Lark is taken too)
 
@@ -132,8 +135,6 @@ class CompletionRequest(SamplingFields):
             found["json_schema"] = _constraint("json_schema", {"json": self.json_schema})
         if self.grammar is not None:
             found["grammar"] = _constraint("grammar", {"grammar": self.grammar})
-        if self.response_format is not None and self.response_format.constraint() is not None:
-            found["response_format"] = self.response_format.constraint()
         return found
 
     def prompts(self) -> list[str | list[int]]:
@@ -301,17 +302,10 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
-    response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool = True
     include_reasoning: StrictBool = True  # vLLM's: False drops reasoning_content from the response
-
-    def constraints(self) -> dict[str, StructuredOutputsParams]:
-        found = super().constraints()
-        if self.response_format is not None and self.response_format.constraint() is not None:
-            found["response_format"] = self.response_format.constraint()
-        return found
 
     def tool_dicts(self) -> list[dict[str, Any]]:
         return [tool.model_dump(exclude_none=True) for tool in self.tools or []]
@@ -377,4 +371,5 @@ def checked_max_tokens(requested: int | None, n_prompt: int, n_ctx: int, field: 
     return requested
 
 
-CompletionRequest.model_rebuild()  # its response_format is defined below it
+for _request in (SamplingFields, CompletionRequest, ChatCompletionRequest):
+    _request.model_rebuild()  # their response_format is defined below them
