@@ -21,7 +21,9 @@ from kvlm.structured.params import StructuredOutputsParams
 from kvlm.structured.request_grammar import RequestGrammar, TokenMask
 from kvlm.structured.step_masks import StepMasks
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0}},
+# bounded, so that even a sampled output ends well within max_tokens on any CPU
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
           "required": ["name", "age"], "additionalProperties": False}
 
 
