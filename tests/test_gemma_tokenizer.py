@@ -159,7 +159,8 @@ def test_decode_and_stream_round_trip_on_random_text(tokenizer, text):
     ids = tokenizer.encode(text)
     pieces = _stream(tokenizer, ids)
     assert "".join(pieces) == tokenizer.decode(ids) == "<bos>" + text
-    assert not any("\ufffd" in piece for piece in pieces)
+    if "\ufffd" not in text:  # (a replacement character in the text itself streams as one)
+        assert not any("\ufffd" in piece for piece in pieces)
 
 
 @pytest.mark.parametrize("text", TEXTS)
