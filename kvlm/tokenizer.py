@@ -191,6 +191,15 @@ class Tokenizer:
         """The whole tokenizer as `tokenizers` serialises it (what llguidance builds its token trie from)."""
         return self._backend.to_str()
 
+    @property
+    def model_type(self) -> str:
+        """The kind of vocabulary model (`BPE`, `Unigram`, ...), as `tokenizers` names it."""
+        return type(self._backend.model).__name__
+
+    def token_text(self, token_id: int) -> str | None:
+        """A token's text as the vocabulary writes it (byte-level symbols, SentencePiece's ▁), None outside it."""
+        return self._backend.id_to_token(token_id)
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for: part of a character, for a byte-level or <0xNN> token that splits one."""
         token = self._backend.id_to_token(token_id)

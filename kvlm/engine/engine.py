@@ -12,7 +12,7 @@ from kvlm.batch import Batch
 from kvlm.context import Context, DecodeStatus
 from kvlm.engine.prefix_cache import PrefixCache
 from kvlm.engine.request import Request, RequestOutput, RequestState, StepEvent
-from kvlm.engine.sampler import RequestSampler
+from kvlm.engine.sampler import RequestSampler, SampledToken
 from kvlm.engine.sampling_params import SamplingParams
 from kvlm.engine.scheduler import Scheduled, Scheduler
 from kvlm.engine.stop import StopChecker
@@ -20,6 +20,8 @@ from kvlm.errors import KvlmError
 from kvlm.loader.load import Model, plan_for_loaded
 from kvlm.loader.memory_plan import MemoryRequest
 from kvlm.memory.kv_store import AUTO, resolve_kv_dtype
+from kvlm.speculative.config import SpeculativeConfig
+from kvlm.speculative.speculator import Speculator, make_speculator
 from kvlm.structured.compiler import GrammarCompiler, GrammarError
 from kvlm.structured.request_grammar import RequestGrammar, TokenMask
 from kvlm.structured.step_masks import StepMasks
@@ -35,36 +37,53 @@ class EngineError(KvlmError):
 
 def memory_request(n_ctx: int | None = None, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
                    kv_dtype: str = AUTO, enable_prefix_caching: bool = True, block_size: int = 16,
-                   swa_full: bool = False) -> MemoryRequest:
+                   swa_full: bool = False, speculative_tokens: int = 0) -> MemoryRequest:
     """What an engine of these settings asks of a model's memory: its Context's sizes (one more sequence for the
-    prefix cache; a block's worth of positions kept beyond a sliding window)."""
+    prefix cache; a block's worth of positions kept beyond a sliding window, and room for guessed tokens)."""
     return MemoryRequest(n_ctx, max_num_seqs + 1, kv_dtype, max_num_batched_tokens, swa_full,
-                         block_size - 1 if enable_prefix_caching else 0)
+                         _keep_extra(enable_prefix_caching, block_size, speculative_tokens))
+
+
+def _keep_extra(enable_prefix_caching: bool, block_size: int, speculative_tokens: int) -> int:
+    """Positions a sequence keeps beyond its sliding window: a prefix-cache block (so a cached conversation ends
+    with a whole window), and the guesses of one step (so verifying them never frees cells still needed once they
+    are rejected)."""
+    return (block_size - 1 if enable_prefix_caching else 0) + speculative_tokens
 
 
 class Engine:
     def __init__(self, model: Model, n_ctx: int | None = None, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 512, kv_dtype: str = AUTO, enable_prefix_caching: bool = True,
-                 block_size: int = 16, swa_full: bool = False, memory_budget: int | None = None) -> None:
+                 block_size: int = 16, swa_full: bool = False, memory_budget: int | None = None,
+                 speculative_config: SpeculativeConfig | dict | str | None = None) -> None:
         """`n_ctx` None: the largest that fits in memory, up to the model's own context length; a context that does
-        not fit is refused (MemoryPlanError) before it is allocated."""
+        not fit is refused (MemoryPlanError) before it is allocated. `speculative_config`: vLLM's (see
+        kvlm.speculative.config); guesses are verified in the step's batch, exactly."""
         self.model = model
+        speculative_config = SpeculativeConfig.parse(speculative_config)
+        k = speculative_config.num_speculative_tokens if speculative_config else 0
         request = memory_request(n_ctx, max_num_seqs, max_num_batched_tokens, kv_dtype, enable_prefix_caching,
-                                 block_size, swa_full)
+                                 block_size, swa_full, k)
         self.plan = plan_for_loaded(model, request, memory_budget)
         n_ctx = self.plan.n_ctx
         kv_dtype = resolve_kv_dtype(kv_dtype, model.decoder.dtype, model.decoder.quantized)
         self.context = Context(model, n_ctx=n_ctx, n_batch=max_num_batched_tokens,
                                n_ubatch=max_num_batched_tokens, n_seq_max=max_num_seqs + 1, kv_dtype=kv_dtype,
-                               swa_full=swa_full, swa_keep_extra=block_size - 1 if enable_prefix_caching else 0)
+                               swa_full=swa_full, swa_keep_extra=request.keep_extra)
         memory = self.context.memory
         if enable_prefix_caching and memory.kind in ("recurrent", "hybrid"):
             log.info("prefix caching is off: a %s memory keeps each sequence's recurrent state whole, so it cannot "
                      "lend a prefix of it (every prompt is computed in full)", memory.kind)
             enable_prefix_caching = False
         self.prefix_cache = PrefixCache(memory, PREFIX_CACHE_SEQ, block_size) if enable_prefix_caching else None
+        self.speculator: Speculator | None = None
+        if speculative_config is not None:
+            self.speculator = make_speculator(speculative_config, model, n_ctx, max_num_seqs + 1,
+                                              max_num_batched_tokens, memory_budget)
+            self.speculator.calibrate(self.context, PREFIX_CACHE_SEQ + 1)
         self.scheduler = Scheduler(memory, self.prefix_cache, max_num_seqs, max_num_batched_tokens,
-                                   first_seq_id=PREFIX_CACHE_SEQ + 1)
+                                   first_seq_id=PREFIX_CACHE_SEQ + 1,
+                                   on_release=self.speculator.forget if self.speculator else None)
         self.requests: dict[str, Request] = {}
         # structured output: compiled off the step loop (the vocabulary's trie is built at the first use)
         self.grammars = GrammarCompiler(model.tokenizer, model.config.vocab_size)
@@ -133,10 +152,39 @@ class Engine:
         if not plan:
             self._wait_for_a_grammar()
             return events
-        status = self.context.decode(self._batch(plan))
+        if self.speculator is not None:
+            self._add_guesses(plan)
+        started = time.perf_counter()
+        batch = self._batch(plan)
+        status = self.context.decode(batch)
         if status != DecodeStatus.OK:
             raise EngineError(f"decode failed with {status.name}: {self.context.last_error}")
-        return events + self._advance(plan)
+        events += self._advance(plan)
+        if self.speculator is not None:
+            self.speculator.observe_step(len(batch.tokens), time.perf_counter() - started)
+        return events
+
+    def _add_guesses(self, plan: list[Scheduled]) -> None:
+        """Guessed tokens for requests past their prompt, verified after their last token in this step's batch:
+        at most as many as leave room for every token they may yield (max_tokens, the context), within the step's
+        token budget and the free cells."""
+        # (one pending token: a recurrent sequence that went back to before rejected guesses first catches up)
+        wants = [(item, item.request) for item in plan if item.n_tokens == 1 and item.outputs
+                 and item.request.output_token_ids and item.request.grammar is None]
+        if not wants:
+            return
+        base_rows = sum(item.n_tokens for item in plan)
+        limits = [(request, min(request.params.max_tokens - len(request.output_token_ids),
+                                self.n_ctx - len(request.token_ids)) - 1) for _, request in wants]
+        guesses = self.speculator.guesses(limits, base_rows, sum(item.outputs for item in plan),
+                                          self.scheduler.max_num_batched_tokens - base_rows)
+        if not guesses or not self.scheduler.has_room(base_rows + sum(map(len, guesses.values()))):
+            return
+        memory = self.context.memory
+        for item, request in wants:
+            item.guesses = guesses.get(request.request_id, [])
+            if item.guesses:
+                item.checkpoint = memory.checkpoint(request.seq_id)
 
     def _finish_full_sequences(self) -> list[StepEvent]:
         """A request whose sequence fills the whole context cannot take another token."""
@@ -164,14 +212,15 @@ class Engine:
         for item in plan:
             request = item.request
             start = request.n_computed
-            tokens += request.token_ids[start : start + item.n_tokens]
-            positions += range(start, start + item.n_tokens)
-            seq_ids += [request.seq_id] * item.n_tokens
-            outputs += [False] * (item.n_tokens - 1) + [item.outputs]
+            n_rows = item.n_tokens + len(item.guesses)
+            tokens += request.token_ids[start : start + item.n_tokens] + item.guesses
+            positions += range(start, start + n_rows)
+            seq_ids += [request.seq_id] * n_rows
+            outputs += [False] * (item.n_tokens - 1) + [item.outputs] + [True] * len(item.guesses)
         return Batch(tokens=tokens, pos=positions, seq_ids=seq_ids, logits=outputs)
 
     def _advance(self, plan: list[Scheduled]) -> list[StepEvent]:
-        sampling = []  # the requests that get a token this step, in the order of the batch's logits
+        sampling = []  # the chunks that give their request tokens this step, in the order of the batch's logits
         for item in plan:
             request = item.request
             if len(request.output_token_ids) == 0:
@@ -182,17 +231,50 @@ class Engine:
                 continue
             if not request.output_token_ids:
                 self.scheduler.cache_computed_prefix(request)  # later requests can share the prompt now
-            sampling.append(request)
-        constrained = [r for r in sampling if r.grammar is not None and self._constrained(r)]
+            sampling.append(item)
+        constrained = [item.request for item in sampling if item.request.grammar is not None
+                       and self._constrained(item.request)]
         allowed = self.step_masks.fill(constrained) if constrained else {}
-        events = []
-        for i, request in enumerate(sampling):
+        events, row = [], 0
+        for item in sampling:
+            request = item.request
             if request.error is not None:  # its output broke its grammar
                 self.scheduler.finish(request, "error")
                 events.append(StepEvent(request.request_id, request.stop.finish(), [], True))
+            elif item.guesses:
+                events.append(self._verify(item, row))
             else:
-                events.append(self._sample(request, self.context.get_logits_ith(i), allowed.get(request.request_id)))
+                events.append(self._sample(request, self.context.get_logits_ith(row), allowed.get(request.request_id)))
+            if self.speculator is not None:
+                self.speculator.settle(request, events[-1].new_token_ids)
+            row += 1 + len(item.guesses)
         return events
+
+    def _verify(self, item: Scheduled, row: int) -> StepEvent:
+        """Sample each row in turn with the request's own sampler, accepting guesses while the sample equals the
+        guess (exactly the target's distribution: a guess is a point mass, so this is the rejection rule; the
+        generator is drawn once per token, as without guesses). The cells of rejected guesses are removed."""
+        request, guesses = item.request, item.guesses
+        text, emitted, logprobs = "", [], []
+        for i in range(len(guesses) + 1):
+            sampled, new_text = self._take(request, self.context.get_logits_ith(row + i))
+            text, emitted = text + new_text, emitted + [sampled.token_id]
+            logprobs.append(sampled)
+            if request.finished or i == len(guesses) or sampled.token_id != guesses[i]:
+                break
+            request.n_computed += 1  # the guess was right: its row in the memory is the sequence's
+        if not request.finished:
+            self._remove_rejected(item)
+        return StepEvent(request.request_id, text, emitted, request.finished,
+                         logprobs if request.params.logprobs is not None else None)
+
+    def _remove_rejected(self, item: Scheduled) -> None:
+        request, memory = item.request, self.context.memory
+        if request.n_computed > memory.seq_pos_max(request.seq_id):
+            return  # every guess was accepted
+        if not memory.seq_rm(request.seq_id, request.n_computed, -1):  # a recurrent state: back to before the step
+            memory.restore(item.checkpoint)
+            request.n_computed = memory.seq_pos_max(request.seq_id) + 1  # the tokens since run again next step
 
     def _constrained(self, request: Request) -> bool:
         """Whether the request's grammar masks this step's token; a grammar its output broke fails it."""
@@ -203,6 +285,14 @@ class Engine:
             return False
 
     def _sample(self, request: Request, logits: torch.Tensor, allowed: TokenMask | None = None) -> StepEvent:
+        sampled, new_text = self._take(request, logits, allowed)
+        logprobs = [sampled] if request.params.logprobs is not None else None
+        return StepEvent(request.request_id, new_text, [sampled.token_id], request.finished, logprobs)
+
+    def _take(self, request: Request, logits: torch.Tensor, allowed: TokenMask | None = None
+              ) -> tuple[SampledToken, str]:
+        """Sample the request's next token and add it to its output; the text it completes. Ends the request
+        where its stop conditions say."""
         sampled = request.sampler.sample(logits, allowed)
         complete = allowed is not None and request.grammar.accept(sampled.token_id)
         request.output_token_ids.append(sampled.token_id)
@@ -218,5 +308,4 @@ class Engine:
             self.scheduler.finish(request, "stop")
         elif len(request.output_token_ids) >= request.params.max_tokens:
             self.scheduler.finish(request, "length")
-        logprobs = [sampled] if request.params.logprobs is not None else None
-        return StepEvent(request.request_id, new_text, [sampled.token_id], request.finished, logprobs)
+        return sampled, new_text

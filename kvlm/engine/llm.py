@@ -14,6 +14,7 @@ from kvlm.engine.sampling_params import SamplingParams
 from kvlm.loader.fetch import DEFAULT_MODEL
 from kvlm.loader.load import Model, load_model
 from kvlm.memory.kv_store import AUTO
+from kvlm.speculative.config import SpeculativeConfig
 from kvlm.structured.params import StructuredOutputsParams
 from kvlm.tokenizer import checked_template_kwargs
 from kvlm.tool_calls.chat_output import ChatOutputSpec
@@ -39,16 +40,23 @@ class LLM:
                  batch_invariant: bool = False, n_ctx: int | None = None, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 512, kv_dtype: str = AUTO, enable_prefix_caching: bool = True,
                  compile: bool = False, swa_full: bool = False, tensor_parallel_size: int = 1,
-                 memory_budget: int | None = None) -> None:
+                 memory_budget: int | None = None,
+                 speculative_config: SpeculativeConfig | dict | str | None = None) -> None:
         """`swa_full`: for models with sliding-window layers, keep every cell of those layers (more memory; a
         cached prefix is then always reusable) instead of only each sequence's window. `tensor_parallel_size` N:
         the model's heads and MLP split over N processes (this one and N - 1 it starts; see kvlm.parallel).
 
         `n_ctx` None is the largest context that fits in memory, up to the model's own. `memory_budget` (bytes)
         caps weights, their dense copies, the KV cache and buffers. What does not fit is refused before it is
-        loaded or allocated (MemoryPlanError, each part named)."""
+        loaded or allocated (MemoryPlanError, each part named).
+
+        `speculative_config`: vLLM's, e.g. {"method": "ngram", "num_speculative_tokens": 4} (prompt lookup) or
+        {"model": "qwen2.5-coder-0.5b-instruct", "num_speculative_tokens": 4} (a draft model); the output is the
+        same as without it (see kvlm.speculative)."""
+        speculative_config = SpeculativeConfig.parse(speculative_config)
         request = memory_request(n_ctx, max_num_seqs, max_num_batched_tokens, kv_dtype, enable_prefix_caching,
-                                 swa_full=swa_full)
+                                 swa_full=swa_full,
+                                 speculative_tokens=speculative_config.num_speculative_tokens if speculative_config else 0)
         if not isinstance(model, Model):
             model = load_model(model, dtype, quant=quant, batch_invariant=batch_invariant, compile=compile,
                                tensor_parallel_size=tensor_parallel_size, memory=request, memory_budget=memory_budget)
@@ -61,7 +69,7 @@ class LLM:
         self.engine = Engine(self.model, n_ctx=n_ctx, max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens, kv_dtype=kv_dtype,
                              enable_prefix_caching=enable_prefix_caching, swa_full=swa_full,
-                             memory_budget=memory_budget)
+                             memory_budget=memory_budget, speculative_config=speculative_config)
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from kvlm.engine.prefix_cache import PrefixCache
 from kvlm.engine.request import Request, RequestState
@@ -21,6 +22,8 @@ from kvlm.memory.protocol import Memory
 class Scheduled:
     request: Request
     n_tokens: int
+    guesses: list[int] = field(default_factory=list)  # speculative decoding: tokens to verify after the chunk
+    checkpoint: object = None  # the memory's checkpoint of the sequence before the guesses (recurrent states)
 
     @property
     def outputs(self) -> bool:
@@ -30,8 +33,11 @@ class Scheduled:
 
 class Scheduler:
     def __init__(self, memory: Memory, prefix_cache: PrefixCache | None, max_num_seqs: int,
-                 max_num_batched_tokens: int, first_seq_id: int) -> None:
+                 max_num_batched_tokens: int, first_seq_id: int,
+                 on_release: Callable[[Request], None] | None = None) -> None:
+        """`on_release(request)`: called when a request gives up its sequence (finished or preempted)."""
         self.memory = memory
+        self.on_release = on_release
         self.prefix_cache = prefix_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -52,7 +58,7 @@ class Scheduler:
         while True:
             plan = self._plan()
             needed = sum(s.n_tokens for s in plan)
-            if self._has_room(needed) or not self.running:
+            if self.has_room(needed) or not self.running:
                 return plan
             self.preempt(self.running[-1])
 
@@ -85,7 +91,7 @@ class Scheduler:
             if not request.ready:  # its grammar still compiles: the requests behind it go first
                 continue
             # Room for the whole remaining prompt and one token more, so admission rarely ends in preemption.
-            if not self._has_room(request.n_pending + 1) and self.running:
+            if not self.has_room(request.n_pending + 1) and self.running:
                 return
             self.waiting.remove(request)
             request.seq_id = self.free_seq_ids.pop()
@@ -112,7 +118,7 @@ class Scheduler:
             budget -= n_tokens
         return plan
 
-    def _has_room(self, n_tokens: int) -> bool:
+    def has_room(self, n_tokens: int) -> bool:
         """Whether n_tokens more tokens fit in the memory, after evicting cached prefixes if they do not."""
         if self.prefix_cache is not None:
             self.prefix_cache.evict_until(lambda: self.memory.cells_short(n_tokens) == 0)
@@ -121,6 +127,8 @@ class Scheduler:
     def _release(self, request: Request, keep_in_cache: bool) -> None:
         if keep_in_cache:
             self.cache_computed_prefix(request)
+        if self.on_release is not None:
+            self.on_release(request)
         self.memory.seq_rm(request.seq_id, -1, -1)
         self.free_seq_ids.append(request.seq_id)
         request.seq_id = None

@@ -75,6 +75,15 @@ class HybridMemory(LendsCells):
     def seq_pos_max(self, seq_id: int) -> int:
         return self.attention.seq_pos_max(seq_id)
 
+    def checkpoint(self, seq_id: int) -> tuple:
+        return self.recurrent.checkpoint(seq_id)
+
+    def restore(self, checkpoint: tuple) -> None:
+        """The recurrent state as `checkpoint` took it, and the attention cells after its last position removed."""
+        seq_id, (_, last), _ = checkpoint
+        self.recurrent.restore(checkpoint)
+        self.attention.seq_rm(seq_id, last + 1, -1)
+
     def clear(self) -> None:
         self.attention.clear()
         self.recurrent.clear()

@@ -100,6 +100,8 @@ class ISWAMemory(LendsCells):
     def seq_pos_max(self, seq_id: int) -> int:
         return self.full.seq_pos_max(seq_id)
 
+    checkpoint, restore = KVMemory.checkpoint, KVMemory.restore  # guessed tokens go by seq_rm, as in one pool
+
     def clear(self) -> None:
         for pool in self.pools:
             pool.clear()

@@ -17,6 +17,7 @@ from kvlm.model.rope import Rope
 
 # Lone decode tokens each gather their own rows; beyond this many rows in all, they are grouped one by one.
 GATHER_MAX_ROWS = 1 << 16
+PER_TOKEN_ROWS_MAX = 33  # a sequence's tokens that still read their rows each as a decode token (1 + 32 guesses)
 
 
 def _additive(visible: np.ndarray) -> torch.Tensor:
@@ -28,18 +29,20 @@ def attention_groups(visible: np.ndarray, seq_mask: np.ndarray, cell_pos: np.nda
 
     So a sequence's rows, their order and the shapes its attention runs with do not depend on what else is
     in the cache (a rounding cache would turn such float32 noise into whole-ulp flips of the stored K/V).
-    The tokens of the same sequences form one group and gather its cells once; several lone tokens (decode)
-    are batched into one group with per-token rows, padded to the longest.
+    The tokens of the same sequences form one group and gather its cells once; lone tokens (decode) and short
+    runs of a sequence's tokens (guesses being verified) are batched into one group with per-token rows, padded
+    to the longest: each such token then reads what it would read decoded alone, in the same order, through the
+    same kernel, so verifying guesses computes the very logits decoding them one by one would.
     """
     group_of, sizes = _same_sequences(seq_mask)
-    lone = np.flatnonzero(sizes[group_of] == 1)
+    lone = np.flatnonzero(sizes[group_of] <= PER_TOKEN_ROWS_MAX)
     groups = []
     longest = int(visible[lone].sum(axis=1).max()) if lone.size else 0
     if lone.size > 1 and lone.size * longest <= GATHER_MAX_ROWS:
         groups.append(_per_token_rows_group(visible, cell_pos, lone, longest))
     else:
         groups += [_shared_rows_group(visible, cell_pos, np.array([token])) for token in lone]
-    for group in np.flatnonzero(sizes > 1):
+    for group in np.flatnonzero(sizes > PER_TOKEN_ROWS_MAX):
         groups.append(_shared_rows_group(visible, cell_pos, np.flatnonzero(group_of == group)))
     return groups
 
@@ -169,6 +172,12 @@ class KVMemory(LendsCells):
 
     def seq_pos_max(self, seq_id: int) -> int:
         return self.cells.seq_pos_max(seq_id)
+
+    def checkpoint(self, seq_id: int) -> None:
+        """Nothing to keep before guessed tokens: removing their cells (seq_rm of the tail) takes them back."""
+
+    def restore(self, checkpoint: None) -> None:
+        """Nothing to put back (see checkpoint)."""
 
     def clear(self) -> None:
         self.cells.clear()

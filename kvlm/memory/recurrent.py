@@ -180,6 +180,16 @@ class RecurrentMemory:
             state[slot] = part
         self.first[slot], self.last[slot] = span
 
+    # --- speculative decoding: a state to return to when guessed tokens are rejected ---
+    def checkpoint(self, seq_id: int) -> tuple:
+        """A copy of the sequence's state as it is now (a state cannot forget tokens: seq_rm of a tail fails)."""
+        return (seq_id, *self.state_parts(seq_id))
+
+    def restore(self, checkpoint: tuple) -> None:
+        """Put a sequence's state back as `checkpoint` took it (whatever it holds now)."""
+        seq_id, span, parts = checkpoint
+        self.load_parts(span, parts, seq_id)
+
     # --- a batch ---
     def apply_shifts(self) -> None:
         """No positions to shift in a state."""

@@ -41,9 +41,9 @@ log = logging.getLogger("kvlm")
 # The memory protocol's calls that change a memory: the other ranks repeat them. READS change nothing; a test
 # checks that every call of the protocol is in one of the two (or saves and loads state, which gather and scatter).
 MUTATING = frozenset({"retain", "share", "unshare", "seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "clear",
-                      "compact", "apply_shifts", "begin", "place", "commit", "roll_back"})
+                      "compact", "apply_shifts", "begin", "place", "commit", "roll_back", "restore"})
 READS = frozenset({"kind", "pools", "n_cells", "n_used", "kv_bytes", "cells_short", "seq_pos_min", "seq_pos_max",
-                   "split", "plan"})
+                   "split", "plan", "checkpoint"})
 STATE_MAGIC = b"KVTP"
 WATCH_INTERVAL_S = 0.5
 STOP_GRACE_S = 10.0
