@@ -37,4 +37,5 @@ def run_benchmark(llm: LLM, prompts: list[list[int]], output_len: int) -> dict:
         "decode_tokens_per_s": (n_generated - len(prompts)) / max(elapsed - prefill_s, 1e-9),
         "total_tokens_per_s": (n_prompt + n_generated) / elapsed,
         "token_ids": [output.token_ids for output in outputs],
+        **({} if llm.engine.speculator is None else {"speculative": llm.engine.speculator.stats.to_json()}),
     }

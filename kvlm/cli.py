@@ -25,6 +25,7 @@ from kvlm.memory.kv_store import KV_DTYPES, kv_bytes_for
 from kvlm.memory.protocol import recurrent_state_shapes
 from kvlm.memory.sizes import iswa_pools, recurrent_state
 from kvlm.model.settings import AUTO, DTYPES, QUANTS, resolve_settings
+from kvlm.speculative.config import SpeculativeConfig
 from kvlm.structured.params import StructuredOutputsParams
 from kvlm.tokenizer import StreamDecoder, checked_template_kwargs
 
@@ -59,6 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     constraint.add_argument("--regex", help="the output must match this regular expression")
     constraint.add_argument("--choice", nargs="+", metavar="TEXT", help="the output must be one of these texts")
     _swa_full_argument(gen)
+    _speculative_argument(gen)
     gen.set_defaults(handler=_generate)
 
     chat = commands.add_parser("chat", help="talk with a model, turn by turn (an empty line or Ctrl-D ends)")
@@ -67,6 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     _swa_full_argument(chat)
     _template_arguments(chat)
     _sampling_arguments(chat)
+    _speculative_argument(chat)
     chat.set_defaults(handler=_chat)
 
     srv = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
@@ -83,6 +86,7 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--served-model-name", default=None, help="the name clients use (default: from --model)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds in-flight requests get to finish after SIGINT/SIGTERM")
+    _speculative_argument(srv)
     srv.set_defaults(handler=_serve)
 
     pull_cmd = commands.add_parser("pull", help="download a known model into the cache",
@@ -123,6 +127,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--output-len", type=int, default=64, help="tokens generated per prompt (EOS ignored)")
     bench.add_argument("--seed", type=int, default=0, help="of the random prompt token ids")
     bench.add_argument("--json", action="store_true", help="print one JSON object (with the generated token ids)")
+    _speculative_argument(bench)
     bench.set_defaults(handler=_bench)
     return parser
 
@@ -166,6 +171,20 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
 def _swa_full_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--swa-full", action="store_true",
                         help="keep every cell of sliding-window layers (more memory; prefix reuse is never cut short)")
+
+
+def _speculative_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
+                        help='speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                             '(prompt lookup) or \'{"model": NAME, "num_speculative_tokens": 4}\' (a draft model); '
+                             'the output is unchanged, guesses are made only where they pay')
+
+
+def _speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _quant(text: str) -> str | None:
@@ -276,7 +295,9 @@ def _print_timings(output: RequestOutput) -> None:
 def _load_model(args: argparse.Namespace, max_num_seqs: int, n_ctx: int | None = None):
     """The model, its memory planned for an engine of `max_num_seqs` sequences (refused before any weight is read
     if that does not fit)."""
-    request = memory_request(n_ctx or args.n_ctx, max_num_seqs, swa_full=getattr(args, "swa_full", False))
+    speculative = getattr(args, "speculative_config", None)
+    request = memory_request(n_ctx or args.n_ctx, max_num_seqs, swa_full=getattr(args, "swa_full", False),
+                             speculative_tokens=speculative.num_speculative_tokens if speculative else 0)
     return load_model(args.model, args.dtype, quant=args.quant, batch_invariant=args.batch_invariant,
                       compile=args.compile, tensor_parallel_size=args.tensor_parallel_size, memory=request,
                       memory_budget=args.memory_budget)
@@ -285,7 +306,7 @@ def _load_model(args: argparse.Namespace, max_num_seqs: int, n_ctx: int | None =
 def _llm(model, args: argparse.Namespace, max_num_seqs: int) -> LLM:
     """An engine over the loaded model, with the context planned when it was loaded."""
     return LLM(model, n_ctx=args.n_ctx or model.plan.n_ctx, max_num_seqs=max_num_seqs, swa_full=args.swa_full,
-               memory_budget=args.memory_budget)
+               memory_budget=args.memory_budget, speculative_config=args.speculative_config)
 
 
 def _chat(args: argparse.Namespace) -> int:
@@ -320,7 +341,8 @@ def _serve(args: argparse.Namespace) -> int:
         batch_invariant=args.batch_invariant, compile=args.compile, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, memory_budget=args.memory_budget,
         kv_dtype=args.kv_dtype, swa_full=args.swa_full, api_key=args.api_key, served_model_name=args.served_model_name,
-        shutdown_timeout=args.shutdown_timeout, tensor_parallel_size=args.tensor_parallel_size))
+        shutdown_timeout=args.shutdown_timeout, tensor_parallel_size=args.tensor_parallel_size,
+        speculative_config=args.speculative_config))
 
 
 def _pull(args: argparse.Namespace) -> int:
@@ -364,7 +386,7 @@ def _bench(args: argparse.Namespace) -> int:
     n_ctx = max(args.n_ctx, args.input_len + args.output_len) if args.n_ctx else None
     model = _load_model(args, max_num_seqs=args.num_prompts, n_ctx=n_ctx)
     llm = LLM(model, n_ctx=n_ctx or model.plan.n_ctx, max_num_seqs=args.num_prompts,
-              memory_budget=args.memory_budget)
+              memory_budget=args.memory_budget, speculative_config=args.speculative_config)
     result = run_benchmark(llm, random_prompts(model.config.vocab_size, args.num_prompts, args.input_len, args.seed),
                            args.output_len)
     result["tensor_parallel_size"] = args.tensor_parallel_size

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+import kvlm.memory.memory as memory_module
 from kvlm.memory.memory import attention_groups
 from kvlm.model.attention import attend, attention_dtype
 from kvlm.model.ops import grouped_attention
@@ -33,8 +34,9 @@ def mixed_batch(seed: int, n_rows: int = 60):
     return visible, np.eye(5, dtype=bool)[token_seq], cell_pos
 
 
+@pytest.mark.parametrize("short_runs_per_token", [True, False])
 @pytest.mark.parametrize("n_head, n_kv", [(4, 4), (8, 2), (4, 1)])
-def test_attention_by_group_equals_masked_attention(n_head, n_kv, monkeypatch):
+def test_attention_by_group_equals_masked_attention(n_head, n_kv, short_runs_per_token, monkeypatch):
     torch.manual_seed(1)
     visible, seq_mask, cell_pos = mixed_batch(1)
     q = torch.randn(8, n_head, 16)
@@ -47,8 +49,11 @@ def test_attention_by_group_equals_masked_attention(n_head, n_kv, monkeypatch):
 
     monkeypatch.setattr(torch, "repeat_interleave", no_copies)
     monkeypatch.setattr(torch.Tensor, "repeat_interleave", no_copies)
+    if not short_runs_per_token:  # runs of a sequence's tokens read shared rows (as long prompt chunks do)
+        monkeypatch.setattr(memory_module, "PER_TOKEN_ROWS_MAX", 1)
     groups = attention_groups(visible, seq_mask, cell_pos)
-    assert sorted(len(g.tokens) for g in groups) == [2, 3, 3]  # the decode tokens batched, each with its rows
+    # the decode tokens batched, each with its rows (and the two runs of 3 with them, as guesses being verified)
+    assert sorted(len(g.tokens) for g in groups) == ([8] if short_runs_per_token else [2, 3, 3])
     for g in groups:
         rows = g.index.numpy().reshape(-1, g.index.shape[-1])
         real = (g.mask.numpy() == 0).reshape(rows.shape) if g.index.dim() == 2 else np.ones(rows.shape, bool)

@@ -8,6 +8,7 @@ from enum import Enum
 from kvlm.engine.sampler import RequestSampler, SampledToken
 from kvlm.engine.sampling_params import SamplingParams
 from kvlm.engine.stop import StopChecker
+from kvlm.speculative.stats import SpecStats
 from kvlm.structured.request_grammar import RequestGrammar
 
 
@@ -37,6 +38,7 @@ class Request:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
+    speculation: SpecStats = field(default_factory=SpecStats)  # its guesses verified and accepted
 
     @property
     def token_ids(self) -> list[int]:
@@ -75,16 +77,23 @@ class RequestOutput:
     # LLM.chat with tools or a reasoning template: the assistant message as OpenAI's API returns it (content,
     # tool_calls, reasoning_content); finish_reason is then OpenAI's too ("tool_calls" after calls)
     message: dict | None = None
+    speculation: SpecStats | None = None  # with speculative decoding: its guesses verified and accepted
 
     @property
     def timings(self) -> dict[str, float]:
-        """Prompt tokens computed (cache hits excluded) per second to the first token; decode tokens per second."""
+        """Prompt tokens computed (cache hits excluded) per second to the first token; decode tokens per second;
+        with speculative decoding, the mean tokens per verification round (1 + accepted guesses per round)."""
         computed = len(self.prompt_token_ids) - self.n_cached_tokens
         decoded = len(self.token_ids) - 1
-        return {
+        timings = {
             "prefill_tokens_per_s": computed / self.time_to_first_token if self.time_to_first_token else 0.0,
             "decode_tokens_per_s": decoded / self.decode_seconds if self.decode_seconds and decoded > 0 else 0.0,
         }
+        if self.speculation is not None:
+            timings["draft_n"] = self.speculation.num_draft_tokens  # (llama.cpp's server names)
+            timings["draft_n_accepted"] = self.speculation.num_accepted_tokens
+            timings["mean_acceptance_length"] = self.speculation.mean_acceptance_length
+        return timings
 
     @classmethod
     def of(cls, request: Request) -> RequestOutput:
@@ -95,7 +104,7 @@ class RequestOutput:
             text=request.stop.text, token_ids=list(request.output_token_ids), finish_reason=request.finish_reason,
             logprobs=list(request.logprobs) if request.params.logprobs is not None else None,
             error=request.error, n_cached_tokens=request.n_cached_tokens, time_to_first_token=ttft,
-            decode_seconds=decode,
+            decode_seconds=decode, speculation=request.speculation if request.speculation.num_drafts else None,
         )
 
 

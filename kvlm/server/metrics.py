@@ -1,13 +1,19 @@
 """Prometheus metrics of the server, kept in a registry of its own (one per app, so tests can run several)."""
 from __future__ import annotations
 
+import logging
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvlm.engine.engine import Engine
 from kvlm.engine.request import RequestOutput, StepEvent
 from kvlm.server.async_engine import StepObserver
 from kvlm.server.kv_report import recurrent_part
+from kvlm.speculative.stats import SpecStats
 
+log = logging.getLogger("kvlm")
+
+SPEC_LOG_INTERVAL_S = 10.0  # as vLLM's periodic SpecDecoding metrics line
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 
 
@@ -49,6 +55,17 @@ class ServerMetrics(StepObserver):
         self.constrained_requests = Counter("kvlm_constrained_requests", "Requests with an output constraint",
                                             registry=r)
         self._structured_totals = (0.0, 0.0, 0)
+        # speculative decoding (vLLM's spec_decode_* names): verification rounds, guesses verified and accepted
+        self.spec_drafts = Counter("kvlm_spec_decode_num_drafts", "Verification rounds (a request's guesses in a step)",
+                                   registry=r)
+        self.spec_draft_tokens = Counter("kvlm_spec_decode_num_draft_tokens", "Guessed tokens verified", registry=r)
+        self.spec_accepted_tokens = Counter("kvlm_spec_decode_num_accepted_tokens", "Guessed tokens accepted",
+                                            registry=r)
+        self.spec_accepted_per_pos = Counter("kvlm_spec_decode_num_accepted_tokens_per_pos",
+                                             "Guessed tokens accepted, by position in the guess", ["position"],
+                                             registry=r)
+        self._spec_seen = SpecStats()
+        self._spec_logged = (0.0, 0)
         self._last_token_time: dict[str, float] = {}
 
     def on_step(self, engine: Engine, events: list[StepEvent], now: float) -> None:
@@ -70,6 +87,8 @@ class ServerMetrics(StepObserver):
                 self.inter_token_latency.observe((now - last) / n)
             self._last_token_time[event.request_id] = now
         self._count_structured(engine)
+        if engine.speculator is not None:
+            self._count_speculation(engine.speculator.stats, now)
         scheduler, memory = engine.scheduler, engine.context.memory
         self.running.set(len(scheduler.running))
         self.waiting.set(len(scheduler.waiting))
@@ -91,6 +110,24 @@ class ServerMetrics(StepObserver):
             if now > before:
                 counter.inc(now - before)
         self._structured_totals = totals
+
+    def _count_speculation(self, stats: SpecStats, now: float) -> None:
+        seen = self._spec_seen
+        self.spec_drafts.inc(stats.num_drafts - seen.num_drafts)
+        self.spec_draft_tokens.inc(stats.num_draft_tokens - seen.num_draft_tokens)
+        self.spec_accepted_tokens.inc(stats.num_accepted_tokens - seen.num_accepted_tokens)
+        for position, count in enumerate(stats.accepted_per_pos):
+            before = seen.accepted_per_pos[position] if position < len(seen.accepted_per_pos) else 0
+            self.spec_accepted_per_pos.labels(position=str(position)).inc(count - before)
+        self._spec_seen = SpecStats(stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
+                                    list(stats.accepted_per_pos))
+        last_time, last_drafts = self._spec_logged
+        if now - last_time >= SPEC_LOG_INTERVAL_S and stats.num_drafts > last_drafts:
+            log.info("speculative decoding: mean acceptance length %.2f, accepted %d of %d guessed tokens (%.1f%%), "
+                     "per position %s", stats.mean_acceptance_length, stats.num_accepted_tokens,
+                     stats.num_draft_tokens, 100.0 * stats.num_accepted_tokens / max(stats.num_draft_tokens, 1),
+                     ", ".join(f"{value:.2f}" for value in stats.to_json()["acceptance_per_position"]))
+            self._spec_logged = (now, stats.num_drafts)
 
     def on_finished(self, output: RequestOutput) -> None:
         self.requests.labels(finish_reason=output.finish_reason or "unknown").inc()

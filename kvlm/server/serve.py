@@ -13,6 +13,7 @@ from kvlm.loader.load import load_model
 from kvlm.memory.kv_store import AUTO
 from kvlm.server.app import create_app
 from kvlm.server.kv_report import recurrent_part
+from kvlm.speculative.config import SpeculativeConfig
 from kvlm.startup import in_passing_thread
 
 log = logging.getLogger("kvlm")
@@ -37,6 +38,7 @@ class ServeSettings:
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGINT/SIGTERM
     tensor_parallel_size: int = 1  # processes the model's heads and MLP are split over (kvlm.parallel)
     memory_budget: int | None = None  # bytes for weights, copies, KV cache and buffers (None: the machine's)
+    speculative_config: SpeculativeConfig | None = None  # vLLM's (kvlm.speculative.config)
 
 
 def served_name(model: str) -> str:
@@ -86,8 +88,10 @@ def _log_memory(memory, kv_dtype: str, max_num_seqs: int) -> None:
 
 def serve(settings: ServeSettings) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    speculative = settings.speculative_config
     request = memory_request(settings.n_ctx, settings.max_num_seqs, settings.max_num_batched_tokens, settings.kv_dtype,
-                             swa_full=settings.swa_full)
+                             swa_full=settings.swa_full,
+                             speculative_tokens=speculative.num_speculative_tokens if speculative else 0)
 
     def build() -> Engine:
         model = load_model(settings.model, settings.dtype, quant=settings.quant,
@@ -96,7 +100,8 @@ def serve(settings: ServeSettings) -> int:
                            memory_budget=settings.memory_budget)
         return Engine(model, n_ctx=settings.n_ctx or model.plan.n_ctx, max_num_seqs=settings.max_num_seqs,
                       max_num_batched_tokens=settings.max_num_batched_tokens, kv_dtype=settings.kv_dtype,
-                      swa_full=settings.swa_full, memory_budget=settings.memory_budget)
+                      swa_full=settings.swa_full, memory_budget=settings.memory_budget,
+                      speculative_config=speculative)
 
     # The engine steps on a thread of its own (kvlm.server.async_engine): no other thread may keep OpenMP workers.
     # (Tensor parallelism pins this thread to rank 0's cores, which the engine thread inherits: it builds here.)
@@ -108,6 +113,9 @@ def serve(settings: ServeSettings) -> int:
     log.info("compute: %s", model.decoder.describe())
     log.info("memory: %s", "; ".join(f"{label} {text}" for label, text in engine.plan.lines()))
     _log_memory(memory, engine.context.kv_dtype, settings.max_num_seqs)
+    if speculative is not None:
+        log.info("speculative decoding: %s, up to %d guessed tokens per step%s", speculative.method,
+                 speculative.num_speculative_tokens, ", as many as pay (measured)" if speculative.adaptive else "")
     app = create_app(engine, name, settings.api_key)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
                             timeout_graceful_shutdown=settings.shutdown_timeout)

@@ -16,34 +16,11 @@ from kvlm.loader.memory_plan import MemoryRequest
 from kvlm.speculative.config import SpeculativeConfig
 from kvlm.speculative.draft_model import DraftModel, DraftWant
 from kvlm.speculative.ngram import propose_ngram
+from kvlm.speculative.stats import SpecStats
 from kvlm.speculative.tuning import Acceptance, Candidate, StepCosts, choose_guesses
 
 CALIBRATION_REPEATS = 3
 PROBE_INTERVAL = 16  # a draft model left idle this many steps for a request guesses once, to see if it pays again
-
-
-@dataclass
-class SpecStats:
-    """Counts since the engine started, as vLLM's spec_decode metrics count them."""
-
-    num_drafts: int = 0            # verification rounds (a request with at least one guess in a step)
-    num_draft_tokens: int = 0      # guesses verified
-    num_accepted_tokens: int = 0   # guesses accepted
-    accepted_per_pos: list[int] = field(default_factory=list)  # accepted at guess position 0, 1, ...
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens per verification round: 1 + accepted / rounds (vLLM's; the target's own token included)."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
-
-    def count(self, n_guesses: int, n_accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += n_guesses
-        self.num_accepted_tokens += n_accepted
-        while len(self.accepted_per_pos) < n_guesses:
-            self.accepted_per_pos.append(0)
-        for position in range(n_accepted):
-            self.accepted_per_pos[position] += 1
 
 
 @dataclass
@@ -126,16 +103,16 @@ class Speculator:
                     break
                 accepted += 1
             self.stats.count(len(round_.verified), accepted)
+            request.speculation.count(len(round_.verified), accepted)
         if round_.proposal and not request.finished:
             self._acceptance.setdefault(request.request_id, Acceptance()).observe(round_.proposal, emitted)
         if self.draft is not None and round_.proposal and request.seq_id is not None:
             self.draft.settle(request.seq_id, round_.n_tokens_before, round_.proposal, emitted)
 
     def forget(self, request) -> None:
-        """The request left its sequence (finished or preempted)."""
+        """The request left its sequence (finished or preempted); a step that finished it still settles after."""
         if self.draft is not None and request.seq_id is not None:
             self.draft.forget(request.seq_id)
-        self._rounds.pop(request.request_id, None)
         if request.finished:
             self._acceptance.pop(request.request_id, None)
             self._idle.pop(request.request_id, None)

@@ -13,6 +13,7 @@ linearly once arithmetic does (many sequences), so the same rule speculates at b
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass, field
 
 SMOOTHING = 0.2      # weight of a new timing in its row count's running estimate
@@ -28,6 +29,7 @@ class StepCosts:
     def __init__(self) -> None:
         self.seconds: dict[int, float] = {}
         self._rows: list[int] = []
+        self._floor: list[float] = []  # per known row count, the most seconds any count up to it took
 
     def observe(self, rows: int, seconds: float) -> None:
         old = self.seconds.get(rows)
@@ -36,22 +38,21 @@ class StepCosts:
             self.seconds[rows] = seconds
         else:
             self.seconds[rows] = old + SMOOTHING * (seconds - old)
+        self._floor = list(itertools.accumulate((self.seconds[r] for r in self._rows), max))
 
     def estimate(self, rows: int) -> float:
-        """T(rows): linear between the nearest measured counts, extended along the last two beyond them; no
-        smaller than T of fewer rows (more rows never take less time)."""
+        """T(rows): linear between the nearest measured counts, extended along the last two beyond them; never less
+        than fewer rows took (noise aside, more rows never take less time)."""
         known = self._rows
         if not known:
             return float(rows)  # nothing measured: proportional (no guess will look free)
-        if rows in self.seconds:
-            return self.seconds[rows]
         if len(known) == 1:
-            return self.seconds[known[0]] * rows / known[0]
-        i = min(max(bisect.bisect_left(known, rows), 1), len(known) - 1)
+            return self.seconds[known[0]] * max(rows / known[0], 1.0)
+        below = bisect.bisect_right(known, rows)  # known counts <= rows
+        i = min(max(below, 1), len(known) - 1)
         lo, hi = known[i - 1], known[i]
         value = self.seconds[lo] + (self.seconds[hi] - self.seconds[lo]) * (rows - lo) / (hi - lo)
-        below = bisect.bisect_left(known, rows)
-        return max(value, self.seconds[known[below - 1]] if below else 0.0, 1e-9)
+        return max(value, self._floor[below - 1] if below else 0.0, 1e-9)
 
 
 @dataclass

@@ -1,0 +1,195 @@
+"""Speculative decoding: guesses verified in the engine's step change nothing but the speed.
+
+On random-weight models of every family and memory kind (transformers builds them; weights requantized to Q8_0 so
+the native kernels compute them, whose rows do not depend on the rows beside them): greedy and seeded sampled
+output with prompt lookup and with a draft model equals the output without, alone and beside other requests and
+across micro-batch cuts; a model drafting for itself accepts every guess; the memory after every step is that of a
+run that only saw the committed tokens; stop strings, max_tokens and the end of the context cut where they would.
+"""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from family_factory import SPECS, random_model, write_family_gguf
+from kvlm import LLM, Batch, Context, SamplingParams, load_model
+import kvlm.speculative.speculator as speculator_module
+from kvlm.engine.engine import Engine
+from test_gemma3 import gguf_of as gemma3_gguf
+from test_gemma3 import random_gemma3
+from test_recurrent_models import lfm2_gguf, mamba2_gguf, random_lfm2, random_mamba2
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "adaptive": False}
+REPEATING = [5, 6, 7, 8, 9, 10, 11, 12] * 6  # a prompt prompt lookup finds its own n-grams in
+
+
+def _random_gguf(family: str, folder, perturbed: bool = False):
+    """A random model of the family as a GGUF file; `perturbed`: the same with every weight moved a little, a draft
+    whose guesses are often but not always the target's."""
+    if family in SPECS:
+        spec = SPECS[family]
+        model = random_model(spec)
+        write = lambda m, f: write_family_gguf(m, spec, f / "model.gguf")  # noqa: E731
+    else:
+        make, write = {"gemma3": (random_gemma3, gemma3_gguf), "lfm2": (random_lfm2, lfm2_gguf),
+                       "mamba2": (random_mamba2, mamba2_gguf)}[family]
+        model = make()
+    if perturbed:
+        generator = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(torch.randn(param.shape, generator=generator) * param.std().nan_to_num(0.1) * 0.5)
+    return write(model, folder)
+
+
+FAMILIES = ["llama-llama3", "qwen2", "qwen3", "gemma3", "lfm2", "mamba2"]  # unified x3, iSWA, hybrid, recurrent
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def target(family, tmp_path_factory):
+    return load_model(str(_random_gguf(family, tmp_path_factory.mktemp(family))), quant="int8", progress=False)
+
+
+@pytest.fixture(scope="module")
+def draft(family, tmp_path_factory):
+    path = _random_gguf(family, tmp_path_factory.mktemp(f"{family}-draft"), perturbed=True)
+    return load_model(str(path), quant="int8", progress=False)
+
+
+def _generate(model, prompts, params, speculative=None, **engine):
+    llm = LLM(model, n_ctx=256, max_num_seqs=4, speculative_config=speculative, **engine)
+    return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)], llm
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    generator = np.random.default_rng(3)
+    return [REPEATING, [1, *generator.integers(3, vocab, 20).tolist()] * 3, [1, 40, 41, 42, 43] * 4]
+
+
+def oracle_guesses(prompts, outputs, vocab: int):
+    """A proposer that knows the unspeculated output and guesses it with one token wrong at a position that moves
+    from step to step (none wrong when it falls past the guesses): every count of accepted guesses occurs."""
+    def propose(tokens, min_n, max_n, k, max_len=None):
+        tokens = list(tokens)
+        for prompt, output in zip(prompts, outputs):
+            if tokens[: len(prompt)] == prompt and tokens[len(prompt):] == output[: len(tokens) - len(prompt)]:
+                done = len(tokens) - len(prompt)
+                guesses = list(output[done : done + k])
+                wrong = random.Random(done).randrange(k + 1)
+                if wrong < len(guesses):
+                    guesses[wrong] = (guesses[wrong] + 1) % vocab
+                return guesses
+        return []
+    return propose
+
+
+def test_greedy_output_is_unchanged_whatever_is_accepted(target, monkeypatch):
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = _prompts(target.config.vocab_size)
+    expected, _ = _generate(target, prompts, params)
+    monkeypatch.setattr(speculator_module, "propose_ngram", oracle_guesses(prompts, expected, target.config.vocab_size))
+    together, llm = _generate(target, prompts, params, NGRAM)
+    assert together == expected
+    accepted = llm.engine.speculator.stats.accepted_per_pos
+    assert all(n > 0 for n in accepted) and sum(accepted) < llm.engine.speculator.stats.num_draft_tokens
+    alone = [_generate(target, [prompt], params, NGRAM)[0][0] for prompt in prompts[:2]]
+    assert alone == expected[:2]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_greedy_output_is_unchanged_with_each_proposer(target, draft, method):
+    speculative = NGRAM if method == "ngram" else {"model": draft, "num_speculative_tokens": 3, "adaptive": False}
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = _prompts(target.config.vocab_size)
+    expected, _ = _generate(target, prompts, params)
+    together, llm = _generate(target, prompts, params, speculative)
+    assert together == expected
+    assert llm.engine.speculator.stats.num_draft_tokens > 0
+
+
+def test_seeded_sampling_is_unchanged(target):
+    params = [SamplingParams(max_tokens=30, temperature=0.9, top_p=0.95, seed=seed, ignore_eos=True)
+              for seed in (1, 2, 3)]
+    prompts = _prompts(target.config.vocab_size)
+    expected, _ = _generate(target, prompts, params)
+    assert _generate(target, prompts, params, NGRAM)[0] == expected
+
+
+def test_micro_batch_cuts_change_nothing(target):
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = _prompts(target.config.vocab_size)
+    expected, _ = _generate(target, prompts, params)
+    cut, _ = _generate(target, prompts, params, NGRAM, max_num_batched_tokens=16)
+    assert cut == expected
+
+
+def test_a_model_drafting_for_itself_accepts_every_guess(target):
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    speculative = {"model": target, "num_speculative_tokens": 4, "adaptive": False}
+    prompts = _prompts(target.config.vocab_size)[:2]
+    outputs, llm = _generate(target, prompts, params, speculative)
+    assert outputs == _generate(target, prompts, params)[0]
+    stats = llm.engine.speculator.stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+def test_memory_after_every_step_is_that_of_the_committed_tokens(target, family):
+    """Step by step: the sequence's positions and its K/V rows (or recurrent state) equal those of a context that
+    decoded the committed tokens one by one."""
+    engine = Engine(target, n_ctx=256, max_num_seqs=2, enable_prefix_caching=False, speculative_config=NGRAM)
+    request_id = engine.add_request(REPEATING, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    request = engine.requests[request_id]
+    checked = 0
+    while engine.has_unfinished():
+        engine.step()
+        if request.finished or not request.output_token_ids:
+            continue
+        committed = request.token_ids[: request.n_computed]
+        memory = engine.context.memory
+        assert memory.seq_pos_max(request.seq_id) == len(committed) - 1
+        reference = Context(target, n_ctx=256, n_seq_max=2, kv_dtype=engine.context.kv_dtype)
+        reference.decode(Batch(tokens=REPEATING, seq_ids=[0] * len(REPEATING)))
+        for position in range(len(REPEATING), len(committed)):
+            reference.decode(Batch(tokens=[committed[position]], pos=[position], seq_ids=[0]))
+        _assert_same_sequence(memory, request.seq_id, reference.memory, 0, exact=family not in ("lfm2", "mamba2"))
+        checked += 1
+    assert checked > 5
+
+
+def _assert_same_sequence(memory, seq_id, reference, reference_seq, exact: bool) -> None:
+    """Every position the sequence's next token may read (all of them, or its sliding window) is held, with the
+    same K/V bytes, and nothing past its committed tokens is."""
+    n_committed = memory.seq_pos_max(seq_id) + 1
+    for pool, theirs in zip(memory.pools, reference.pools):
+        ours_cells, their_cells = _cells_by_position(pool, seq_id), _cells_by_position(theirs, reference_seq)
+        needed = [p for p in their_cells if not pool.window or p >= n_committed - pool.window]
+        assert max(ours_cells) == n_committed - 1 and set(needed) <= set(ours_cells)
+        for layer in range(pool.store.n_layer):
+            for plane, their_plane in ((pool.store.k, theirs.store.k), (pool.store.v, theirs.store.v)):
+                a = plane.data[layer][[ours_cells[p] for p in needed]]
+                b = their_plane.data[layer][[their_cells[p] for p in needed]]
+                assert torch.equal(a, b) if exact else torch.allclose(a.float(), b.float(), atol=1e-4)
+    states = getattr(memory, "recurrent", memory if memory.kind == "recurrent" else None)
+    if states is not None:
+        theirs = getattr(reference, "recurrent", reference)
+        span, parts = states.state_parts(seq_id)
+        their_span, their_parts = theirs.state_parts(reference_seq)
+        assert span == their_span
+        for a, b in zip(parts, their_parts):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def _cells_by_position(pool, seq_id) -> dict[int, int]:
+    """Position -> cell of the sequence's cells in a pool."""
+    cells = pool.cells
+    return dict(sorted((int(cells.pos[c]), int(c)) for c in cells.seq_cells(seq_id)))
