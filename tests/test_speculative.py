@@ -193,3 +193,15 @@ def _cells_by_position(pool, seq_id) -> dict[int, int]:
     """Position -> cell of the sequence's cells in a pool."""
     cells = pool.cells
     return dict(sorted((int(cells.pos[c]), int(c)) for c in cells.seq_cells(seq_id)))
+
+
+def test_long_prompts_in_chunks_beside_guesses_in_the_batch_invariant_mode(tmp_path):
+    """Prompts longer than a chunk are cut where the budget left by other requests ends, and guesses end requests
+    sooner, so chunk boundaries move; the batch-invariant mode's logits do not depend on them: the same output."""
+    model = load_model(str(_random_gguf("qwen2", tmp_path)), "float32", batch_invariant=True, progress=False)
+    generator = np.random.default_rng(4)
+    prompts = [[1, *generator.integers(3, 1000, 30).tolist()] * 3 for _ in range(4)]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (8, 30, 12, 40)]
+    expected, _ = _generate(model, prompts, params, max_num_batched_tokens=24)
+    got, llm = _generate(model, prompts, params, NGRAM, max_num_batched_tokens=24)
+    assert got == expected and llm.engine.speculator.stats.num_draft_tokens > 0

@@ -154,15 +154,14 @@ class Engine:
             return events
         if self.speculator is not None:
             self._add_guesses(plan)
-        started = time.perf_counter()
         batch = self._batch(plan)
+        started = time.perf_counter()
         status = self.context.decode(batch)
         if status != DecodeStatus.OK:
             raise EngineError(f"decode failed with {status.name}: {self.context.last_error}")
-        events += self._advance(plan)
-        if self.speculator is not None:
+        if self.speculator is not None:  # the forward pass alone, as the calibration timed it
             self.speculator.observe_step(len(batch.tokens), time.perf_counter() - started)
-        return events
+        return events + self._advance(plan)
 
     def _add_guesses(self, plan: list[Scheduled]) -> None:
         """Guessed tokens for requests past their prompt, verified after their last token in this step's batch:

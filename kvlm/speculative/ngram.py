@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 def propose_ngram(tokens: Sequence[int] | np.ndarray, min_n: int, max_n: int, k: int,
@@ -24,11 +23,19 @@ def propose_ngram(tokens: Sequence[int] | np.ndarray, min_n: int, max_n: int, k:
         k = min(k, max_len - total)
     if k <= 0 or total < min_n + 1:
         return []
-    for n in range(min(max_n, total - 1), min_n - 1, -1):
-        # every window of n tokens that ends before the last token (so something follows it)
-        windows = sliding_window_view(ids[: total - 1], n)
-        hits = np.flatnonzero((windows == ids[total - n:]).all(axis=1))
-        if hits.size:
-            start = int(hits[0]) + n
-            return ids[start : start + k].tolist()
-    return []
+    # Every earlier place the last token occurs (something follows it), then how far back each match reaches:
+    # one pass per length over a few candidates, instead of comparing every window of every length.
+    ends = np.flatnonzero(ids[: total - 1] == ids[-1])
+    lengths = np.ones(ends.shape[0], dtype=np.int64)
+    matching = np.ones(ends.shape[0], dtype=bool)
+    for back in range(1, min(max_n, total - 1)):
+        matching &= ends >= back
+        matching[matching] = ids[ends[matching] - back] == ids[total - 1 - back]
+        if not matching.any():
+            break
+        lengths += matching
+    if not ends.size or lengths.max() < min_n:
+        return []
+    longest = int(lengths.max())
+    start = int(ends[np.argmax(lengths >= longest)]) + 1  # the earliest occurrence of the longest n-gram
+    return ids[start : start + k].tolist()
