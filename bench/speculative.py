@@ -2,15 +2,16 @@
 
     python -m bench.speculative [--model NAME] [--tokens 256] [--repeats 2] [--only batch1|batch32|draft]
 
-- batch 1, greedy, on three kinds of chat prompts: code editing and document rewriting (the answer repeats much of
-  the prompt) and free text (little repetition): kvlm without speculation, kvlm with prompt lookup
+- batch 1 on three kinds of chat prompts: code editing and document rewriting (the answer repeats much of the
+  prompt; greedy) and free text (sampled at temperature 0.7 with a seed, so that it repeats little: greedy small
+  models loop): kvlm without speculation, kvlm with prompt lookup
   (`{"method": "ngram", "num_speculative_tokens": 8}`, adaptive as by default), and llama.cpp without speculation;
 - 32 concurrent requests (the edit prompts, varied), prompt lookup on and off: aggregate tokens/s;
 - `--only draft`: Qwen2.5-Coder-1.5B with the 0.5B as its draft on the code prompts, left to decide and forced.
 
 Decode speed is a request's tokens after the first over the time from its first token to its last (prefill
 excluded), the best of `--repeats`. Every run generates until EOS or `--tokens`; llama.cpp then decodes as many
-tokens as kvlm's unspeculated run did (greedy, the same prompt ids). Outputs with and without speculation are
+tokens as kvlm's unspeculated run did (greedy, the same prompt ids: a token costs it the same however chosen). Outputs with and without speculation are
 compared token for token.
 """
 from __future__ import annotations
@@ -99,7 +100,8 @@ def kvlm_worker(args) -> dict:
     prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in json.loads(args.prompts)]
     if args.batch > 1:
         prompts = [prompts[i % len(prompts)] for i in range(args.batch)]
-    params = SamplingParams(max_tokens=args.tokens, temperature=0.0)
+    # free text is sampled (seeded, so the runs agree token for token): greedy small models loop, and repeat
+    params = SamplingParams(max_tokens=args.tokens, temperature=0.7 if args.sampled else 0.0, seed=0)
     llm.generate([prompts[0][:8]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     best: dict = {}
     for _ in range(args.repeats):
@@ -164,7 +166,7 @@ def batch1(args) -> None:
     rows = []
     for name, prompts in PROMPTS.items():
         common = dict(model=args.model, prompts=json.dumps(prompts), tokens=str(args.tokens),
-                      repeats=str(args.repeats), batch="1")
+                      repeats=str(args.repeats), batch="1", sampled=str(name == "free text"))
         plain = run_worker("kvlm", **common)
         spec = run_worker("kvlm", **common, speculative=json.dumps(NGRAM))
         lengths = [len(ids) for ids in plain["token_ids"]]
@@ -221,11 +223,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--only", choices=("batch1", "batch32", "draft"), default=None)
     parser.add_argument("--worker", choices=("kvlm", "llama"), default=None, help=argparse.SUPPRESS)
-    for hidden in ("prompts", "lengths", "speculative", "batch"):
+    for hidden in ("prompts", "lengths", "speculative", "batch", "sampled"):
         parser.add_argument(f"--{hidden}", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        args.batch = int(args.batch or 1)
+        args.batch, args.sampled = int(args.batch or 1), args.sampled == "True"
         print(json.dumps((kvlm_worker if args.worker == "kvlm" else llama_worker)(args)))
         return
     for name, run in (("batch1", batch1), ("batch32", batch32), ("draft", draft)):

@@ -205,3 +205,31 @@ def test_long_prompts_in_chunks_beside_guesses_in_the_batch_invariant_mode(tmp_p
     expected, _ = _generate(model, prompts, params, max_num_batched_tokens=24)
     got, llm = _generate(model, prompts, params, NGRAM, max_num_batched_tokens=24)
     assert got == expected and llm.engine.speculator.stats.num_draft_tokens > 0
+
+
+def test_a_draft_that_cannot_run_guesses_nothing_and_loses_nothing(monkeypatch):
+    """A draft step that fails (its memory full) mid-proposal: no guesses this step, the draft's sequences back as
+    they were, the output as without speculation."""
+    import tempfile
+    from pathlib import Path
+
+    from kvlm.speculative.draft_model import DraftModel
+
+    with tempfile.TemporaryDirectory() as folder:
+        model = load_model(str(_random_gguf("llama-llama3", Path(folder))), quant="int8", progress=False)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    expected, _ = _generate(model, [REPEATING], params)
+    original, calls = DraftModel._decode, []
+
+    def every_third_fails(self, tokens, positions, seq_ids, outputs):
+        calls.append(len(tokens))
+        if len(calls) % 3 == 0:
+            from kvlm.speculative.draft_model import DraftError
+            raise DraftError("no room")
+        return original(self, tokens, positions, seq_ids, outputs)
+
+    monkeypatch.setattr(DraftModel, "_decode", every_third_fails)
+    got, llm = _generate(model, [REPEATING], params, {"model": model, "num_speculative_tokens": 3, "adaptive": False})
+    assert got == expected
+    stats = llm.engine.speculator.stats
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens == stats.num_draft_tokens  # it drafts for itself

@@ -56,11 +56,20 @@ class DraftModel:
         self._checkpoints.pop(seq_id, None)
 
     def propose(self, wants: list[DraftWant]) -> list[list[int]]:
-        """Up to `count` greedy guesses for each sequence (fewer where the draft's token is not the target's)."""
+        """Up to `count` greedy guesses for each sequence (fewer where the draft's token is not the target's); none
+        if the draft cannot run (its memory full), its sequences then as they were."""
         memory = self.context.memory
         for want in wants:
             held = self.held.get(want.seq_id, 0)
             self._checkpoints[want.seq_id] = (held, memory.checkpoint(want.seq_id))
+        try:
+            return self._guess(wants)
+        except DraftError:
+            for want in wants:
+                self._take_back(want.seq_id)
+            return [[] for _ in wants]
+
+    def _guess(self, wants: list[DraftWant]) -> list[list[int]]:
         # first the tokens each has not seen; the logits of the last give the first guess
         last = self._catch_up(wants)
         guesses = [[token] if token < self.target_vocab else [] for token in last]
@@ -93,11 +102,17 @@ class DraftModel:
         memory = self.context.memory
         if memory.seq_pos_max(seq_id) < keep or memory.seq_rm(seq_id, keep, -1):
             self.held[seq_id] = min(keep, memory.seq_pos_max(seq_id) + 1)
+            self._checkpoints.pop(seq_id, None)
         else:  # a recurrent draft: back to its state before guessing; its unseen tokens are fed next time
-            held, checkpoint = self._checkpoints[seq_id]
+            self._take_back(seq_id)
+
+    def _take_back(self, seq_id: int) -> None:
+        """The sequence as it was before the last proposal (its cells after that removed, or its state restored)."""
+        held, checkpoint = self._checkpoints.pop(seq_id)
+        memory = self.context.memory
+        if not memory.seq_rm(seq_id, held, -1):
             memory.restore(checkpoint)
-            self.held[seq_id] = held
-        self._checkpoints.pop(seq_id, None)
+        self.held[seq_id] = held
 
     def _catch_up(self, wants: list[DraftWant]) -> list[int]:
         """Feed each sequence the target's tokens it does not hold; the draft's next token after each."""

@@ -20,7 +20,7 @@ SMOOTHING = 0.2      # weight of a new timing in its row count's running estimat
 DECAY = 0.9          # how much of its past a request's acceptance keeps per observation
 PRIOR = (1.0, 1.0)   # (accepted, rejected) pseudo-counts: a new request starts at alpha = 0.5
 MAX_ALPHA = 0.98     # never quite certain: the j-th guess of a perfect record still decays
-GAIN_MARGIN = 1.02   # a guess must raise tokens per second by 2%, so estimation noise does not slow steps
+GAIN_MARGIN = 1.02   # guesses must raise a step's tokens per second by 2%, so estimation noise does not slow it
 
 
 class StepCosts:
@@ -97,7 +97,8 @@ class Choice:
 
 def choose_guesses(candidates: list[Candidate], base_rows: int, n_decoding: int, target: StepCosts,
                    draft: StepCosts | None = None) -> Choice:
-    """How many guesses each candidate verifies, added most likely first while tokens per second rise.
+    """How many guesses each candidate verifies: added most likely first while tokens per second rise, kept only if
+    in all they raise it by GAIN_MARGIN (so estimation noise does not make steps slower).
 
     `base_rows`: the rows the step computes anyway; `n_decoding`: the tokens it yields anyway. `draft`: the draft
     model's step costs (its j-th step computes one row per request guessing at least j tokens)."""
@@ -106,7 +107,7 @@ def choose_guesses(candidates: list[Candidate], base_rows: int, n_decoding: int,
     depth = [0] * len(candidates)
     per_step: list[int] = []  # draft rows per draft step
     tokens, rows = float(n_decoding), base_rows
-    seconds = target.estimate(rows)
+    seconds = base_seconds = target.estimate(rows)
     for gain, j, i in options:
         if depth[i] != j - 1:  # (equal alphas may list a later guess before an earlier one of another request)
             continue
@@ -116,10 +117,12 @@ def choose_guesses(candidates: list[Candidate], base_rows: int, n_decoding: int,
                 per_step.append(0)
             n = per_step[j - 1]
             extra += draft.estimate(n + 1) - (draft.estimate(n) if n else 0.0)
-        if (tokens + gain) / (seconds + extra) <= GAIN_MARGIN * tokens / seconds:
+        if (tokens + gain) / (seconds + extra) <= tokens / seconds:
             continue
         tokens, rows, seconds = tokens + gain, rows + 1, seconds + extra
         depth[i] = j
         if draft is not None:
             per_step[j - 1] += 1
+    if tokens / seconds <= GAIN_MARGIN * n_decoding / base_seconds:
+        return Choice()
     return Choice({candidates[i].key: d for i, d in enumerate(depth) if d})
