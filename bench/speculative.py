@@ -95,8 +95,10 @@ def kvlm_worker(args) -> dict:
     speculative = json.loads(args.speculative) if args.speculative else None
     if speculative and speculative.get("model"):
         speculative["model"] = str(model_gguf(speculative["model"]))
+    # (no prefix cache: a repeat would reuse the prompt's cells, and compute its last token alone, as decode does,
+    # which changes the rounding of what follows: every repeat does the same work, and runs can be compared)
     llm = LLM(str(model_gguf(args.model)), max_num_seqs=max(args.batch, 1), n_ctx=4096,
-              speculative_config=speculative)
+              enable_prefix_caching=False, speculative_config=speculative)
     prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in json.loads(args.prompts)]
     if args.batch > 1:
         prompts = [prompts[i % len(prompts)] for i in range(args.batch)]

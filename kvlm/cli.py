@@ -398,6 +398,10 @@ def _bench(args: argparse.Namespace) -> int:
               f"tensor parallel {args.tensor_parallel_size}: prefill {result['prefill_tokens_per_s']:.1f} tok/s, "
               f"decode {result['decode_tokens_per_s']:.1f} tok/s, {result['requests_per_s']:.2f} requests/s "
               f"({result['elapsed_s']:.1f} s)")
+        if "speculative" in result:
+            spec = result["speculative"]
+            print(f"speculative decoding: {spec['num_accepted_tokens']} of {spec['num_draft_tokens']} guessed tokens "
+                  f"accepted, mean acceptance length {spec['mean_acceptance_length']:.2f}")
     return 0
 
 

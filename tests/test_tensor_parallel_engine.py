@@ -82,6 +82,17 @@ def test_llm_generate_on_two_ranks_equals_one(one, two):
     assert llm.engine.prefix_cache.hit_tokens > 0
 
 
+def test_speculative_decoding_on_two_ranks_equals_one_rank_without(one, two):
+    """Guesses verified on two ranks (the rejected ones' cells removed on both, by the mirrored seq_rm)."""
+    prompts = [token_ids(VOCAB, 12, seed=5) * 3, token_ids(VOCAB, 9, seed=6) * 4]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    expected = LLM(one, max_num_seqs=2).generate(prompts, params, use_tqdm=False)
+    llm = LLM(two, max_num_seqs=2,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False})
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == [o.token_ids for o in expected]
+    assert llm.engine.speculator.stats.num_draft_tokens > 0
+
+
 def sequence_operations(model) -> list[torch.Tensor]:
     """Logits after each of: a prompt in micro-batches of 5, seq_cp + partial seq_rm + continuation, a context
     shift (keep 4, discard 6), a batch aborted after its first micro-batch and then run again, a saved sequence

@@ -19,7 +19,7 @@ from kvlm.speculative.ngram import propose_ngram
 from kvlm.speculative.stats import SpecStats
 from kvlm.speculative.tuning import Acceptance, Candidate, StepCosts, choose_guesses
 
-CALIBRATION_REPEATS = 3
+CALIBRATION_REPEATS = 2
 PROBE_INTERVAL = 16  # a draft model left idle this many steps for a request guesses once, to see if it pays again
 
 
@@ -43,11 +43,12 @@ class Speculator:
         self._idle: dict[str, int] = {}
 
     def calibrate(self, context: Context, seq_id: int) -> None:
-        """Time the target on 1..k+1 rows of one sequence (each row with logits, as verification asks), so the
-        first steps already know what guesses cost; every later step refines it."""
+        """Time the target on 1, 2 and k+1 rows of one sequence (each row with logits, as verification asks), so
+        the first steps already know what guesses cost; every later step refines it."""
         fastest: dict[int, float] = {}
+        k = self.config.num_speculative_tokens
         for _ in range(CALIBRATION_REPEATS):
-            for n in range(1, self.config.num_speculative_tokens + 2):
+            for n in sorted({1, 2, k + 1}):  # (the costs grow about linearly past one row; steps fill in the rest)
                 started = time.perf_counter()
                 status = context.decode(Batch(tokens=[0] * n, pos=list(range(n)), seq_ids=[seq_id] * n,
                                               logits=[True] * n))
