@@ -62,6 +62,17 @@ def hf_qwen_tokenizer(qwen_gguf_path):
     return hf_tokenizer_of(qwen_gguf_path)
 
 
+@pytest.fixture(scope="session")
+def hf_gemma(gemma_gguf_path):
+    """transformers' Gemma 3 270M from the GGUF (a minute to dequantize: loaded once for every module)."""
+    return hf_model_of(gemma_gguf_path)
+
+
+@pytest.fixture(scope="session")
+def hf_gemma_tokenizer(gemma_gguf_path):
+    return hf_tokenizer_of(gemma_gguf_path)
+
+
 @pytest.fixture(scope="module")
 def hf_qwen(qwen_gguf_path):
     return hf_model_of(qwen_gguf_path)

@@ -14,7 +14,7 @@ import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from conftest import (
-    decode_ok, full_sequence_logits, hf_model_of, max_diff, one_batch, prefill_then_decode_logits, reference_logits,
+    decode_ok, full_sequence_logits, max_diff, one_batch, prefill_then_decode_logits, reference_logits,
 )
 from family_factory import rope_scaling_metadata
 from gguf_factory import BOS_ID, EOS_ID, gguf_metadata, save_hf_folder, write_gguf
@@ -175,11 +175,6 @@ def test_sliding_layers_without_a_window_are_refused():
 @pytest.fixture(scope="module")
 def real_gemma(gemma_gguf_path):
     return load_model(str(gemma_gguf_path), "float32")
-
-
-@pytest.fixture(scope="module")
-def hf_gemma(gemma_gguf_path):
-    return hf_model_of(gemma_gguf_path)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import json
 import jinja2
 import pytest
 import torch
-from conftest import hf_model_of, hf_tokenizer_of
+
 from test_gemma_tokenizer import metadata, tokenizer  # noqa: F401 - the real file's metadata and tokenizer
 
 from kvlm import LLM, SamplingParams, load_model
@@ -50,8 +50,8 @@ RENDERED = [
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer(gemma_gguf_path):
-    return hf_tokenizer_of(gemma_gguf_path)
+def hf_tokenizer(hf_gemma_tokenizer):
+    return hf_gemma_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +60,8 @@ def llm(gemma_gguf_path) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def hf_model(gemma_gguf_path):
-    return hf_model_of(gemma_gguf_path)
+def hf_model(hf_gemma):
+    return hf_gemma
 
 
 # --- the template ---

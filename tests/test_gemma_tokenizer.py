@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import hf_tokenizer_of
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -66,11 +66,6 @@ def metadata(gemma_gguf_path) -> dict:
 @pytest.fixture(scope="module")
 def tokenizer(metadata) -> Tokenizer:
     return Tokenizer.from_gguf_metadata(metadata)
-
-
-@pytest.fixture(scope="module")
-def hf_gemma_tokenizer(gemma_gguf_path):
-    return hf_tokenizer_of(gemma_gguf_path)
 
 
 def _stream(tokenizer: Tokenizer, ids: list[int], skip_special_tokens: bool = False) -> list[str]:

@@ -135,6 +135,8 @@ def decode_inputs(tokens: torch.Tensor, positions: torch.Tensor, view: KVView):
         if len(tokens) != 1:
             return None
         index = index[None]
+    if len(tokens) > 1 and bool(((mask == 0) & torch.isin(index, view.rows)).sum(dim=1).gt(1).any()):
+        return None  # a run of one sequence's tokens (guesses being verified): each reads the others' new rows
     mask = mask.masked_fill(index == view.rows[:, None], float("-inf"))[:, None, :]
     index, mask = _at_least_rows(index, mask)
     pad = _bucket(len(tokens)) - len(tokens)
@@ -149,7 +151,9 @@ def decode_inputs(tokens: torch.Tensor, positions: torch.Tensor, view: KVView):
 def prefill_inputs(tokens: torch.Tensor, positions: torch.Tensor, view: KVView):
     """One sequence's chunk of at least PREFILL_MIN_TOKENS tokens as [1, T]; None otherwise."""
     rows = _single_group(view, len(tokens)) if len(tokens) >= PREFILL_MIN_TOKENS else None
-    if rows is None or rows[0].dim() != 1:
+    if rows is not None and rows[0].dim() == 2:
+        rows = _as_shared_rows(*rows)
+    if rows is None:
         return None
     index, mask = rows
     cached = ~torch.isin(index, view.rows)  # the chunk's own cells come from the graph's inputs
@@ -174,6 +178,21 @@ def _single_group(view: KVView, n_tokens: int) -> tuple[torch.Tensor, torch.Tens
     if mask is None:
         mask = torch.zeros(n_tokens, index.shape[-1])
     return index, mask
+
+
+def _as_shared_rows(index: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A short run of one sequence laid out per token (each token's cells a prefix of the last one's, as
+    memory.attention_groups lays out runs it reads as decode tokens) as the last token's cells and a mask; None
+    when the tokens read other rows (several sequences)."""
+    real = mask == 0
+    lengths = real.sum(dim=1)
+    columns = torch.arange(index.shape[1])
+    prefix = columns[None, :] < lengths[:, None]
+    last = index[-1]
+    if not torch.equal(real, prefix) or not bool(((index == last[None, :]) | ~prefix).all()):
+        return None
+    shared = last[: int(lengths[-1])]
+    return shared, torch.zeros(prefix[:, : len(shared)].shape).masked_fill_(~prefix[:, : len(shared)], float("-inf"))
 
 
 def _at_least_rows(index: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
