@@ -262,3 +262,19 @@ def test_acceptance_tracking_does_not_depend_on_the_batch():
     acceptance.observe([1, 2, 3], [1])  # shadow: one guess seen right, nothing more known
     assert acceptance.alpha > 0.5
     assert np.isclose(Acceptance().alpha, 0.5)
+
+
+def test_guesses_withdrawn_for_want_of_cells_are_not_counted():
+    """When the memory cannot take a step's guesses the engine runs the step without them: nothing verified."""
+    from types import SimpleNamespace
+
+    from kvlm.speculative.speculator import Speculator
+    from kvlm.speculative.stats import SpecStats
+
+    speculator = Speculator(SpeculativeConfig.parse(NGRAM))
+    request = SimpleNamespace(request_id="a", token_ids=REPEATING, finished=False, seq_id=1, speculation=SpecStats())
+    guesses = speculator.guesses([(request, 4)], base_rows=1, n_decoding=1, budget=100)
+    assert guesses["a"] == [5, 6, 7, 8]  # (REPEATING ends 9, 10, 11, 12: their first occurrence is followed by these)
+    speculator.withdraw()
+    speculator.settle(request, [5])
+    assert speculator.stats.num_drafts == 0 and request.speculation.num_drafts == 0

@@ -177,7 +177,10 @@ class Engine:
                                 self.n_ctx - len(request.token_ids)) - 1) for _, request in wants]
         guesses = self.speculator.guesses(limits, base_rows, sum(item.outputs for item in plan),
                                           self.scheduler.max_num_batched_tokens - base_rows)
-        if not guesses or not self.scheduler.has_room(base_rows + sum(map(len, guesses.values()))):
+        if not guesses:
+            return
+        if not self.scheduler.has_room(base_rows + sum(map(len, guesses.values()))):
+            self.speculator.withdraw()
             return
         memory = self.context.memory
         for item, request in wants:

@@ -91,6 +91,11 @@ class Speculator:
         self._rounds = rounds
         return {key: r.verified for key, r in rounds.items() if r.verified}
 
+    def withdraw(self) -> None:
+        """The step could not take this step's guesses (no free cells): none is verified."""
+        for round_ in self._rounds.values():
+            round_.verified = []
+
     def settle(self, request, emitted: list[int]) -> None:
         """What a request's step emitted: acceptance (also of guesses the step did not verify), counts, and the
         draft's memory brought back to the target's tokens."""
@@ -139,12 +144,10 @@ class Speculator:
         """A draft model's acceptance is only seen when it guesses: one guess now and then keeps it known."""
         for candidate in candidates:
             request_id = candidate.key
-            if counts.get(candidate.key):
-                self._idle[request_id] = 0
-                continue
-            self._idle[request_id] = self._idle.get(request_id, 0) + 1
-            if self._idle[request_id] >= PROBE_INTERVAL:
-                counts[candidate.key], self._idle[request_id] = 1, 0
+            idle = 0 if counts.get(request_id) else self._idle.get(request_id, 0) + 1
+            if idle >= PROBE_INTERVAL:
+                counts[request_id], idle = 1, 0
+            self._idle[request_id] = idle
 
     def _propose_with_draft(self, counts: list[tuple[object, int]], proposals: dict[str, list[int]]) -> None:
         wanted = [(request, count) for request, count in counts if count > 0]
