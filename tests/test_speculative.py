@@ -1,7 +1,8 @@
 """Speculative decoding: guesses verified in the engine's step change nothing but the speed.
 
 On random-weight models of every family and memory kind (transformers builds them; weights requantized to Q8_0 so
-the native kernels compute them, whose rows do not depend on the rows beside them): greedy and seeded sampled
+the native kernels compute them, whose rows do not depend on the rows beside them; without those kernels, the
+batch-invariant float32 mode): greedy and seeded sampled
 output with prompt lookup and with a draft model equals the output without, alone and beside other requests and
 across micro-batch cuts; a model drafting for itself accepts every guess; the memory after every step is that of a
 run that only saw the committed tokens; stop strings, max_tokens and the end of the context cut where they would.
@@ -18,6 +19,7 @@ from family_factory import SPECS, random_model, write_family_gguf
 from kvlm import LLM, Batch, Context, SamplingParams, load_model
 import kvlm.speculative.speculator as speculator_module
 from kvlm.engine.engine import Engine
+from kvlm.kernels import native_kernels
 from test_gemma3 import gguf_of as gemma3_gguf
 from test_gemma3 import random_gemma3
 from test_recurrent_models import lfm2_gguf, mamba2_gguf, random_lfm2, random_mamba2
@@ -47,6 +49,15 @@ def _random_gguf(family: str, folder, perturbed: bool = False):
     return write(model, folder)
 
 
+def exact_model(path, default: bool = False):
+    """A model whose rows compute the same bits whatever rows are beside them: the native kernels' products (the
+    weights requantized to Q8_0, or as the file stores them when `default`), or where those are not built, the
+    batch-invariant float32 mode."""
+    if native_kernels() is None:
+        return load_model(str(path), "float32", batch_invariant=True, progress=False)
+    return load_model(str(path), progress=False) if default else load_model(str(path), quant="int8", progress=False)
+
+
 FAMILIES = ["llama-llama3", "qwen2", "qwen3", "gemma3", "lfm2", "mamba2"]  # unified x3, iSWA, hybrid, recurrent
 
 
@@ -57,13 +68,13 @@ def family(request):
 
 @pytest.fixture(scope="module")
 def target(family, tmp_path_factory):
-    return load_model(str(_random_gguf(family, tmp_path_factory.mktemp(family))), quant="int8", progress=False)
+    return exact_model(_random_gguf(family, tmp_path_factory.mktemp(family)))
 
 
 @pytest.fixture(scope="module")
 def draft(family, tmp_path_factory):
     path = _random_gguf(family, tmp_path_factory.mktemp(f"{family}-draft"), perturbed=True)
-    return load_model(str(path), quant="int8", progress=False)
+    return exact_model(path)
 
 
 def _generate(model, prompts, params, speculative=None, **engine):
@@ -216,7 +227,7 @@ def test_a_draft_that_cannot_run_guesses_nothing_and_loses_nothing(monkeypatch):
     from kvlm.speculative.draft_model import DraftModel
 
     with tempfile.TemporaryDirectory() as folder:
-        model = load_model(str(_random_gguf("llama-llama3", Path(folder))), quant="int8", progress=False)
+        model = exact_model(_random_gguf("llama-llama3", Path(folder)))
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     expected, _ = _generate(model, [REPEATING], params)
     original, calls = DraftModel._decode, []

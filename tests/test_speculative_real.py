@@ -1,5 +1,5 @@
 """Speculative decoding on the real models (SmolLM2, Qwen2.5-Coder-0.5B, Gemma 3 270M, as fetched from PyPI, on
-kvlm's defaults): greedy output unchanged with prompt lookup, a model drafting for itself accepts every guess, a draft
+kvlm's defaults; the batch-invariant mode where the native kernels are not built): greedy output unchanged with prompt lookup, a model drafting for itself accepts every guess, a draft
 of another vocabulary is refused naming the token; the CLI flag, the server's counters."""
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from kvlm.engine.engine import Engine
 from kvlm.server.app import create_app
 from kvlm.speculative.vocab import IncompatibleDraftError
 from server_helpers import serving
+from test_speculative import exact_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -28,7 +29,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 2,
 @pytest.fixture(scope="module", params=["smollm2", "qwen", "gemma"])
 def real_model(request, smollm2_gguf_path, qwen_gguf_path, gemma_gguf_path):
     path = {"smollm2": smollm2_gguf_path, "qwen": qwen_gguf_path, "gemma": gemma_gguf_path}[request.param]
-    return load_model(str(path), progress=False)
+    return exact_model(path, default=True)
 
 
 def _chat_ids(model) -> list[int]:
@@ -48,7 +49,7 @@ def test_greedy_output_is_unchanged_on_real_models(real_model):
 
 
 def test_qwen_drafting_for_itself_accepts_every_guess(qwen_gguf_path):
-    model = load_model(str(qwen_gguf_path), progress=False)
+    model = exact_model(qwen_gguf_path, default=True)
     llm = LLM(model, n_ctx=1024, max_num_seqs=2,
               speculative_config={"model": model, "num_speculative_tokens": 3, "adaptive": False})
     params = SamplingParams(max_tokens=24, temperature=0.0)
@@ -74,7 +75,7 @@ def test_a_differing_token_is_named(qwen_gguf_path, monkeypatch):
 
 
 def test_cli_generate_takes_the_flag_and_reports_acceptance(smollm2_gguf_path, monkeypatch, capsys):
-    model = load_model(str(smollm2_gguf_path), progress=False)
+    model = exact_model(smollm2_gguf_path, default=True)
     monkeypatch.setattr(kvlm.cli, "load_model", lambda *args, **kwargs: model)
     base = ["generate", "--chat", EDIT, "--max-tokens", "64", "--temperature", "0", "--json"]
     assert kvlm.cli.main(base) == 0
@@ -92,7 +93,7 @@ def test_cli_refuses_a_bad_config_naming_it(capsys):
 
 
 def test_server_counts_guesses_in_prometheus(smollm2_gguf_path):
-    model = load_model(str(smollm2_gguf_path), progress=False)
+    model = exact_model(smollm2_gguf_path, default=True)
     engine = Engine(model, n_ctx=1024, max_num_seqs=2, speculative_config=NGRAM)
     with serving(create_app(engine, "smollm2", None)) as url:
         body = {"model": "smollm2", "messages": [{"role": "user", "content": EDIT}], "max_tokens": 64,

@@ -12,16 +12,14 @@ from kvlm import LLM, Batch, Context, SamplingParams
 from kvlm.engine.engine import PREFIX_CACHE_SEQ, Engine
 from kvlm.speculative.config import SpeculativeConfig
 from kvlm.speculative.tuning import Acceptance, Candidate, StepCosts, choose_guesses
-from test_speculative import NGRAM, REPEATING, _random_gguf, oracle_guesses
-from kvlm import load_model
+from test_speculative import NGRAM, REPEATING, _random_gguf, exact_model, oracle_guesses
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    return load_model(str(_random_gguf("llama-llama3", tmp_path_factory.mktemp("llama"))), quant="int8",
-                      progress=False)
+    return exact_model(_random_gguf("llama-llama3", tmp_path_factory.mktemp("llama")))
 
 
 def _outputs(model, prompts, params, speculative=None, n_ctx=256):
@@ -249,7 +247,7 @@ def test_guesses_that_are_right_keep_being_verified(llama, monkeypatch):
 def test_room_for_guesses_in_the_sliding_pool(tmp_path):
     """An iSWA engine keeps k more positions per sequence in its sliding pool (so rejected guesses never cost cells
     still needed): the pool is that much larger."""
-    model = load_model(str(_random_gguf("gemma3", tmp_path)), quant="int8", progress=False)
+    model = exact_model(_random_gguf("gemma3", tmp_path))
     sizes = [Engine(model, n_ctx=256, max_num_seqs=2, max_num_batched_tokens=64, enable_prefix_caching=False,
                     speculative_config=speculative).context.memory.pools[1].n_cells
              for speculative in (None, {"method": "ngram", "num_speculative_tokens": 6})]
