@@ -18,6 +18,7 @@ from kvlm.context import Context, DecodeStatus
 from kvlm.errors import KvlmError
 from kvlm.loader.load import Model
 from kvlm.memory.kv_store import resolve_kv_dtype
+from kvlm.speculative.stats import n_matching
 from kvlm.speculative.tuning import StepCosts
 from kvlm.speculative.vocab import check_vocabularies
 from kvlm.tokenizer import Tokenizer
@@ -93,12 +94,7 @@ class DraftModel:
         """After verification: keep the draft's cells of guesses the target emitted, remove the others.
 
         `n_before`: the target's token count when the guesses were made (the draft then held that many)."""
-        matched = 0
-        for guess, token in zip(guesses[:-1], emitted):  # the last guess was never fed to the draft
-            if guess != token:
-                break
-            matched += 1
-        keep = n_before + matched
+        keep = n_before + n_matching(guesses[:-1], emitted)  # (the last guess was never fed to the draft)
         memory = self.context.memory
         if memory.seq_pos_max(seq_id) < keep or memory.seq_rm(seq_id, keep, -1):
             self.held[seq_id] = min(keep, memory.seq_pos_max(seq_id) + 1)

@@ -16,7 +16,7 @@ from kvlm.loader.memory_plan import MemoryRequest
 from kvlm.speculative.config import SpeculativeConfig
 from kvlm.speculative.draft_model import DraftModel, DraftWant
 from kvlm.speculative.ngram import propose_ngram
-from kvlm.speculative.stats import SpecStats
+from kvlm.speculative.stats import SpecStats, n_matching
 from kvlm.speculative.tuning import Acceptance, Candidate, StepCosts, choose_guesses
 
 CALIBRATION_REPEATS = 2
@@ -103,11 +103,7 @@ class Speculator:
         if round_ is None:
             return
         if round_.verified:
-            accepted = 0
-            for guess, token in zip(round_.verified, emitted):
-                if guess != token:
-                    break
-                accepted += 1
+            accepted = n_matching(round_.verified, emitted)
             self.stats.count(len(round_.verified), accepted)
             request.speculation.count(len(round_.verified), accepted)
         if round_.proposal and not request.finished:

@@ -1,7 +1,18 @@
 """Counts of speculative decoding, as vLLM's spec_decode metrics count them (an engine's, and one request's)."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+
+def n_matching(guesses: Sequence[int], emitted: Sequence[int]) -> int:
+    """How many guesses, from the first, equal the tokens emitted in their places."""
+    n = 0
+    for guess, token in zip(guesses, emitted):
+        if guess != token:
+            break
+        n += 1
+    return n
 
 
 @dataclass

@@ -16,6 +16,8 @@ import bisect
 import itertools
 from dataclasses import dataclass, field
 
+from kvlm.speculative.stats import n_matching
+
 SMOOTHING = 0.2      # weight of a new timing in its row count's running estimate
 DECAY = 0.9          # how much of its past a request's acceptance keeps per observation
 PRIOR = (1.0, 1.0)   # (accepted, rejected) pseudo-counts: a new request starts at alpha = 0.5
@@ -69,11 +71,7 @@ class Acceptance:
     def observe(self, guesses: list[int], emitted: list[int]) -> None:
         """Compare a proposal with the tokens the step really emitted (whether or not they were verified): each
         matching guess is an acceptance, the first mismatch a rejection; past the emitted tokens nothing is known."""
-        n_match = 0
-        for guess, token in zip(guesses, emitted):
-            if guess != token:
-                break
-            n_match += 1
+        n_match = n_matching(guesses, emitted)
         if n_match == 0 and (not guesses or not emitted):
             return
         rejected = 1.0 if n_match < min(len(guesses), len(emitted)) else 0.0
