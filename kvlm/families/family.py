@@ -49,6 +49,13 @@ class Family:
     gguf_reshaped: tuple[str, ...] = ()  # tensor name endings a GGUF file stores in another shape, same values  # config.json's tensors are named {hf_prefix}.layers.N...
     # A Hugging Face tensor stored otherwise than GGUF stores it: (GGUF suffix, how to turn one into the other)
     hf_values: tuple[tuple[str, Callable], ...] = ()
+    qk_norm_whole: bool = False  # the QK-norm over each token's whole Q and K projections, not per head (OLMoE)
+    # Mixture of experts: whether llama.cpp renormalises the chosen experts' weights for a GGUF file that does not
+    # say (no {arch}.expert_weights_norm key); a Hugging Face config says with norm_topk_prob (or always, below)
+    gguf_expert_weights_norm: bool = False
+    hf_expert_weights_norm: bool | None = None  # always (Mixtral, Granite), whatever config.json says; None: it says
+    shared_expert_gate: bool = False  # the shared expert's output times sigmoid(a learned row . x) (Qwen2-MoE)
+    granite_multipliers: bool = False  # Granite's embedding, attention, residual and logit multipliers
 
     def layer_kinds(self, n_layer: int, sliding: bool = False) -> tuple[str, ...]:
         """llama.cpp's pattern: with a window, layer i slides unless i % period == period - 1."""
@@ -59,14 +66,15 @@ class Family:
         return tuple(ATTENTION if i % self.sliding_period == self.sliding_period - 1 else SLIDING
                      for i in range(n_layer))
 
-    def layer_shapes(self, kind: str, c) -> dict[str, tuple]:
+    def layer_shapes(self, kind: str, c, moe: bool = False) -> dict[str, tuple]:
         """Shape of every tensor of one layer of a kind (for the ModelConfig `c`) by GGUF suffix, [out, in] for
-        matrices as torch's linear expects."""
+        matrices as torch's linear expects, [expert, out, in] for experts'; `moe`: experts instead of the MLP."""
         n_embd, n_ff, n_head, n_head_kv, head_dim = c.n_embd, c.n_ff, c.n_head, c.n_head_kv, c.head_dim
         if kind == MAMBA:
             return mamba2_shapes(c)
-        shapes = {"attn_norm.weight": (n_embd,), "ffn_norm.weight": (n_embd,), "ffn_gate.weight": (n_ff, n_embd),
-                  "ffn_up.weight": (n_ff, n_embd), "ffn_down.weight": (n_embd, n_ff)}
+        shapes = {"attn_norm.weight": (n_embd,), "ffn_norm.weight": (n_embd,),
+                  **(self.expert_shapes(c) if moe else {"ffn_gate.weight": (n_ff, n_embd), "ffn_up.weight": (n_ff, n_embd),
+                                                        "ffn_down.weight": (n_embd, n_ff)})}
         if kind == CONV:
             return {**shapes, "shortconv.in_proj.weight": (3 * n_embd, n_embd),
                     "shortconv.conv.weight": (n_embd, c.conv_kernel), "shortconv.out_proj.weight": (n_embd, n_embd)}
@@ -76,9 +84,22 @@ class Family:
         if self.qkv_bias:
             shapes.update({"attn_q.bias": (q_rows,), "attn_k.bias": (kv_rows,), "attn_v.bias": (kv_rows,)})
         if self.qk_norm:
-            shapes.update({"attn_q_norm.weight": (head_dim,), "attn_k_norm.weight": (head_dim,)})
+            q_norm, k_norm = (q_rows, kv_rows) if self.qk_norm_whole else (head_dim, head_dim)
+            shapes.update({"attn_q_norm.weight": (q_norm,), "attn_k_norm.weight": (k_norm,)})
         if self.sandwich_norms:
             shapes.update({"post_attention_norm.weight": (n_embd,), "post_ffw_norm.weight": (n_embd,)})
+        return shapes
+
+    def expert_shapes(self, c) -> dict[str, tuple]:
+        """A MoE layer's router, experts and shared expert (GGUF names)."""
+        n_embd, n_expert, width, shared = c.n_embd, c.n_expert, c.n_ff_exp, c.n_ff_shexp
+        shapes = {"ffn_gate_inp.weight": (n_expert, n_embd), "ffn_gate_exps.weight": (n_expert, width, n_embd),
+                  "ffn_up_exps.weight": (n_expert, width, n_embd), "ffn_down_exps.weight": (n_expert, n_embd, width)}
+        if shared:
+            shapes.update({"ffn_gate_shexp.weight": (shared, n_embd), "ffn_up_shexp.weight": (shared, n_embd),
+                           "ffn_down_shexp.weight": (n_embd, shared)})
+        if shared and self.shared_expert_gate:
+            shapes["ffn_gate_inp_shexp.weight"] = (1, n_embd)
         return shapes
 
 

@@ -110,6 +110,8 @@ class NativeKernels:
         self.decode_layer_function.argtypes = [ptr, ptr, ctypes.c_int, ptr, ctypes.c_int]
         self.layer_times_function = self._lib.kvlm_layer_times
         self.layer_times_function.argtypes = [ctypes.c_int, ptr]
+        self.experts_function = self._lib.kvlm_experts
+        self.experts_function.argtypes = [ptr, ptr, ctypes.c_int, i64, ctypes.c_int, ptr, ptr, ptr, ctypes.c_int]
         self.layer_ops = NativeLayerOps(self._lib)
 
     def interleave(self, matrix: BlockMatrix) -> BlockMatrix:

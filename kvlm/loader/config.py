@@ -10,7 +10,9 @@ from kvlm.model.rope import RopeScaling
 
 _SHOWN_WHEN_SET = {"sliding_window": 0, "rope_local": None, "query_scale": 1.0, "final_logit_softcap": 0.0,
                    "conv_kernel": 0, "ssm_inner": 0, "ssm_state": 0, "ssm_groups": 0,
-                   "ssm_dt_limit": (0.0, float("inf"))}
+                   "ssm_dt_limit": (0.0, float("inf")), "n_expert": 0, "n_expert_used": 0, "n_ff_exp": 0,
+                   "n_ff_shexp": 0, "expert_weights_norm": False, "moe_layers": (), "embedding_multiplier": 1.0,
+                   "residual_multiplier": 1.0, "logit_scale": 1.0}
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,15 @@ class ModelConfig:
     ssm_state: int = 0  # Mamba2: the state size N per head channel
     ssm_groups: int = 0  # Mamba2: groups of heads sharing B and C
     ssm_dt_limit: tuple[float, float] = (0.0, float("inf"))  # Mamba2: time steps are clamped to it
+    n_expert: int = 0  # mixture of experts: routed experts per MoE layer (0: every layer has a plain MLP)
+    n_expert_used: int = 0  # experts each token is routed to (top-k)
+    n_ff_exp: int = 0  # each routed expert's MLP width
+    n_ff_shexp: int = 0  # the shared expert's width (every token goes through it too); 0 for none
+    expert_weights_norm: bool = False  # the chosen experts' probabilities renormalised to sum to 1
+    moe_layers: tuple[bool, ...] = ()  # per layer: experts instead of the MLP; empty means every layer when n_expert
+    embedding_multiplier: float = 1.0  # Granite: embeddings times it
+    residual_multiplier: float = 1.0  # Granite: attention and MLP outputs times it before each residual add
+    logit_scale: float = 1.0  # Granite: logits divided by it
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "vocab_size", "n_ctx_train"):
@@ -58,7 +69,10 @@ class ModelConfig:
                              f"needs {self.head_dim // 2}")
         if not self.layer_kinds:
             object.__setattr__(self, "layer_kinds", self.family.layer_kinds(self.n_layer, self.sliding_window > 0))
+        if not self.moe_layers:
+            object.__setattr__(self, "moe_layers", (self.n_expert > 0,) * self.n_layer)
         self._check_layer_kinds()
+        self._check_experts()
 
     def _check_layer_kinds(self) -> None:
         if len(self.layer_kinds) != self.n_layer:
@@ -79,6 +93,24 @@ class ModelConfig:
         if MAMBA in self.layer_kinds and (self.ssm_state < 1 or self.ssm_groups < 1 or self.n_head % self.ssm_groups):
             raise ValueError(f"ModelConfig.ssm_state ({self.ssm_state}) and ssm_groups ({self.ssm_groups}) must be "
                              f"positive, and n_head ({self.n_head}) a multiple of ssm_groups, for {MAMBA} layers")
+
+    def _check_experts(self) -> None:
+        if len(self.moe_layers) != self.n_layer:
+            raise ValueError(f"ModelConfig.moe_layers has {len(self.moe_layers)} entries for {self.n_layer} layers")
+        if not any(self.moe_layers):
+            return
+        if not 0 < self.n_expert_used <= self.n_expert:
+            raise ValueError(f"ModelConfig.n_expert_used must be in 1..n_expert ({self.n_expert}), "
+                             f"got {self.n_expert_used}")
+        if self.n_ff_exp <= 0:
+            raise ValueError(f"ModelConfig.n_ff_exp must be a positive integer for MoE layers, got {self.n_ff_exp}")
+        recurrent = [kind for kind, moe in zip(self.layer_kinds, self.moe_layers) if moe and kind in (CONV, MAMBA)]
+        if recurrent:
+            raise ValueError(f"ModelConfig.moe_layers: experts on {recurrent[0]} layers are not supported")
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.moe_layers)
 
     @property
     def family(self):
@@ -102,6 +134,9 @@ class ModelConfig:
         if self.rope_local is not None:
             values["rope_local"] = _rope_text(self.rope_local)
         values["layer_kinds"] = ", ".join(f"{len(list(run))} x {kind}" for kind, run in groupby(self.layer_kinds))
+        if self.n_expert:
+            values["moe_layers"] = ", ".join(f"{len(list(run))} x {'experts' if moe else 'MLP'}"
+                                             for moe, run in groupby(self.moe_layers))
         return values
 
 

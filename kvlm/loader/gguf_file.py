@@ -52,11 +52,12 @@ def _config_of(gguf: GGUFFile, path: str | Path) -> ModelConfig:
         _check_tensor(gguf, freqs, ROPE_FREQS, (freqs.n_elements,))  # complete, any length
         freq_factors = GGUFTensors(gguf).read(ROPE_FREQS).float().reshape(-1).tolist()
     return config_from_metadata(gguf.metadata, path, tied="output.weight" not in gguf.tensors,
-                                freq_factors=freq_factors)
+                                freq_factors=freq_factors, tensor_names=frozenset(gguf.tensors))
 
 
 def config_from_metadata(
-    metadata: dict[str, Any], path: str | Path, *, tied: bool, freq_factors: list[float] | None = None
+    metadata: dict[str, Any], path: str | Path, *, tied: bool, freq_factors: list[float] | None = None,
+    tensor_names: frozenset[str] = frozenset(),
 ) -> ModelConfig:
     arch = metadata.get("general.architecture")
     family = family_named(arch, path)
@@ -70,7 +71,8 @@ def config_from_metadata(
     try:
         n_embd, n_layer = int(key("embedding_length")), int(key("block_count"))
         vocab = metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens", []))
-        layers = family.gguf_config(key) if family.gguf_config else _attention_layers(metadata, key, family)
+        layers = family.gguf_config(key) if family.gguf_config else {
+            **_attention_layers(metadata, key, family), **_expert_options(metadata, key, family, tensor_names)}
         config = ModelConfig(
             architecture=arch,
             name=str(metadata.get("general.name", Path(path).stem)),
@@ -110,7 +112,44 @@ def _attention_layers(metadata: dict[str, Any], key, family) -> dict[str, Any]:
     return {"n_ff": int(key("feed_forward_length")), "n_head": n_head, "head_dim": head_dim,
             "n_head_kv": _kv_heads(key("attention.head_count_kv", n_head)), "query_scale": query_scale,
             "final_logit_softcap": float(metadata.get(f"{arch}.final_logit_softcapping") or 0.0),
-            **_sliding_options(metadata, arch, family), **_conv_options(metadata, arch)}
+            **_sliding_options(metadata, arch, family), **_conv_options(metadata, arch),
+            **(_granite_multipliers(metadata, arch, head_dim) if family.granite_multipliers else {})}
+
+
+# Routing that llama.cpp's files may ask for and kvlm does not implement: refused, not ignored.
+_ROUTING_KEYS = {"expert_gating_func": (None, 1), "expert_weights_scale": (None, 0.0, 1.0), "expert_group_count": (None, 0, 1),
+                 "expert_shared_count": (None, 0, 1)}
+
+
+def _expert_options(metadata: dict[str, Any], key, family, tensor_names: frozenset[str]) -> dict[str, Any]:
+    """The mixture-of-experts fields as llama.cpp reads them: a layer has experts where the file has its router
+    (`ffn_gate_inp`); the chosen weights are renormalised as the file's expert_weights_norm says, else as llama.cpp
+    does for the architecture."""
+    arch = family.name
+    n_expert = int(metadata.get(f"{arch}.expert_count") or 0)
+    if not n_expert:
+        return {}
+    for suffix, supported in _ROUTING_KEYS.items():
+        if metadata.get(f"{arch}.{suffix}") not in supported:
+            raise UnsupportedModelError(f"{arch}.{suffix}={metadata[f'{arch}.{suffix}']!r} is not supported")
+    biased = sorted(name for name in tensor_names if name.endswith("exp_probs_b.bias"))
+    if biased:
+        raise UnsupportedModelError(f"expert selection biases ({biased[0]}) are not supported")
+    n_layer = int(key("block_count"))
+    n_ff = int(key("feed_forward_length"))
+    return {"n_expert": n_expert, "n_expert_used": int(key("expert_used_count")),
+            "n_ff_exp": int(metadata.get(f"{arch}.expert_feed_forward_length") or n_ff),
+            "n_ff_shexp": int(metadata.get(f"{arch}.expert_shared_feed_forward_length") or 0),
+            "expert_weights_norm": bool(metadata.get(f"{arch}.expert_weights_norm", family.gguf_expert_weights_norm)),
+            "moe_layers": tuple(f"blk.{i}.ffn_gate_inp.weight" in tensor_names for i in range(n_layer))}
+
+
+def _granite_multipliers(metadata: dict[str, Any], arch: str, head_dim: int) -> dict[str, Any]:
+    """Granite's scales as llama.cpp reads them (attention.scale replaces 1/sqrt(head_dim); 0 or absent: that)."""
+    attention = float(metadata.get(f"{arch}.attention.scale") or head_dim ** -0.5)
+    return {"embedding_multiplier": float(metadata.get(f"{arch}.embedding_scale") or 1.0),
+            "residual_multiplier": float(metadata.get(f"{arch}.residual_scale") or 1.0),
+            "logit_scale": float(metadata.get(f"{arch}.logit_scale") or 1.0), "query_scale": attention * head_dim ** 0.5}
 
 
 def _kv_heads(value: Any) -> int:

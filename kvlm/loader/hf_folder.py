@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
@@ -9,7 +10,7 @@ from safetensors import SafetensorError, safe_open
 from kvlm.errors import ModelFileError, UnsupportedModelError
 from kvlm.families import ATTENTION, CONV, SLIDING, family_for_hf
 from kvlm.loader.config import ModelConfig
-from kvlm.loader.tensors import SafetensorsTensors
+from kvlm.loader.tensors import HFSource, SafetensorsTensors
 from kvlm.loader.weights import ModelWeights, expected_shapes
 from kvlm.model import rope
 
@@ -34,8 +35,11 @@ def open_hf_folder(folder: str | Path) -> tuple[ModelConfig, ModelWeights]:
     config = config_from_hf(folder)
     family = config.family
     shapes = expected_shapes(config)
-    found = {gguf_name(name, family): (file, name, _as_gguf_shape(shape), dtype)
-             for file in sorted(folder.glob("*.safetensors")) for name, shape, dtype in _tensor_headers(file)}
+    headers = [(file, name, shape, dtype) for file in sorted(folder.glob("*.safetensors"))
+               for name, shape, dtype in _tensor_headers(file)]
+    found = {gguf_name(name, family): (HFSource(((file, name),)), _as_gguf_shape(shape), dtype)
+             for file, name, shape, dtype in headers}
+    found.update(_expert_tensors(headers, family))
     for name, shape in shapes.items():
         _check_shape(folder, found.get(name), name, shape, family)
     convert = {}
@@ -46,8 +50,8 @@ def open_hf_folder(folder: str | Path) -> tuple[ModelConfig, ModelWeights]:
         for suffix, function in family.hf_values:
             if name.endswith(suffix):
                 convert[name] = function
-    tensors = SafetensorsTensors({name: found[name][:2] for name in shapes}, convert, shapes,
-                                 {name: _DTYPE_NAMES.get(found[name][3], "float32") for name in shapes})
+    tensors = SafetensorsTensors({name: found[name][0] for name in shapes}, convert, shapes,
+                                 {name: _DTYPE_NAMES.get(found[name][2], "float32") for name in shapes})
     return config, ModelWeights(config, tensors)
 
 
@@ -90,7 +94,35 @@ def _attention_layers(raw: dict, family) -> dict:
     return {"n_ff": family.hf_ff_size(raw) if family.hf_ff_size else raw["intermediate_size"], "n_head": n_head,
             "n_head_kv": raw.get("num_key_value_heads") or n_head, "head_dim": head_dim,
             "rms_norm_eps": float(raw.get("rms_norm_eps", raw.get("norm_eps", 1e-6))),
-            **_attention_options(raw, family, head_dim)}
+            **_attention_options(raw, family, head_dim), **_expert_options(raw, family),
+            **(_granite_multipliers(raw, head_dim) if family.granite_multipliers else {})}
+
+
+def _expert_options(raw: dict, family) -> dict:
+    """The mixture-of-experts fields as transformers reads them (none for a model without experts)."""
+    n_expert = raw.get("num_experts") or raw.get("num_local_experts") or 0
+    if not n_expert:
+        return {}
+    if raw.get("model_type") == "mixtral" and raw.get("sliding_window"):
+        raise UnsupportedModelError(f"sliding_window={raw['sliding_window']!r} is not supported for mixtral models")
+    if raw.get("clip_qkv") is not None:
+        raise UnsupportedModelError(f"clip_qkv={raw['clip_qkv']!r} is not supported for {family.name} models")
+    dense = set(raw.get("mlp_only_layers") or ())
+    step = raw.get("decoder_sparse_step") or 1
+    norm = family.hf_expert_weights_norm
+    return {"n_expert": n_expert, "n_expert_used": raw["num_experts_per_tok"],
+            "n_ff_exp": raw.get("moe_intermediate_size") or raw["intermediate_size"],
+            "n_ff_shexp": raw.get("shared_expert_intermediate_size") or raw.get("shared_intermediate_size") or 0,
+            "expert_weights_norm": bool(raw.get("norm_topk_prob", False)) if norm is None else norm,
+            "moe_layers": tuple(i not in dense and (i + 1) % step == 0 for i in range(raw["num_hidden_layers"]))}
+
+
+def _granite_multipliers(raw: dict, head_dim: int) -> dict:
+    """Granite's scales; its attention scale replaces 1/sqrt(head_dim), so Q is multiplied by it times that root."""
+    return {"embedding_multiplier": float(raw.get("embedding_multiplier", 1.0)),
+            "residual_multiplier": float(raw.get("residual_multiplier", 1.0)),
+            "logit_scale": float(raw.get("logits_scaling", 1.0)),
+            "query_scale": float(raw.get("attention_multiplier", head_dim ** -0.5)) * head_dim ** 0.5}
 
 
 def _attention_options(raw: dict, family, head_dim: int) -> dict:
@@ -186,6 +218,48 @@ def _tensor_headers(file: Path) -> list[tuple[str, tuple[int, ...], str]]:
 def _check_shape(folder: Path, found, name: str, shape: tuple[int, ...], family) -> None:
     if found is None:
         raise ModelFileError(f"{folder}: tensor {hf_name(name, family)} is missing (expected shape {list(shape)})")
-    if found[2] != shape:
+    if found[1] != shape:
         raise ModelFileError(
-            f"{folder}: tensor {hf_name(name, family)} has shape {list(found[2])}, expected {list(shape)}")
+            f"{folder}: tensor {hf_name(name, family)} has shape {list(found[1])}, expected {list(shape)}")
+
+
+# Experts' tensors: one per expert (transformers' files: experts.N.gate_proj, Mixtral's experts.N.w1), stacked on
+# read; or all experts in one, gate and up projections stacked by rows (transformers 5's experts.gate_up_proj,
+# Granite's input_linear), each half read as its own tensor.
+_PER_EXPERT = re.compile(r"(?P<layer>\w+\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(?P<expert>\d+)\."
+                         r"(?P<part>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
+_EXPERT_PARTS = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps", "w3": "ffn_up_exps",
+                 "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
+_STACKED = {"mlp.experts.gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"),
+            "block_sparse_moe.experts.gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"),
+            "block_sparse_moe.input_linear.weight": ("ffn_gate_exps", "ffn_up_exps"),
+            "shared_mlp.input_linear.weight": ("ffn_gate_shexp", "ffn_up_shexp"),
+            "mlp.experts.down_proj": ("ffn_down_exps",), "block_sparse_moe.experts.down_proj": ("ffn_down_exps",)}
+
+
+def _expert_tensors(headers: list, family) -> dict[str, tuple[HFSource, tuple[int, ...], str]]:
+    """GGUF name -> (where, shape, dtype) of the experts' tensors among the folder's (name, shape, dtype) headers."""
+    per_expert: dict[str, dict[int, tuple]] = {}
+    tensors = {}
+    for file, name, shape, dtype in headers:
+        match = _PER_EXPERT.fullmatch(name)
+        layer, _, rest = name.partition(".layers.")
+        index, _, part = rest.partition(".")
+        if match:
+            target = f"blk.{index}.{_EXPERT_PARTS[match['part']]}.weight"
+            per_expert.setdefault(target, {})[int(match["expert"])] = (file, name, tuple(shape), dtype)
+        elif layer == family.hf_prefix and part in _STACKED:
+            halves = _STACKED[part]
+            half_shape = (*shape[:-2], shape[-2] // len(halves), shape[-1])
+            for which, target in enumerate(halves):
+                source = HFSource(((file, name),), which if len(halves) > 1 else None)
+                tensors[f"blk.{index}.{target}.weight"] = (source, half_shape, dtype)
+    for target, experts in per_expert.items():
+        ordered = [experts[e] for e in sorted(experts)]
+        shapes = {shape for _, _, shape, _ in ordered}
+        if sorted(experts) != list(range(len(experts))) or len(shapes) != 1:
+            raise ModelFileError(f"{ordered[0][0].parent}: the experts of {target} are not numbered 0..n-1 with one "
+                                 f"shape (found experts {sorted(experts)}, shapes {sorted(shapes)})")
+        source = HFSource(tuple((file, name) for file, name, _, _ in ordered))
+        tensors[target] = (source, (len(ordered), *shapes.pop()), ordered[0][3])
+    return tensors

@@ -67,9 +67,29 @@ class GGUFTensors:
         self.gguf.check_complete(info)
         heads = next((n for ending, n in self.permuted.items() if name.endswith(ending)), 0)
         row_index = _unpermuted_rows(info.shape[0], rows, heads) if heads else rows
+        if len(info.shape) == 3:
+            return self._experts(info, rows, cols)
         if len(info.shape) == 2 and info.qtype in NATIVE_TYPES:
             return self._blocks(info, row_index, cols)
         return self._dense(info, row_index, cols)
+
+    def _experts(self, info: TensorInfo, rows: slice | None, cols: slice | None) -> Stored:
+        """A tensor of experts [expert, rows, cols], `rows` and `cols` of each expert's matrix: of a block format
+        the kernels read, a BlockMatrix of every expert's rows in turn (the file's own layout); else dense."""
+        n_expert, n_rows, n_cols = info.shape
+        if info.qtype not in NATIVE_TYPES:
+            values = self._dense(info, None, None).reshape(info.shape)
+            return values[:, rows if rows is not None else slice(None), cols if cols is not None else slice(None)]
+        row_bytes = info.nbytes // (n_expert * n_rows)
+        first, last, _ = (rows or slice(None)).indices(n_rows)
+        out = kept_memory(n_expert * (last - first) * row_bytes).view(n_expert, last - first, row_bytes)
+        if last - first == n_rows:
+            self.gguf.read_into(out, info.offset)
+        else:  # each expert's share of rows (a tensor-parallel rank's)
+            for expert in range(n_expert):
+                self.gguf.read_into(out[expert], info.offset + (expert * n_rows + first) * row_bytes)
+        matrix = BlockMatrix(out.view(-1, row_bytes), info.qtype, n_cols)
+        return matrix if cols is None else matrix.columns(cols.start, cols.stop)
 
     def _rows(self, info: TensorInfo, rows, kept: bool = False) -> torch.Tensor:
         """Rows of the tensor's bytes as uint8 [n, row_bytes] in memory of its own (a vector is one row): read
@@ -126,14 +146,24 @@ def _unpermuted_rows(n_rows: int, rows: slice | None, n_head: int) -> torch.Tens
     return order if rows is None else order[rows]
 
 
+@dataclass(frozen=True)
+class HFSource:
+    """Where a tensor is in a Hugging Face folder: one stored tensor, or one per expert (stacked on read); `half` 0 or
+    1 takes the first or second half of its rows (a gate and an up projection stored as one tensor)."""
+
+    parts: tuple[tuple[Path, str], ...]
+    half: int | None = None
+
+
 class SafetensorsTensors:
     """The tensors of a Hugging Face folder's *.safetensors files, read through safetensors' lazy slices.
 
-    `names`: kvlm's name -> (file, the folder's name); `convert`: kvlm name -> a function applied to the read
-    tensor (norm offsets, Mamba2's A), in float32.
+    `names`: kvlm's name -> where it is stored; `convert`: kvlm name -> a function applied to the read tensor (norm
+    offsets, Mamba2's A), in float32. `rows` and `cols` of a read select the rows and columns of each expert's
+    matrix in a tensor of experts [expert, rows, cols].
     """
 
-    def __init__(self, names: dict[str, tuple[Path, str]], convert: dict[str, Callable[[torch.Tensor], torch.Tensor]],
+    def __init__(self, names: dict[str, HFSource], convert: dict[str, Callable[[torch.Tensor], torch.Tensor]],
                  shapes: dict[str, tuple[int, ...]], dtypes: dict[str, str]) -> None:
         self.names, self.convert, self.shapes, self.dtypes = names, convert, shapes, dtypes
         self._files: dict[Path, object] = {}
@@ -146,17 +176,28 @@ class SafetensorsTensors:
         return Entry(shape, self.dtypes[name], int(np.prod(shape)) * size)
 
     def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
-        file, stored_name = self.names[name]
-        shape = self.shapes[name]
+        source, shape = self.names[name], self.shapes[name]
+        per_part = shape[1:] if len(source.parts) > 1 else shape
         try:
-            part = self._handle(file).get_slice(stored_name)
-            if len(part.get_shape()) == len(shape):  # only the part asked for is read
-                value = part[tuple(s if s is not None else slice(None) for s in (rows, cols)[:len(shape)])]
-            else:  # a depthwise convolution [C, 1, W], GGUF's [C, W]: small, read whole
-                value = part[:].reshape(shape)[rows if rows is not None else slice(None)]
+            values = [self._read(file, stored, per_part, source.half, rows, cols) for file, stored in source.parts]
         except (SafetensorError, OSError) as exc:
-            raise ModelFileError(f"{file}: not a readable safetensors file ({exc})") from exc
+            raise ModelFileError(f"{source.parts[0][0]}: not a readable safetensors file ({exc})") from exc
+        value = torch.stack(values) if len(values) > 1 else values[0]
         return self.convert[name](value.float()) if name in self.convert else value
+
+    def _read(self, file: Path, stored: str, shape: tuple[int, ...], half: int | None, rows, cols) -> torch.Tensor:
+        """One stored tensor's part of `shape` (its matrix's rows and columns as asked): only that part is read."""
+        part = self._handle(file).get_slice(stored)
+        if len(part.get_shape()) != len(shape):  # a depthwise convolution [C, 1, W], GGUF's [C, W]: small, read whole
+            return part[:].reshape(shape)[rows if rows is not None else slice(None)]
+        if half is not None:  # rows of one half of the stored rows
+            n = shape[-2]
+            first, last, _ = (rows or slice(None)).indices(n)
+            rows = slice(half * n + first, half * n + last)
+        if len(shape) == 1:
+            return part[rows if rows is not None else slice(None)]
+        leading = (slice(None),) * (len(shape) - 2)
+        return part[(*leading, rows if rows is not None else slice(None), cols if cols is not None else slice(None))]
 
     def close(self) -> None:
         self._files.clear()

@@ -21,9 +21,10 @@ from kvlm.loader.tensors import Entry, GGUFTensors, SafetensorsTensors, Stored
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Shape of every tensor the decoder needs, [out, in] for matrices as torch's linear expects."""
     d = config.n_embd
-    per_kind = {kind: config.family.layer_shapes(kind, config) for kind in set(config.layer_kinds)}
+    kinds = set(zip(config.layer_kinds, config.moe_layers))
+    per_kind = {(kind, moe): config.family.layer_shapes(kind, config, moe) for kind, moe in kinds}
     shapes = {"token_embd.weight": (config.vocab_size, d), "output_norm.weight": (d,)}
-    for layer, kind in enumerate(config.layer_kinds):
+    for layer, kind in enumerate(zip(config.layer_kinds, config.moe_layers)):
         for part, shape in per_kind[kind].items():
             shapes[f"blk.{layer}.{part}"] = shape
     if not config.tie_word_embeddings:

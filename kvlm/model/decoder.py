@@ -29,6 +29,8 @@ from kvlm.model.linear import (
     quantized_linear,
 )
 from kvlm.model.fused import DecodeLayers, LayerOps
+from kvlm.model.moe import BlockExperts, DenseExperts, MoEWeights
+from kvlm.kernels.experts import NativeExperts
 from kvlm.model.recurrent import (
     Mamba2Weights,
     ShortConvWeights,
@@ -47,10 +49,11 @@ class LayerWeights:
     qk_norm: torch.Tensor | None  # [n_head + n_head_kv, head_dim]: each Q head's then each K head's weight
     attn_output: Linear
     ffn_norm: torch.Tensor
-    gate_up: Linear         # gate and up projections stacked
-    down: Linear
+    gate_up: Linear | None  # gate and up projections stacked (None in a layer of experts)
+    down: Linear | None
     post_attention_norm: torch.Tensor | None = None  # sandwich norms (Gemma): on each output, before its add
     post_ffw_norm: torch.Tensor | None = None
+    moe: MoEWeights | None = None  # experts in place of the MLP
 
 
 @dataclass
@@ -107,8 +110,8 @@ class Decoder:
         self.output = self._head(weights, table if tied else weights.output())
         self.rope = Rope(config.rope, config.head_dim)
         self.rope_local = Rope(config.rope_local, config.head_dim) if config.rope_local else self.rope
-        self.embedding_scale = torch.tensor(config.n_embd ** 0.5).to(self.dtype) if config.family.scaled_embedding \
-            else None
+        scale = (config.n_embd ** 0.5 if config.family.scaled_embedding else 1.0) * config.embedding_multiplier
+        self.embedding_scale = torch.tensor(scale).to(self.dtype) if scale != 1.0 else None
         # Tensor parallelism: this rank holds a share of each layer's heads and MLP width; the attention output
         # and the MLP output are partial sums, added up over the ranks (torch.distributed.all_reduce).
         self.all_reduce: Callable[[torch.Tensor], object] | None = None
@@ -184,6 +187,7 @@ class Decoder:
             return self._mamba_layer(weights, i)
         qkv = ("attn_q", "attn_k", "attn_v")
         vector = lambda part, kind="weight": self._vector(weights.layer(i, part, kind))  # noqa: E731
+        moe = self.config.moe_layers[i]
         return LayerWeights(
             attn_norm=vector("attn_norm"),
             qkv=self._stacked(weights, i, qkv),
@@ -191,11 +195,52 @@ class Decoder:
             qk_norm=self._qk_norm(vector("attn_q_norm"), vector("attn_k_norm")) if self.config.family.qk_norm else None,
             attn_output=self._stacked(weights, i, ("attn_output",)),
             ffn_norm=vector("ffn_norm"),
-            gate_up=self._stacked(weights, i, ("ffn_gate", "ffn_up")),
-            down=self._stacked(weights, i, ("ffn_down",)),
+            gate_up=None if moe else self._stacked(weights, i, ("ffn_gate", "ffn_up")),
+            down=None if moe else self._stacked(weights, i, ("ffn_down",)),
+            moe=self._moe(weights, i) if moe else None,
             **({name: vector(name) for name in ("post_attention_norm", "post_ffw_norm")}
                if self.config.family.sandwich_norms else {}),
         )
+
+    def _moe(self, weights: ModelWeights, i: int) -> MoEWeights:
+        """A layer's router (float32, as the routing is computed), experts and shared expert."""
+        c, router = self.config, self._float(weights.layer(i, "ffn_gate_inp"))
+        shared = {}
+        if c.n_ff_shexp:
+            shared = {"shared_gate_up": self._stacked(weights, i, ("ffn_gate_shexp", "ffn_up_shexp")),
+                      "shared_down": self._stacked(weights, i, ("ffn_down_shexp",))}
+        if c.n_ff_shexp and c.family.shared_expert_gate:
+            gate = self._float(weights.layer(i, "ffn_gate_inp_shexp"))
+            shared["shared_gate"] = dense_linear(gate, torch.float32, self.batch_invariant)
+        return MoEWeights(dense_linear(router, torch.float32, self.batch_invariant), self._experts(weights, i),
+                          c.n_expert_used, c.expert_weights_norm, **shared)
+
+    def _experts(self, weights: ModelWeights, i: int) -> DenseExperts | BlockExperts:
+        """The experts in their file's blocks (or requantized) for the native call; dense, one product per expert,
+        where the settings keep matrices dense or a part's format is not one the kernels read."""
+        names = [weights.layer_name(i, f"ffn_{part}_exps") for part in ("gate", "up", "down")]
+        storage = self.settings.matrix_storage([weights.file_type(n) for n in names])
+        kernels = native_kernels()
+        if storage is not None and kernels is not None:
+            blocks = []
+            for name in names:
+                stored = weights.read(name)
+                if storage != FROM_FILE or not isinstance(stored, BlockMatrix):
+                    values = self._float(stored) if isinstance(stored, BlockMatrix) else stored.float()
+                    stored = QUANTIZERS[storage](values.reshape(-1, values.shape[-1]))
+                blocks.append(kernels.interleave(stored))
+            native = NativeExperts(kernels, blocks[0], blocks[1], blocks[2], self.config.n_expert,
+                                   self.config.family.activation == "gelu_tanh")
+            return BlockExperts(native, tuple(blocks))
+        n_expert = self.config.n_expert
+        gate, up, down = (self._expert_values(weights.read(name), n_expert) for name in names)
+        return DenseExperts([dense_linear(torch.cat([g, u]), self.dtype, self.batch_invariant) for g, u in zip(gate, up)],
+                            [dense_linear(d, self.dtype, self.batch_invariant) for d in down])
+
+    def _expert_values(self, stored: Stored, n_expert: int) -> torch.Tensor:
+        """A tensor of experts as [expert, rows, cols] in the activation dtype."""
+        values = self._dense(stored)
+        return values.reshape(n_expert, -1, values.shape[-1])
 
     def _conv_layer(self, weights: ModelWeights, i: int) -> ConvLayerWeights:
         conv = ShortConvWeights(*(self._dense(weights.layer(i, f"shortconv.{part}"))
@@ -218,7 +263,18 @@ class Decoder:
 
     def _qk_norm(self, q_norm: torch.Tensor, k_norm: torch.Tensor) -> torch.Tensor:
         c = self.config
+        if c.family.qk_norm_whole:  # [n_head * head_dim] then [n_head_kv * head_dim]
+            return torch.cat([q_norm, k_norm])
         return torch.cat([q_norm.expand(c.n_head, -1), k_norm.expand(c.n_head_kv, -1)])
+
+    def _whole_qk_norm(self, qk: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """OLMoE's QK-norm: RMSNorm over each token's whole Q projection, and over its whole K projection."""
+        c = self.config
+        n_tokens, q_size = qk.shape[0], c.n_head * c.head_dim
+        q, k = qk.reshape(n_tokens, -1).split((q_size, c.n_head_kv * c.head_dim), dim=-1)
+        q = self.ops.norm(q.contiguous(), weight[:q_size], c.rms_norm_eps)
+        k = self.ops.norm(k.contiguous(), weight[q_size:], c.rms_norm_eps)
+        return torch.cat([q, k], dim=-1).view(qk.shape)
 
     @torch.inference_mode()
     def forward(
@@ -244,6 +300,8 @@ class Decoder:
         if output_rows is not None:
             x = x[output_rows]
         logits = self.output(self.ops.norm(x, self.output_norm, self.config.rms_norm_eps)).float()
+        if self.config.logit_scale != 1.0:
+            logits = logits / self.config.logit_scale
         cap = self.config.final_logit_softcap
         logits = cap * torch.tanh(logits / cap) if cap else logits
         return logits if self.gather_logits is None else self.gather_logits(logits)
@@ -259,13 +317,16 @@ class Decoder:
             done = self.decode_layers.run(index, layer, x, cos, sin, kv)
             if done is not None:
                 return done
-        eps, ops = self.config.rms_norm_eps, self.ops
+        eps, ops, residual = self.config.rms_norm_eps, self.ops, self.config.residual_multiplier
         h = self._summed(self._attention(index, layer, ops.norm(x, layer.attn_norm, eps), cos, sin, kv))
         if layer.post_attention_norm is not None:
             h = ops.norm(h, layer.post_attention_norm, eps)
-        normed, x = ops.add_norm(x, h, layer.ffn_norm, eps)
-        h = self._summed(ops.gated_mlp(normed, layer.gate_up, layer.down, self.config.family.activation))
-        return x + (h if layer.post_ffw_norm is None else ops.norm(h, layer.post_ffw_norm, eps))
+        normed, x = ops.add_norm(x, h if residual == 1.0 else h * residual, layer.ffn_norm, eps)
+        activation = self.config.family.activation
+        h = self._summed(layer.moe(normed, ops, activation) if layer.moe is not None else
+                         ops.gated_mlp(normed, layer.gate_up, layer.down, activation))
+        h = h if layer.post_ffw_norm is None else ops.norm(h, layer.post_ffw_norm, eps)
+        return x + (h if residual == 1.0 else h * residual)
 
     def _summed(self, partial: torch.Tensor) -> torch.Tensor:
         """A row-parallel product's partial sum, added up over the tensor-parallel ranks (if any)."""
@@ -301,7 +362,9 @@ class Decoder:
         qk, v = qkv.split((q_size + kv_size, kv_size), dim=-1)
         # Q and K heads side by side take their norm and rotation in one go.
         qk = qk.view(n_tokens, c.n_head + c.n_head_kv, c.head_dim)
-        if layer.qk_norm is not None:
+        if layer.qk_norm is not None and c.family.qk_norm_whole:  # over each token's whole Q, then whole K
+            qk = self._whole_qk_norm(qk, layer.qk_norm)
+        elif layer.qk_norm is not None:
             qk = self.ops.head_norm(qk, layer.qk_norm, c.rms_norm_eps)
         q, k = self.ops.rope(qk, cos, sin).split((c.n_head, c.n_head_kv), dim=1)
         if c.query_scale != 1.0:
@@ -325,6 +388,8 @@ def _held(value, seen: set[int]) -> int:
         return sum(_held(part, seen) for part in value.parts) + (value.dense.nbytes if value.dense is not None else 0)
     if isinstance(value, (DenseLinear, PackedLinear)):
         return value.nbytes
+    if isinstance(value, (list, tuple)):
+        return sum(_held(item, seen) for item in value)
     if dataclasses.is_dataclass(value):
         return sum(_held(getattr(value, f.name), seen) for f in dataclasses.fields(value))
     return 0

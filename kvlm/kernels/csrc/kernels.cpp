@@ -13,6 +13,7 @@
 
 #include "attention.h"
 #include "decode_layer.h"
+#include "experts.h"
 #include "layer_ops.h"
 #include "products.h"
 
@@ -184,6 +185,18 @@ int kvlm_decode_layer(const LayerSpec* spec, const StepSpec* step, int layer, vo
         step->kv_type < KV_F32 || step->kv_type > KV_Q8_0)
         return BAD_SHAPE;
     decode_layer(L, *step, layer, x, n_threads);
+    return OK;
+}
+
+// A mixture-of-experts block (experts.h): out [n_tokens][n_embd] = each token's weighted sum of its n_used experts
+// (ids, weights [n_tokens][n_used]) applied to x [n_tokens][n_embd], in x's dtype.
+int kvlm_experts(const ExpertsSpec* spec, const void* x, int bf16, int64_t n_tokens, int n_used, const int32_t* ids,
+                 const float* weights, void* out, int n_threads) {
+    const int status = check_experts(*spec);
+    if (status != OK) return status;
+    static thread_local Routing routing;
+    if (n_tokens <= 0 || n_used <= 0 || !routing.build(ids, n_tokens * n_used, n_used, spec->n_expert)) return BAD_SHAPE;
+    experts_ffn(*spec, x, bf16 != 0, n_tokens, n_used, routing, weights, out, n_threads);
     return OK;
 }
 

@@ -97,15 +97,21 @@ template <int TYPE, class Out> void dequantize_row(const uint8_t* row, int64_t n
     }
 }
 
-// Rows j0 <= j < j1 of one part in the file's layout times every activation row, into y's columns offset + j.
+// Activation rows r_begin <= r < r_end of `act`: a product's rows (all of them, or one expert's, experts.h).
+struct RowSpan {
+    int64_t begin, end;
+};
+
+// Rows j0 <= j < j1 of one part in the file's layout times the activation rows `span`, into y's columns offset + j
+// (y's row r for activation row r).
 template <int TYPE> void product_rows(const uint8_t* weights, int64_t k, int64_t j0, int64_t j1,
-                                      const QuantizedRows& act, void* y, bool y_bf16, int64_t y_cols,
+                                      const QuantizedRows& act, RowSpan span, void* y, bool y_bf16, int64_t y_cols,
                                       int64_t y_offset) {
     float sums[MAX_ACT_ROWS];
     for (int64_t j = j0; j < j1; ++j) {
         const uint8_t* row = weights + j * row_bytes<TYPE>(k);
-        for (int64_t r0 = 0; r0 < act.n_rows; r0 += MAX_ACT_ROWS) {
-            const int n = int(std::min<int64_t>(MAX_ACT_ROWS, act.n_rows - r0));
+        for (int64_t r0 = span.begin; r0 < span.end; r0 += MAX_ACT_ROWS) {
+            const int n = int(std::min<int64_t>(MAX_ACT_ROWS, span.end - r0));
             switch (n) {
                 case 1: row_times<TYPE, 1>(row, k, ActRows<1>(act, r0), sums); break;
                 case 2: row_times<TYPE, 2>(row, k, ActRows<2>(act, r0), sums); break;
@@ -118,17 +124,17 @@ template <int TYPE> void product_rows(const uint8_t* weights, int64_t k, int64_t
 }
 
 #if defined(KVLM_TILES)
-// Tiles t0 <= t < t1 of one interleaved part times every activation row, into y's columns offset + 8 t ...
+// Tiles t0 <= t < t1 of one interleaved part times the activation rows `span`, into y's columns offset + 8 t ...
 template <int TYPE> void product_tiles(const uint8_t* weights, int64_t k, int64_t t0, int64_t t1,
-                                       const QuantizedRows& act, void* y, bool y_bf16, int64_t y_cols,
+                                       const QuantizedRows& act, RowSpan span, void* y, bool y_bf16, int64_t y_cols,
                                        int64_t y_offset) {
     const int64_t tile_bytes = TILE_ROWS * row_bytes<TYPE>(k);
     for (int64_t t = t0; t < t1; ++t) {
         const uint8_t* tile = weights + t * tile_bytes;
         if (t + 1 < t1)  // the next tile on its way while this one is computed: each matrix is a short stream
             for (int64_t line = 0; line < tile_bytes; line += 64) __builtin_prefetch(tile + tile_bytes + line, 0, 0);
-        for (int64_t r0 = 0; r0 < act.n_rows; r0 += MAX_ACT_ROWS) {
-            const int n = int(std::min<int64_t>(MAX_ACT_ROWS, act.n_rows - r0));
+        for (int64_t r0 = span.begin; r0 < span.end; r0 += MAX_ACT_ROWS) {
+            const int n = int(std::min<int64_t>(MAX_ACT_ROWS, span.end - r0));
             __m256 out[MAX_ACT_ROWS];
             switch (n) {
                 case 1: tile_times<TYPE, 1>(tile, k, act, r0, out); break;
@@ -181,28 +187,22 @@ int check_matrix(const Matrix& w) {
     return w.k % 32 ? BAD_SHAPE : OK;
 }
 
-// y [m][n_rows] = x [m][k] times the matrix, run by every thread of the calling team: the activations quantized
-// in blocks of 32 and/or 256 (as the parts' formats read them) into `act`, then each thread an equal share of the
-// units of 8 output columns (a tile, or 8 rows read one at a time). No barrier at the end: the caller's.
-void product_in_team(const Matrix& w, const void* x, bool x_bf16, int64_t m, QuantizedRows act[2], void* y,
-                     bool y_bf16) {
-    bool wanted[2] = {false, false};
+// The formats a matrix's parts read their activations in: [0] blocks of 32, [1] blocks of 256 (k-quants).
+inline void wanted_formats(const Matrix& w, bool wanted[2]) {
+    for (int p = 0; p < w.n_parts; ++p) wanted[block_weights(w.types[p]) == 256] = true;
+}
+
+// Units of 8 output rows (a tile, or 8 rows read one at a time) of a matrix.
+inline int64_t matrix_units(const Matrix& w) {
     int64_t units = 0;
-    for (int p = 0; p < w.n_parts; ++p) {
-        wanted[block_weights(w.types[p]) == 256] = true;
-        units += (w.rows[p] + TILE_ROWS - 1) / TILE_ROWS;
-    }
-#pragma omp single
-    for (int f = 0; f < 2; ++f)
-        if (wanted[f]) resize_for(act[f], f ? 256 : 32, m, w.k);
-    for (int f = 0; f < 2; ++f) {
-        if (!wanted[f]) continue;
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < m; ++r) quantize_row(x, x_bf16, r, w.k, act[f]);
-    }
+    for (int p = 0; p < w.n_parts; ++p) units += (w.rows[p] + TILE_ROWS - 1) / TILE_ROWS;
+    return units;
+}
+
+// Units begin <= u < end of the matrix times the activation rows `span` (quantized in `act`), into y's columns.
+inline void multiply_units(const Matrix& w, const QuantizedRows act[2], RowSpan span, int64_t begin, int64_t end,
+                           void* y, bool y_bf16) {
     const int64_t n = w.n_rows();
-    const int count = omp_get_num_threads(), thread = omp_get_thread_num();
-    const int64_t begin = units * thread / count, end = units * (thread + 1) / count;
     int64_t part_unit = 0, part_column = 0;
     for (int p = 0; p < w.n_parts; ++p) {
         const int64_t part_units = (w.rows[p] + TILE_ROWS - 1) / TILE_ROWS;
@@ -213,16 +213,42 @@ void product_in_team(const Matrix& w, const void* x, bool x_bf16, int64_t m, Qua
                 const QuantizedRows& a = act[is_k_quant<TYPE>()];
 #if defined(KVLM_TILES)
                 if (w.interleaved[p]) {
-                    product_tiles<TYPE>(w.weights[p], w.k, u0, u1, a, y, y_bf16, n, part_column);
+                    product_tiles<TYPE>(w.weights[p], w.k, u0, u1, a, span, y, y_bf16, n, part_column);
                     return;
                 }
 #endif
-                product_rows<TYPE>(w.weights[p], w.k, u0 * TILE_ROWS, std::min(u1 * TILE_ROWS, w.rows[p]), a, y, y_bf16,
-                                   n, part_column);
+                product_rows<TYPE>(w.weights[p], w.k, u0 * TILE_ROWS, std::min(u1 * TILE_ROWS, w.rows[p]), a, span, y,
+                                   y_bf16, n, part_column);
             });
         part_unit += part_units;
         part_column += w.rows[p];
     }
+}
+
+// Rows of x [m][k] quantized into `act` in the formats `wanted`, by every thread of the calling team (which waits).
+inline void quantize_in_team(const void* x, bool x_bf16, int64_t m, int64_t k, const bool wanted[2],
+                             QuantizedRows act[2]) {
+#pragma omp single
+    for (int f = 0; f < 2; ++f)
+        if (wanted[f]) resize_for(act[f], f ? 256 : 32, m, k);
+    for (int f = 0; f < 2; ++f) {
+        if (!wanted[f]) continue;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; ++r) quantize_row(x, x_bf16, r, k, act[f]);
+    }
+}
+
+// y [m][n_rows] = x [m][k] times the matrix, run by every thread of the calling team: the activations quantized
+// in blocks of 32 and/or 256 (as the parts' formats read them) into `act`, then each thread an equal share of the
+// units of 8 output columns. No barrier at the end: the caller's.
+void product_in_team(const Matrix& w, const void* x, bool x_bf16, int64_t m, QuantizedRows act[2], void* y,
+                     bool y_bf16) {
+    bool wanted[2] = {false, false};
+    wanted_formats(w, wanted);
+    quantize_in_team(x, x_bf16, m, w.k, wanted, act);
+    const int64_t units = matrix_units(w);
+    const int count = omp_get_num_threads(), thread = omp_get_thread_num();
+    multiply_units(w, act, RowSpan{0, m}, units * thread / count, units * (thread + 1) / count, y, y_bf16);
 }
 
 }  // namespace kvlm

@@ -1,0 +1,179 @@
+// A mixture-of-experts feed-forward block in one call: each token's chosen experts, tokens grouped by expert, each
+// expert's matrices read once per call from the quantized blocks its file stores them in (no dequantized copies).
+//
+//   out[t] = sum over j < n_used of weight[t][j] * down_e(act(gate_e x_t) * up_e x_t),  e = ids[t][j]
+//
+// The routing (which experts, with what weights) is the caller's. Pairs (token, expert) are sorted by expert; all
+// pairs' rows are gathered and quantized once, then the team shares the units of 8 output rows of every chosen
+// expert (costed by how many tokens each unit multiplies), so batch-1 decode reads only the chosen experts' weights
+// and needs two barriers, not two per expert. A row's result does not depend on the other rows (the products
+// never mix rows), and each token's sum runs over its slots in order: the output is batch-invariant.
+#pragma once
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "layer_ops.h"
+#include "products.h"
+
+namespace kvlm {
+
+// A 3-D tensor of experts' matrices: expert e's `rows` rows (of the spec's width) start at base + e * stride bytes.
+struct ExpertMatrix {
+    int32_t type;
+    const uint8_t* base;
+    int64_t stride;
+    int64_t rows;
+    int32_t interleaved;
+};
+
+struct ExpertsSpec {
+    int64_t n_embd, n_ff;  // gate and up: n_ff rows of n_embd; down: n_embd rows of n_ff
+    int32_t n_expert;
+    int32_t gelu;  // the gate's activation: GELU (tanh), else SiLU
+    ExpertMatrix gate, up, down;
+};
+
+// One expert's gate and up (stacked, so one pass yields [gate | up] per row) and its down projection, as the
+// products read them; the arrays live here so that Matrix can point at them.
+struct ExpertProducts {
+    int32_t types[2];
+    const uint8_t* weights[2];
+    int64_t rows[2];
+    int32_t interleaved[2];
+    int32_t down_type;
+    const uint8_t* down_weights;
+    int64_t down_rows;
+    int32_t down_interleaved;
+
+    ExpertProducts(const ExpertsSpec& s, int e)
+        : types{s.gate.type, s.up.type},
+          weights{s.gate.base + e * s.gate.stride, s.up.base + e * s.up.stride},
+          rows{s.gate.rows, s.up.rows},
+          interleaved{s.gate.interleaved, s.up.interleaved},
+          down_type(s.down.type),
+          down_weights(s.down.base + e * s.down.stride),
+          down_rows(s.down.rows),
+          down_interleaved(s.down.interleaved) {}
+
+    Matrix gate_up(int64_t k) const { return Matrix{2, types, weights, rows, interleaved, k}; }
+    Matrix down(int64_t k) const { return Matrix{1, &down_type, &down_weights, &down_rows, &down_interleaved, k}; }
+};
+
+inline int check_experts(const ExpertsSpec& s) {
+    if (s.n_expert <= 0 || s.gate.rows != s.n_ff || s.up.rows != s.n_ff || s.down.rows != s.n_embd) return BAD_SHAPE;
+    const ExpertProducts first(s, 0);
+    const int status = check_matrix(first.gate_up(s.n_embd));
+    return status != OK ? status : check_matrix(first.down(s.n_ff));
+}
+
+// The experts that have tokens, in id order, each with its run of the pairs sorted by expert.
+struct Routing {
+    std::vector<int32_t> experts;
+    std::vector<RowSpan> spans;    // of each such expert, in the sorted pairs
+    std::vector<int64_t> position;  // of pair t * n_used + j, in the sorted pairs
+    std::vector<int64_t> token;     // of each sorted pair
+
+    bool build(const int32_t* ids, int64_t n_pairs, int n_used, int32_t n_expert) {
+        std::vector<int64_t> start(size_t(n_expert) + 1, 0);
+        for (int64_t p = 0; p < n_pairs; ++p) {
+            if (ids[p] < 0 || ids[p] >= n_expert) return false;
+            ++start[size_t(ids[p]) + 1];
+        }
+        experts.clear();
+        spans.clear();
+        for (int32_t e = 0; e < n_expert; ++e) {
+            if (start[size_t(e) + 1] > 0) {
+                experts.push_back(e);
+                spans.push_back(RowSpan{start[size_t(e)], start[size_t(e)] + start[size_t(e) + 1]});
+            }
+            start[size_t(e) + 1] += start[size_t(e)];
+        }
+        position.resize(size_t(n_pairs));
+        token.resize(size_t(n_pairs));
+        for (int64_t p = 0; p < n_pairs; ++p) {  // in pair order: each expert's tokens stay in token order
+            const int64_t at = start[size_t(ids[p])]++;
+            position[size_t(p)] = at;
+            token[size_t(at)] = p / n_used;
+        }
+        return true;
+    }
+};
+
+// Thread `thread` of `count`'s units of each active expert's matrix: units cost the rows they multiply plus a
+// fixed part for reading the weights, and the threads take equal runs of the total cost.
+inline void share_units(const Routing& routing, int64_t units, int thread, int count,
+                        std::vector<std::pair<int64_t, int64_t>>& mine) {
+    constexpr int64_t READ_COST = 4;  // a unit's weights cost about as much to read as this many rows to multiply
+    int64_t total = 0;
+    for (size_t i = 0; i < routing.experts.size(); ++i)
+        total += units * (routing.spans[i].end - routing.spans[i].begin + READ_COST);
+    const int64_t from = total * thread / count, to = total * (thread + 1) / count;
+    mine.clear();
+    int64_t start = 0;
+    for (size_t i = 0; i < routing.experts.size(); ++i) {
+        const int64_t cost = routing.spans[i].end - routing.spans[i].begin + READ_COST;
+        const auto unit_at = [&](int64_t c) { return std::clamp((c - start + cost - 1) / cost, int64_t(0), units); };
+        mine.emplace_back(unit_at(from), unit_at(to));
+        start += units * cost;
+    }
+}
+
+// out [n_tokens][n_embd] (x's dtype) for x [n_tokens][n_embd], ids and weights [n_tokens][n_used].
+inline void experts_ffn(const ExpertsSpec& s, const void* x, bool bf16, int64_t n_tokens, int n_used,
+                        const Routing& routing, const float* weights, void* out, int n_threads) {
+    const int64_t n_pairs = n_tokens * n_used;
+    // Buffers shared by the team: the calling thread's, reused from call to call.
+    static thread_local std::vector<float> gathered, hidden, activated, expert_out;
+    static thread_local QuantizedRows quantized[4];
+    static thread_local std::vector<ExpertProducts> products;
+    gathered.resize(size_t(n_pairs * s.n_embd));
+    hidden.resize(size_t(n_pairs * 2 * s.n_ff));
+    activated.resize(size_t(n_pairs * s.n_ff));
+    expert_out.resize(size_t(n_pairs * s.n_embd));
+    products.clear();
+    for (int32_t e : routing.experts) products.emplace_back(s, e);
+    float *xs = gathered.data(), *h = hidden.data(), *a = activated.data(), *ys = expert_out.data();
+    QuantizedRows *act_in = quantized, *act_mid = quantized + 2;
+    const std::vector<ExpertProducts>& experts = products;
+    bool wanted_in[2] = {false, false}, wanted_mid[2] = {false, false};
+    wanted_formats(experts[0].gate_up(s.n_embd), wanted_in);
+    wanted_formats(experts[0].down(s.n_ff), wanted_mid);
+    const int64_t gate_up_units = matrix_units(experts[0].gate_up(s.n_embd));
+    const int64_t down_units = matrix_units(experts[0].down(s.n_ff));
+#pragma omp parallel num_threads(n_threads)
+    {
+        static thread_local std::vector<std::pair<int64_t, int64_t>> mine;
+        const int thread = omp_get_thread_num(), count = omp_get_num_threads();
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < n_pairs; ++p)
+            for (int64_t i = 0; i < s.n_embd; ++i) xs[p * s.n_embd + i] = load_value(x, bf16, routing.token[p] * s.n_embd + i);
+        quantize_in_team(xs, false, n_pairs, s.n_embd, wanted_in, act_in);
+        share_units(routing, gate_up_units, thread, count, mine);
+        for (size_t i = 0; i < experts.size(); ++i)
+            multiply_units(experts[i].gate_up(s.n_embd), act_in, routing.spans[i], mine[i].first, mine[i].second, h,
+                           false);
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < n_pairs; ++p) gated_row(h, false, p, s.n_ff, s.gelu, a);
+        quantize_in_team(a, false, n_pairs, s.n_ff, wanted_mid, act_mid);
+        share_units(routing, down_units, thread, count, mine);
+        for (size_t i = 0; i < experts.size(); ++i)
+            multiply_units(experts[i].down(s.n_ff), act_mid, routing.spans[i], mine[i].first, mine[i].second, ys,
+                           false);
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < n_tokens; ++t)
+            for (int64_t i = 0; i < s.n_embd; ++i) {
+                float sum = 0.0f;
+                for (int j = 0; j < n_used; ++j)
+                    sum += weights[t * n_used + j] * ys[routing.position[size_t(t * n_used + j)] * s.n_embd + i];
+                store_value(out, bf16, t * s.n_embd + i, sum);
+            }
+    }
+}
+
+}  // namespace kvlm

@@ -1,0 +1,76 @@
+"""A mixture-of-experts block in place of a layer's MLP: a router picks each token's top-k experts, the token goes
+through each (a gated MLP of its own) and their outputs are summed with the router's weights; a shared expert, where
+the family has one, adds its output for every token.
+
+Routing is computed in float32 whatever the activations (as transformers and llama.cpp do): softmax over all
+experts, the k most probable kept in descending order, their probabilities renormalised to sum to 1 where the model
+says so. The experts themselves run as one native call over the blocks their file stores them in
+(kvlm.kernels.experts), or, with dense weights (the reference mode, or no native kernels), as a loop over the experts
+that have tokens: the plain form the native call is tested against.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvlm.kernels.experts import NativeExperts
+from kvlm.model.linear import Linear
+
+
+def route(logits: torch.Tensor, n_used: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert ids [T, k], weights [T, k] float32) from router logits [T, n_expert]."""
+    probabilities = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probabilities, n_used, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights
+
+
+@dataclass
+class DenseExperts:
+    """Each expert's gate and up (stacked) and down projection as dense products (kvlm.model.linear)."""
+
+    gate_up: list[Linear]
+    down: list[Linear]
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ops, activation: str) -> torch.Tensor:
+        """Each expert once over the tokens routed to it; a token's outputs added in the order of expert ids."""
+        out = torch.zeros(x.shape, dtype=torch.float32)
+        for expert in torch.unique(ids).tolist():
+            tokens, slots = torch.nonzero(ids == expert, as_tuple=True)
+            y = ops.gated_mlp(x[tokens], self.gate_up[expert], self.down[expert], activation)
+            out.index_add_(0, tokens, y.float() * weights[tokens, slots, None])
+        return out.to(x.dtype)
+
+
+@dataclass
+class BlockExperts:
+    """All experts' matrices in their file's blocks, multiplied by one native call (`native`)."""
+
+    native: NativeExperts
+    blocks: tuple  # the BlockMatrix objects the native call reads (held here for the memory count)
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ops, activation: str) -> torch.Tensor:
+        return self.native(x, ids, weights)
+
+
+@dataclass
+class MoEWeights:
+    router: Linear  # [n_expert, n_embd], float32
+    experts: DenseExperts | BlockExperts
+    n_used: int
+    normalize: bool  # the chosen weights renormalised to sum to 1
+    shared_gate_up: Linear | None = None  # the shared expert, every token through it
+    shared_down: Linear | None = None
+    shared_gate: Linear | None = None  # [1, n_embd]: the shared expert's output times sigmoid of it (Qwen2-MoE)
+
+    def __call__(self, x: torch.Tensor, ops, activation: str) -> torch.Tensor:
+        ids, weights = route(self.router(x.float()), self.n_used, self.normalize)
+        out = self.experts(x, ids, weights, ops, activation)
+        if self.shared_gate_up is not None:
+            shared = ops.gated_mlp(x, self.shared_gate_up, self.shared_down, activation)
+            if self.shared_gate is not None:
+                shared = shared * torch.sigmoid(self.shared_gate(x.float())).to(shared.dtype)
+            out = out + shared
+        return out
