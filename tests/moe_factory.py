@@ -68,7 +68,7 @@ SPECS: dict[str, MoESpec] = {
                           dict(num_local_experts=6, num_experts_per_tok=2, embedding_multiplier=3.0,
                                attention_multiplier=0.09, residual_multiplier=0.6, logits_scaling=2.5), seed=16),
     "granitemoeshared": MoESpec("granitemoe", GraniteMoeSharedConfig, GraniteMoeSharedForCausalLM,
-                                dict(num_local_experts=6, num_experts_per_tok=2, shared_intermediate_size=48,
+                                dict(num_local_experts=6, num_experts_per_tok=2, shared_intermediate_size=64,
                                      embedding_multiplier=2.0, attention_multiplier=0.1, residual_multiplier=0.7,
                                      logits_scaling=1.5), seed=17),
 }

@@ -203,7 +203,9 @@ class Decoder:
         )
 
     def _moe(self, weights: ModelWeights, i: int) -> MoEWeights:
-        """A layer's router (float32, as the routing is computed), experts and shared expert."""
+        """A layer's router (float32, as the routing is computed), experts and shared expert. The router's products
+        are oneDNN's, whose rows do not depend on the batch (MKL's may, in their last bits): a token's experts and
+        their weights are then the same whatever else is in its batch."""
         c, router = self.config, self._float(weights.layer(i, "ffn_gate_inp"))
         shared = {}
         if c.n_ff_shexp:
@@ -211,8 +213,8 @@ class Decoder:
                       "shared_down": self._stacked(weights, i, ("ffn_down_shexp",))}
         if c.n_ff_shexp and c.family.shared_expert_gate:
             gate = self._float(weights.layer(i, "ffn_gate_inp_shexp"))
-            shared["shared_gate"] = dense_linear(gate, torch.float32, self.batch_invariant)
-        return MoEWeights(dense_linear(router, torch.float32, self.batch_invariant), self._experts(weights, i),
+            shared["shared_gate"] = dense_linear(gate, torch.float32, batch_invariant=True)
+        return MoEWeights(dense_linear(router, torch.float32, batch_invariant=True), self._experts(weights, i),
                           c.n_expert_used, c.expert_weights_norm, **shared)
 
     def _experts(self, weights: ModelWeights, i: int) -> DenseExperts | BlockExperts:

@@ -1,0 +1,215 @@
+"""Every mixture-of-experts family kvlm reads, against transformers, from a Hugging Face folder and from a GGUF
+file written as llama.cpp's converter writes it (moe_factory): tiny random models that transformers makes.
+
+Routing decides which weights a token meets, so a routing variant read wrongly (renormalised or not, the number of
+experts, the shared expert's gate, Granite's multipliers) moves logits far past the tolerance: each is broken on
+purpose below and must fail."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import transformers
+from gguf import GGMLQuantizationType
+
+from conftest import decode_ok, full_sequence_logits, max_diff, prefill_then_decode_logits, reference_logits
+from kvlm import LLM, Batch, Context, SamplingParams, load_model
+from kvlm.kernels import native_kernels
+from kvlm.model.moe import BlockExperts, DenseExperts
+from moe_factory import SPECS, random_moe, save_moe_folder, write_moe_gguf
+from test_random_models import token_ids
+
+TOLERANCE = 1e-4
+N_GREEDY = 12
+SOURCES = ("hf", "gguf")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class Zoo:
+    """Each model made, written and loaded once for the module."""
+
+    def __init__(self, tmp_path_factory) -> None:
+        self._tmp, self._references, self._paths, self._models = tmp_path_factory, {}, {}, {}
+
+    def reference(self, name: str):
+        if name not in self._references:
+            self._references[name] = random_moe(SPECS[name])
+        return self._references[name]
+
+    def path(self, name: str, source: str, quant=GGMLQuantizationType.F32):
+        key = (name, source, quant)
+        if key not in self._paths:
+            folder = self._tmp.mktemp(f"{name}-{source}")
+            hf = save_moe_folder(self.reference(name), folder / "hf")
+            self._paths[key] = hf if source == "hf" else write_moe_gguf(self.reference(name), SPECS[name], hf,
+                                                                         folder / "model.gguf", quant)
+        return self._paths[key]
+
+    def ours(self, name: str, source: str):
+        if (name, source) not in self._models:
+            self._models[name, source] = load_model(str(self.path(name, source)), "float32", progress=False)
+        return self._models[name, source]
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory) -> Zoo:
+    return Zoo(tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=list(SPECS))
+def name(request) -> str:
+    return request.param
+
+
+@pytest.fixture(params=SOURCES)
+def source(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def reference(zoo, name):
+    return zoo.reference(name)
+
+
+@pytest.fixture
+def ours(zoo, name, source):
+    return zoo.ours(name, source)
+
+
+def test_experts_are_read_alike_from_both_sources(zoo, name, reference):
+    hf = reference.config
+    configs = [zoo.ours(name, source).config for source in SOURCES]
+    n_expert = getattr(hf, "num_experts", None) or hf.num_local_experts
+    dense = set(getattr(hf, "mlp_only_layers", None) or ())
+    for c in configs:
+        assert (c.architecture, c.n_expert, c.n_expert_used) == (SPECS[name].arch, n_expert, hf.num_experts_per_tok)
+        assert c.n_ff_exp == (getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size)
+        assert c.moe_layers == tuple(i not in dense for i in range(hf.num_hidden_layers))
+        assert c.expert_weights_norm == getattr(hf, "norm_topk_prob", True)
+    assert as_float32(configs[0]) == as_float32(configs[1])
+
+
+def as_float32(config):
+    """The config with its scalars rounded to float32, as GGUF stores them, and without its name."""
+    scalars = {f: torch.tensor(getattr(config, f), dtype=torch.float32).item() for f in
+               ("rms_norm_eps", "query_scale", "embedding_multiplier", "residual_multiplier", "logit_scale")}
+    return replace(config, name="", **scalars)
+
+
+def test_logits_match_transformers(ours, reference):
+    ids = token_ids(ours.config.vocab_size, 48, seed=3)
+    expected = reference_logits(reference, ids)
+    assert max_diff(full_sequence_logits(ours, ids), expected) <= TOLERANCE
+    assert max_diff(prefill_then_decode_logits(ours, ids, 36), expected[35:]) <= TOLERANCE
+
+
+def test_greedy_llm_generate_equals_transformers_generate(zoo, name, source, reference):
+    prompts = [token_ids(reference.config.vocab_size, n, seed=n + 1) for n in (5, 40, 17)]
+    llm = LLM(model=str(zoo.path(name, source)), dtype="float32", n_ctx=128, max_num_seqs=4)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=N_GREEDY, temperature=0, ignore_eos=True),
+                           use_tqdm=False)
+    # EOS is switched off on both sides (a random model may well pick it): a model's own generation_config would
+    # otherwise fill in the None.
+    settings = transformers.GenerationConfig(max_new_tokens=N_GREEDY, do_sample=False, eos_token_id=None,
+                                             pad_token_id=None)
+    reference.generation_config.eos_token_id = None
+    for prompt, output in zip(prompts, outputs):
+        with torch.no_grad():
+            expected = reference.generate(torch.tensor([prompt]), generation_config=settings)[0, len(prompt):]
+        assert output.token_ids == expected.tolist()
+
+
+def new_context(model, **kwargs) -> Context:
+    return Context(model, **{"n_ctx": 128, "n_batch": 128, "n_ubatch": 16, "n_seq_max": 4, **kwargs})
+
+
+def test_context_shift_and_rollback(zoo, name):
+    """Three sequences in micro-batches of 16; one shifted by seq_add, one rolled back by seq_rm and continued
+    otherwise: each equals a context that computed only what it kept."""
+    model = zoo.ours(name, "gguf")
+    prompts = [token_ids(model.config.vocab_size, n, seed=50 + n) for n in (30, 9, 21)]
+    ctx = new_context(model)
+    decode_ok(ctx, Batch(tokens=[t for p in prompts for t in p], seq_ids=[s for s, p in enumerate(prompts) for _ in p],
+                         logits=[True] * sum(map(len, prompts))))
+    ctx.memory.seq_add(0, -1, -1, 6)  # sequence 0 now at positions 6..35
+    decode_ok(ctx, Batch.for_sequence([7, 8, 9], seq_id=1))
+    ctx.memory.seq_rm(1, len(prompts[1]), -1)  # rolled back to its prompt
+    decode_ok(ctx, Batch(tokens=[42, 43], seq_ids=[0, 1], logits=[True, True]))
+    shifted, rolled = ctx.get_logits_ith(0).clone(), ctx.get_logits_ith(1).clone()
+    fresh = new_context(model)
+    decode_ok(fresh, Batch.for_sequence(prompts[0] + [42], start_pos=6))
+    assert max_diff(shifted, fresh.get_logits_ith(-1)) <= TOLERANCE
+    fresh = new_context(model)
+    decode_ok(fresh, Batch.for_sequence(prompts[1] + [43]))
+    assert max_diff(rolled, fresh.get_logits_ith(-1)) <= TOLERANCE
+
+
+# --- each routing variant broken on purpose ---
+
+def _moe_layers(model):
+    return [layer.moe for layer in model.decoder.layers if layer.moe is not None]
+
+
+BREAKAGES = {
+    "renormalisation flipped": ("qwen3moe", lambda m: [setattr(moe, "normalize", not moe.normalize) for moe in _moe_layers(m)]),
+    "one expert fewer": ("olmoe", lambda m: [setattr(moe, "n_used", moe.n_used - 1) for moe in _moe_layers(m)]),
+    "shared expert ungated": ("qwen2moe", lambda m: [setattr(moe, "shared_gate", None) for moe in _moe_layers(m)]),
+    "shared expert dropped": ("granitemoeshared",
+                              lambda m: [setattr(moe, "shared_gate_up", None) for moe in _moe_layers(m)]),
+    "no residual multiplier": ("granitemoe", lambda m: setattr(m.decoder, "config",
+                                                               replace(m.decoder.config, residual_multiplier=1.0))),
+    "router's experts in reverse": ("mixtral", lambda m: [setattr(moe, "router", lambda x, r=moe.router: r(x).flip(-1))
+                                                          for moe in _moe_layers(m)]),
+}
+
+
+@pytest.mark.parametrize("breakage", list(BREAKAGES))
+def test_each_routing_variant_broken_on_purpose_fails(zoo, breakage):
+    name, damage = BREAKAGES[breakage]
+    model = load_model(str(zoo.path(name, "hf")), "float32", progress=False)
+    ids = token_ids(model.config.vocab_size, 24, seed=9)
+    assert max_diff(full_sequence_logits(model, ids), reference_logits(zoo.reference(name), ids)) <= TOLERANCE
+    damage(model)
+    assert max_diff(full_sequence_logits(model, ids), reference_logits(zoo.reference(name), ids)) > 100 * TOLERANCE
+
+
+# --- the default (fast) setting: experts in their file's blocks, one native call per layer ---
+
+@pytest.mark.parametrize("name", ["qwen3moe", "qwen2moe", "granitemoeshared"])
+def test_quantized_experts_run_natively_close_to_the_dense_reference(zoo, name):
+    """A Q8_0 file in the default setting against the float32 reference on the same file's values: 8-bit
+    activations (as llama.cpp's) move a typical token's logits by a few percent of their scale, and now and then
+    a token's router then picks another expert (as in llama.cpp), which moves that token's more; experts read
+    wrongly would move every token's by their whole size."""
+    path = zoo.path(name, "gguf", GGMLQuantizationType.Q8_0)
+    fast, exact = load_model(str(path), progress=False), load_model(str(path), "float32", progress=False)
+    kinds = {type(moe.experts) for moe in _moe_layers(fast)}
+    assert kinds == ({BlockExperts} if native_kernels() is not None else {DenseExperts})
+    ids = token_ids(fast.config.vocab_size, 40, seed=11)
+    approximate, expected = full_sequence_logits(fast, ids), full_sequence_logits(exact, ids)
+    per_token = (approximate - expected).abs().amax(dim=-1)
+    assert per_token.median().item() <= 0.1 * expected.abs().max().item()
+    assert (approximate.argmax(-1) == expected.argmax(-1)).float().mean().item() >= 0.75
+
+
+def test_default_setting_rows_do_not_depend_on_their_batch(zoo):
+    """Three sequences decoded together give each the same logits, bit for bit, as decoded alone (the experts call
+    never mixes rows; where the native kernels are not built, the batch-invariant float32 mode)."""
+    path = zoo.path("qwen3moe", "gguf", GGMLQuantizationType.Q8_0)
+    model = load_model(str(path), progress=False) if native_kernels() is not None else \
+        load_model(str(path), "float32", batch_invariant=True, progress=False)
+    prompts = [token_ids(model.config.vocab_size, n, seed=n) for n in (6, 11, 3)]
+    alone = []
+    for ids in prompts:
+        ctx = new_context(model)
+        decode_ok(ctx, Batch.for_sequence(ids))
+        decode_ok(ctx, Batch.for_sequence([5]))
+        alone.append(ctx.get_logits_ith(-1).clone())
+    ctx = new_context(model)
+    for s, ids in enumerate(prompts):
+        decode_ok(ctx, Batch.for_sequence(ids, seq_id=s))
+    decode_ok(ctx, Batch(tokens=[5, 5, 5], seq_ids=[0, 1, 2], logits=[True] * 3))
+    for s in range(3):
+        assert torch.equal(ctx.get_logits_ith(s), alone[s]), s
