@@ -1,4 +1,5 @@
-"""A GGUF of real size with no hub: Qwen2.5-7B's (or 14B's) shapes, random weights, quantized to Q4_K_M by llama.cpp.
+"""A GGUF of real size with no hub: Qwen2.5-7B's (or 14B's) shapes, or a mixture of experts' (OLMoE-1B-7B's,
+Qwen3-30B-A3B's), random weights, quantized to Q4_K_M by llama.cpp.
 
 No checkpoint of 3B+ parameters is reachable from this machine (shared/MODELS.md), but memory use, load time and decode
 speed depend on the shapes and the quantization mix, not on the values. So this writes a file with exactly the
@@ -10,7 +11,9 @@ text it generates is noise.
     python -m bench.big_model_file --out ~/.cache/kvlm/bench/qwen2.5-7b-shaped-q4_k_m.gguf [--shape qwen2.5-14b]
 
 or `make_big_model(path)` from Python. The F16 intermediate (15 GB for the 7B, 30 GB for the 14B) is written next
-to the output and deleted after quantization; memory stays at a few hundred MB while writing it. A finished file is
+to the output and deleted after quantization; memory stays at a few hundred MB while writing it. The experts of the
+MoE shapes are written as random Q8_0 blocks instead (the F16 intermediate of a 30B would be 61 GB): llama.cpp then
+requantizes them, as it does any file, to its Q4_K_M mix. A finished file is
 renamed into place at the end, so an existing output is complete and is returned as is (a cache). Needs the bench
 extra (llama-cpp-python). Takes minutes: for the 7B on 2 cores, about 3 to write the F16 file and 10 to quantize it
 (4.68 GB out, 339 tensors: Q4_K 169, Q6_K 29, F32 141).
@@ -33,18 +36,20 @@ from bench.llama_cpp_driver import import_llama_cpp
 from kvlm.loader.fetch import pull
 
 TOKENIZER_SOURCE = "qwen2.5-coder-0.5b-instruct"  # same tokenizer and chat template as every Qwen2.5 model
-ARCH = "qwen2"
 SEED = 0
 MATRIX_STD = 0.02  # the usual initializer range of Qwen2 configs
 BIAS_STD = 0.01
 CHUNK_VALUES = 32 * 1024 * 1024  # values drawn at once: 128 MB of float32 plus 64 MB of float16
+Q8_0_BLOCK, Q8_0_BYTES = 32, 34  # weights per block; bytes (an f16 step, then 32 int8 levels)
+Q8_0_STEP = MATRIX_STD / 74  # levels uniform in -128..127 have a standard deviation of about 74
 MIN_BITS_PER_WEIGHT = 2  # below every llama.cpp quantization mix: a smaller file at the output path is not a model
-Q4_K_M_TYPES = {"Q4_K", "Q6_K", "F32"}  # what llama.cpp's Q4_K_M mix makes of this architecture's tensors
+# What llama.cpp's Q4_K_M mix makes of these architectures' tensors (a few MoE tensors get more bits)
+Q4_K_M_TYPES = {"Q4_K", "Q5_K", "Q6_K", "Q8_0", "F32"}
 
 
 @dataclass(frozen=True)
 class Shape:
-    """A Qwen2.5 model's hyperparameters, as the GGUF's qwen2.* keys record them."""
+    """A model's hyperparameters, as the GGUF's {arch}.* keys record them (Qwen2.5's by default)."""
 
     size_label: str
     n_layer: int
@@ -56,15 +61,31 @@ class Shape:
     context_length: int = 32768
     rope_freq_base: float = 1e6
     rms_eps: float = 1e-6
+    arch: str = "qwen2"
+    family_name: str = "Qwen2.5"
+    qkv_bias: bool = True
+    qk_norm: str = ""  # "head": over each head (Qwen3); "whole": over each token's whole Q and K (OLMoE)
+    key_length: int = 0  # head_dim when it is not n_embd / n_head
+    n_expert: int = 0  # a mixture of experts: experts per layer (in place of the MLP), used per token, their width
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head  # llama.cpp's default when the file has no key_length (Qwen2.5: 128)
+        return self.key_length or self.n_embd // self.n_head  # llama.cpp's default when the file has no key_length
 
 
 SHAPES = {
     "qwen2.5-7b": Shape("7B", n_layer=28, n_embd=3584, n_ff=18944, n_head=28, n_head_kv=4),
     "qwen2.5-14b": Shape("14B", n_layer=48, n_embd=5120, n_ff=13824, n_head=40, n_head_kv=8),
+    # allenai/OLMoE-1B-7B-0924's config.json (its own vocabulary is 50304: this takes Qwen's tokenizer instead)
+    "olmoe-1b-7b": Shape("1B-7B", n_layer=16, n_embd=2048, n_ff=1024, n_head=16, n_head_kv=16, context_length=4096,
+                         rope_freq_base=10000.0, rms_eps=1e-5, arch="olmoe", family_name="OLMoE", qkv_bias=False,
+                         qk_norm="whole", n_expert=64, n_expert_used=8, n_ff_exp=1024),
+    # Qwen/Qwen3-30B-A3B's config.json
+    "qwen3-30b-a3b": Shape("30B-A3B", n_layer=48, n_embd=2048, n_ff=6144, n_head=32, n_head_kv=4, context_length=40960,
+                           arch="qwen3moe", family_name="Qwen3", qkv_bias=False, qk_norm="head", key_length=128,
+                           n_expert=128, n_expert_used=8, n_ff_exp=768),
 }
 
 
@@ -78,9 +99,12 @@ class TensorSpec:
     dtype: type
     mean: float
     std: float
+    q8_0: bool = False  # written as random Q8_0 blocks (levels uniform in -128..127, one step for all)
 
     @property
     def nbytes(self) -> int:
+        if self.q8_0:
+            return int(np.prod(self.shape)) // Q8_0_BLOCK * Q8_0_BYTES
         return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
 
 
@@ -96,23 +120,36 @@ def bias(name: str, size: int) -> TensorSpec:
     return TensorSpec(name, (size,), np.float32, 0.0, BIAS_STD)
 
 
+def experts(name: str, n_expert: int, rows: int, cols: int) -> TensorSpec:
+    return TensorSpec(name, (n_expert, rows, cols), np.float32, 0.0, MATRIX_STD, q8_0=True)
+
+
 def tensor_specs(shape: Shape) -> list[TensorSpec]:
-    """Every tensor of llama.cpp's qwen2 architecture: q/k/v with biases, and an output matrix of its own."""
+    """Every tensor of llama.cpp's architecture for the shape: qwen2's q/k/v with biases, or the QK-norms of
+    qwen3moe (per head) and olmoe (whole projections); an MLP, or a router and experts; an output matrix of its
+    own."""
     d, q_rows, kv_rows = shape.n_embd, shape.n_head * shape.head_dim, shape.n_head_kv * shape.head_dim
+    norm_sizes = {"head": (shape.head_dim, shape.head_dim), "whole": (q_rows, kv_rows)}
     specs = [matrix("token_embd.weight", shape.n_vocab, d)]
     for i in range(shape.n_layer):
         blk = f"blk.{i}"
-        specs += [
-            norm(f"{blk}.attn_norm.weight", d),
-            matrix(f"{blk}.attn_q.weight", q_rows, d), bias(f"{blk}.attn_q.bias", q_rows),
-            matrix(f"{blk}.attn_k.weight", kv_rows, d), bias(f"{blk}.attn_k.bias", kv_rows),
-            matrix(f"{blk}.attn_v.weight", kv_rows, d), bias(f"{blk}.attn_v.bias", kv_rows),
-            matrix(f"{blk}.attn_output.weight", d, q_rows),
-            norm(f"{blk}.ffn_norm.weight", d),
-            matrix(f"{blk}.ffn_gate.weight", shape.n_ff, d),
-            matrix(f"{blk}.ffn_up.weight", shape.n_ff, d),
-            matrix(f"{blk}.ffn_down.weight", d, shape.n_ff),
-        ]
+        specs += [norm(f"{blk}.attn_norm.weight", d)]
+        for part, rows in (("attn_q", q_rows), ("attn_k", kv_rows), ("attn_v", kv_rows)):
+            specs += [matrix(f"{blk}.{part}.weight", rows, d)] + ([bias(f"{blk}.{part}.bias", rows)] if shape.qkv_bias
+                                                                   else [])
+        if shape.qk_norm:
+            q_norm, k_norm = norm_sizes[shape.qk_norm]
+            specs += [norm(f"{blk}.attn_q_norm.weight", q_norm), norm(f"{blk}.attn_k_norm.weight", k_norm)]
+        specs += [matrix(f"{blk}.attn_output.weight", d, q_rows), norm(f"{blk}.ffn_norm.weight", d)]
+        if shape.n_expert:
+            width, n = shape.n_ff_exp, shape.n_expert
+            specs += [TensorSpec(f"{blk}.ffn_gate_inp.weight", (n, d), np.float32, 0.0, MATRIX_STD),
+                      experts(f"{blk}.ffn_gate_exps.weight", n, width, d),
+                      experts(f"{blk}.ffn_up_exps.weight", n, width, d),
+                      experts(f"{blk}.ffn_down_exps.weight", n, d, width)]
+        else:
+            specs += [matrix(f"{blk}.ffn_gate.weight", shape.n_ff, d), matrix(f"{blk}.ffn_up.weight", shape.n_ff, d),
+                      matrix(f"{blk}.ffn_down.weight", d, shape.n_ff)]
     return specs + [norm("output_norm.weight", d), matrix("output.weight", shape.n_vocab, d)]
 
 
@@ -133,6 +170,9 @@ class RandomTensor:
 
     def tofile(self, fout) -> None:
         spec = self.spec
+        if spec.q8_0:
+            self._q8_0_to_file(fout)
+            return
         cols = spec.shape[-1]
         rows = spec.shape[0] if len(spec.shape) == 2 else 1
         step = max(1, CHUNK_VALUES // cols)
@@ -148,6 +188,18 @@ class RandomTensor:
             values.tofile(fout)
 
 
+    def _q8_0_to_file(self, fout) -> None:
+        """Blocks of random levels, each with the same step, in chunks of CHUNK_VALUES weights."""
+        n_blocks = self.spec.nbytes // Q8_0_BYTES
+        step = np.array(Q8_0_STEP, dtype=np.float16).view(np.uint8)
+        per_chunk = CHUNK_VALUES // Q8_0_BLOCK
+        for start in range(0, n_blocks, per_chunk):
+            n = min(per_chunk, n_blocks - start)
+            blocks = self.rng.integers(0, 256, size=(n, Q8_0_BYTES), dtype=np.uint8)
+            blocks[:, :2] = step
+            blocks.tofile(fout)
+
+
 def tokenizer_fields() -> list[gguf.ReaderField]:
     """The real Qwen2.5 tokenizer: every tokenizer.* key of the small checkpoint, chat template included."""
     reader = gguf.GGUFReader(pull(TOKENIZER_SOURCE))
@@ -156,7 +208,7 @@ def tokenizer_fields() -> list[gguf.ReaderField]:
 
 def add_metadata(writer: gguf.GGUFWriter, shape: Shape) -> None:
     writer.add_type("model")
-    writer.add_name(f"Qwen2.5-{shape.size_label}-shaped random (kvlm bench)")
+    writer.add_name(f"{shape.family_name}-{shape.size_label}-shaped random (kvlm bench)")
     writer.add_size_label(shape.size_label)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     writer.add_block_count(shape.n_layer)
@@ -167,6 +219,13 @@ def add_metadata(writer: gguf.GGUFWriter, shape: Shape) -> None:
     writer.add_head_count_kv(shape.n_head_kv)
     writer.add_rope_freq_base(shape.rope_freq_base)
     writer.add_layer_norm_rms_eps(shape.rms_eps)
+    if shape.key_length:
+        writer.add_key_length(shape.key_length)
+        writer.add_value_length(shape.key_length)
+    if shape.n_expert:
+        writer.add_expert_count(shape.n_expert)
+        writer.add_expert_used_count(shape.n_expert_used)
+        writer.add_expert_feed_forward_length(shape.n_ff_exp)
     for field in tokenizer_fields():
         kind = field.types[0]
         if field.name == "tokenizer.ggml.tokens" and len(field.data) != shape.n_vocab:
@@ -179,10 +238,11 @@ def write_f16(path: Path, shape: Shape, progress: bool) -> None:
     """All tensor infos first (the header needs them), then header, metadata and infos, then the data one tensor
     at a time."""
     specs = tensor_specs(shape)
-    writer = gguf.GGUFWriter(path, ARCH)
+    writer = gguf.GGUFWriter(path, shape.arch)
     add_metadata(writer, shape)
     for spec in specs:
-        writer.add_tensor_info(spec.name, spec.shape, np.dtype(spec.dtype), spec.nbytes)
+        raw = gguf.GGMLQuantizationType.Q8_0 if spec.q8_0 else None
+        writer.add_tensor_info(spec.name, spec.shape, np.dtype(spec.dtype), spec.nbytes, raw_dtype=raw)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
@@ -207,6 +267,7 @@ def quantize(src: Path, dst: Path, ftype: int, progress: bool) -> None:
         import_llama_cpp()
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftype
+    params.allow_requantize = True  # the experts' Q8_0 blocks
     params.nthread = os.cpu_count() or 1
     if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) != 0:
         raise RuntimeError(f"llama.cpp could not quantize {src} to file type {ftype}")
@@ -219,19 +280,20 @@ def check(path: Path, shape: Shape, ftype: int) -> Counter:
     fields = reader.fields
     found = {
         "architecture": fields["general.architecture"].contents(),
-        "block count": fields[f"{ARCH}.block_count"].contents(),
+        "block count": fields[f"{shape.arch}.block_count"].contents(),
         "tensor count": len(reader.tensors),
         "file type": fields["general.file_type"].contents(),
     }
-    wanted = {"architecture": ARCH, "block count": shape.n_layer, "tensor count": len(tensor_specs(shape)),
+    wanted = {"architecture": shape.arch, "block count": shape.n_layer, "tensor count": len(tensor_specs(shape)),
               "file type": ftype}
     if found != wanted:
         raise RuntimeError(f"{path}: {found}, expected {wanted}")
     types = Counter(tensor.tensor_type.name for tensor in reader.tensors)
-    left_float = [t.name for t in reader.tensors if len(t.shape) == 2 and t.tensor_type.name in ("F16", "F32")]
+    left_float = [t.name for t in reader.tensors if len(t.shape) >= 2 and t.tensor_type.name in ("F16", "F32")
+                  and not t.name.endswith("ffn_gate_inp.weight")]  # llama.cpp keeps routers in F32
     if left_float:
         raise RuntimeError(f"{path}: matrices left unquantized: {left_float[:5]}")
-    if ftype == gguf.LlamaFileType.MOSTLY_Q4_K_M and set(types) != Q4_K_M_TYPES:
+    if ftype == gguf.LlamaFileType.MOSTLY_Q4_K_M and not ("Q4_K" in types and set(types) <= Q4_K_M_TYPES):
         raise RuntimeError(f"{path}: tensor types {dict(types)}, not the Q4_K_M mix {sorted(Q4_K_M_TYPES)}")
     return types
 

@@ -423,6 +423,8 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"{key:20} {value}")
     stored = Counter(weights.file_type(name) for name in weights.names())
     print(f"{'stored as':20} {', '.join(f'{n} {t}' for t, n in stored.most_common())}")
+    if config.n_expert:
+        _inspect_experts(config, weights)
     print(f"{'compute':20} {settings.describe()}")
     print(f"{'n_ctx':20} {n_ctx}" + ("" if args.ctx else " (the largest that fits, up to the model's own)"))
     for label, text in plan.lines():
@@ -448,6 +450,18 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"kv_bytes ({dtype:4})     {_bytes(full + sliding)} = full {_bytes(full)} + sliding {_bytes(sliding)}; "
               f"swa_full {_bytes(kept)}")
     return 0
+
+
+def _inspect_experts(config: ModelConfig, weights) -> None:
+    """The experts, and the share of the weights a token reads (its experts' and everything else)."""
+    shared = f", a shared expert {config.n_ff_shexp} wide" if config.n_ff_shexp else ""
+    dense = config.n_layer - config.n_moe_layers
+    leading = f"; {dense} layer{'' if dense == 1 else 's'} with a plain MLP" if dense else ""
+    weighting = "renormalised" if config.expert_weights_norm else "as routed (not renormalised)"
+    print(f"{'experts':20} {config.n_expert} per layer, {config.n_expert_used} used per token, each "
+          f"{config.n_ff_exp} wide{shared}; weights {weighting}{leading}")
+    active, total = weights.bytes_per_token()
+    print(f"{'bytes per token':20} {_bytes(active)} active of {_bytes(total)} ({active / total:.0%})")
 
 
 def _inspect_recurrent(config: ModelConfig, n_ctx: int) -> None:

@@ -94,3 +94,49 @@ def test_recurrent_layers_are_refused(folder):
     with pytest.raises(ValueError, match=f"not supported for models with {CONV} layers"):
         check_tensor_parallel(config, 2)
     check_tensor_parallel(config, 1)
+
+
+# --- mixtures of experts: every rank holds every expert, with its share of each expert's width ---
+
+@pytest.fixture(scope="module")
+def moe_files(tmp_path_factory):
+    """A Qwen2-MoE (experts and a gated shared expert) 64 wide each, as a folder and as a Q8_0 GGUF file."""
+    from gguf import GGMLQuantizationType
+    from moe_factory import SPECS, random_moe, save_moe_folder, write_moe_gguf
+
+    spec = dataclasses.replace(SPECS["qwen2moe"], options={**SPECS["qwen2moe"].options, "moe_intermediate_size": 64})
+    model, folder = random_moe(spec), tmp_path_factory.mktemp("tp-moe")
+    hf = save_moe_folder(model, folder / "hf")
+    return hf, write_moe_gguf(model, spec, hf, folder / "model.gguf", GGMLQuantizationType.Q8_0)
+
+
+def expert_values(stored, n_expert: int) -> torch.Tensor:
+    value = values(stored)
+    return value.reshape(n_expert, -1, value.shape[-1]) if value.dim() == 2 and stored is not None else value
+
+
+@pytest.mark.parametrize("kind", ["folder", "gguf"])
+def test_each_rank_reads_its_share_of_every_experts_width(moe_files, kind):
+    def open_file():
+        return (open_hf_folder(moe_files[0]) if kind == "folder" else open_gguf_model(moe_files[1]))[1]
+
+    whole = open_file()
+    n_expert = whole.config.n_expert
+    shards = [sharded(open_file(), rank, 2) for rank in range(2)]
+    assert [(s.config.n_ff_exp, s.config.n_ff_shexp) for s in shards] == [(32, 32)] * 2
+    for name in whole.names():
+        part = name.split(".")[2] if name.startswith("blk.") else ""
+        if not part.startswith("ffn_") or part in ("ffn_norm",):
+            continue
+        expected = whole.read(name)
+        parts = [s.read(name) for s in shards]
+        if part.endswith("_exps"):
+            expected, parts = expert_values(expected, n_expert), [expert_values(p, n_expert) for p in parts]
+            dim = 1 if part in COLUMN_PARALLEL else 2
+        else:
+            expected, parts = values(expected), [values(p) for p in parts]
+            dim = 0 if part in COLUMN_PARALLEL else 1
+        if part in COLUMN_PARALLEL or part in ROW_PARALLEL:
+            assert torch.equal(torch.cat(parts, dim=dim), expected), name
+        else:
+            assert all(torch.equal(p, expected) for p in parts), name

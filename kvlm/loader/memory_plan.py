@@ -42,8 +42,12 @@ MARGIN_FRACTION = 0.05  # of the limit, kept free for the OS and whatever else r
 CTX_STEP = 256  # a fitted n_ctx is a multiple of this
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_CGROUP = Path("/proc/self/cgroup")
-STACKED = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gate_up", "ffn_up": "gate_up"}
-LINEAR_PARTS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
+STACKED = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gate_up", "ffn_up": "gate_up",
+           "ffn_gate_shexp": "shared_gate_up", "ffn_up_shexp": "shared_gate_up"}
+LINEAR_PARTS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "ffn_gate_shexp",
+                "ffn_up_shexp", "ffn_down_shexp"}
+EXPERT_PARTS = {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"}  # in their blocks (or dense): never a dense copy
+FLOAT32_PARTS = {"ffn_gate_inp", "ffn_gate_inp_shexp"}  # routers: float32 whatever the activations
 
 
 class MemoryPlanError(KvlmError):
@@ -144,8 +148,11 @@ def weight_bytes(config: ModelConfig, weights: ModelWeights, settings: ComputeSe
         entry = weights.entry(name)
         parts = name.split(".")
         part = parts[2] if name.startswith("blk.") and len(parts) > 3 else ""
-        if len(entry.shape) == 1 or (part not in LINEAR_PARTS and name not in ("token_embd.weight", "output.weight")):
-            held += math.prod(entry.shape) * (4 if len(entry.shape) == 1 and _float32_vector(name) else dtype_bytes)
+        if part in EXPERT_PARTS:
+            held += _entry_bytes([entry], settings, kernels, dtype_bytes)[0]
+        elif len(entry.shape) == 1 or (part not in LINEAR_PARTS and name not in ("token_embd.weight", "output.weight")):
+            float32 = (len(entry.shape) == 1 and _float32_vector(name)) or part in FLOAT32_PARTS
+            held += math.prod(entry.shape) * (4 if float32 else dtype_bytes)
         elif part in LINEAR_PARTS and parts[3] == "weight":
             groups.setdefault((parts[1], STACKED.get(part, part)), []).append(name)
     for names in groups.values():

@@ -6,6 +6,13 @@ parallel: each rank's product is a partial sum, added up over the ranks after it
 head is split by vocabulary (each rank's logits gathered to rank 0, see Decoder.gather_logits); norms and
 embeddings are replicated. A rank reads only its part of each tensor from the file.
 
+A mixture-of-experts layer is split the same way inside each expert: every rank holds every expert, with its share
+of each expert's width (gate and up by rows, down by columns), and of the shared expert's; routers are replicated.
+Each rank then routes a token to the same experts as the others (same input, same router), each computes its share
+of them, and the partial sums are added up as the MLP's are. Splitting the experts themselves between ranks instead
+would leave a rank idle whenever a token's experts all live on the other (top-k of a few ranks is rarely even), and
+make the ranks' work differ from step to step.
+
 Heads are split evenly. The MLP width is split at whole blocks of the down projection's format (its columns are
 the width, and a quantized row can only be cut between blocks): Qwen2.5-0.5B's 4864 = 19 blocks of 256 go to two
 ranks as 2560 and 2304. The per-rank config says n_head / N, n_head_kv / N and the rank's width, so the decoder,
@@ -21,8 +28,12 @@ from kvlm.loader.config import ModelConfig
 from kvlm.loader.tensors import block_weights
 from kvlm.parallel.collectives import vocab_shares
 
-COLUMN_PARALLEL = {"attn_q": "q", "attn_k": "kv", "attn_v": "kv", "ffn_gate": "ff", "ffn_up": "ff"}
-ROW_PARALLEL = {"attn_output": "q", "ffn_down": "ff"}
+COLUMN_PARALLEL = {"attn_q": "q", "attn_k": "kv", "attn_v": "kv", "ffn_gate": "ff", "ffn_up": "ff",
+                   "ffn_gate_exps": "ff_exp", "ffn_up_exps": "ff_exp", "ffn_gate_shexp": "ff_shexp",
+                   "ffn_up_shexp": "ff_shexp"}
+ROW_PARALLEL = {"attn_output": "q", "ffn_down": "ff", "ffn_down_exps": "ff_exp", "ffn_down_shexp": "ff_shexp"}
+_WIDTHS = {"ff": ("n_ff", "ffn_down"), "ff_exp": ("n_ff_exp", "ffn_down_exps"),
+           "ff_shexp": ("n_ff_shexp", "ffn_down_shexp")}  # each width, and the tensor whose blocks cut it
 
 
 def check_size(size: int) -> None:
@@ -59,19 +70,20 @@ class Shard:
     rank: int
     size: int
     whole_config: ModelConfig
-    ff: tuple[int, ...]  # every rank's share of the MLP width
+    widths: dict[str, tuple[int, ...]]  # every rank's share of each width: "ff" (the MLP's), and the experts'
 
     @property
     def config(self) -> ModelConfig:
         c = self.whole_config
-        return dataclasses.replace(c, n_head=c.n_head // self.size, n_head_kv=c.n_head_kv // self.size,
-                                   n_ff=self.ff[self.rank])
+        share = {field: self.widths[width][self.rank] for width, (field, _) in _WIDTHS.items() if width in self.widths}
+        return dataclasses.replace(c, n_head=c.n_head // self.size, n_head_kv=c.n_head_kv // self.size, **share)
 
     def _span(self, width: str) -> slice:
         c = self.whole_config
-        if width == "ff":
-            start = sum(self.ff[:self.rank])
-            return slice(start, start + self.ff[self.rank])
+        if width in self.widths:
+            shares = self.widths[width]
+            start = sum(shares[:self.rank])
+            return slice(start, start + shares[self.rank])
         per_rank = (c.n_head if width == "q" else c.n_head_kv) // self.size * c.head_dim
         return slice(self.rank * per_rank, (self.rank + 1) * per_rank)
 
@@ -92,8 +104,14 @@ class Shard:
 
 
 def make_shard(config: ModelConfig, file_types: dict[str, str], rank: int, size: int) -> Shard:
-    """Rank `rank`'s shard; the MLP width split at the down projections' blocks (`file_types`: by tensor name)."""
+    """Rank `rank`'s shard; the MLP's and the experts' widths split at their down projections' blocks (`file_types`:
+    by tensor name)."""
     check_tensor_parallel(config, size)
-    block = max((block_weights(stored) for name, stored in file_types.items() if name.endswith("ffn_down.weight")),
-                default=1)
-    return Shard(rank, size, config, tuple(ff_shares(config.n_ff, size, block)))
+    widths = {}
+    for width, (field, down) in _WIDTHS.items():
+        if getattr(config, field) == 0 or (width == "ff" and all(config.moe_layers)):
+            continue  # a width no layer has
+        block = max((block_weights(stored) for name, stored in file_types.items() if name.endswith(f"{down}.weight")),
+                    default=1)
+        widths[width] = tuple(ff_shares(getattr(config, field), size, block))
+    return Shard(rank, size, config, widths)

@@ -99,6 +99,20 @@ class ModelWeights:
     def names(self) -> list[str]:
         return list(expected_shapes(self.config if self.shard is None else self.shard.whole_config))
 
+    def bytes_per_token(self) -> tuple[int, int]:
+        """(bytes of the file a token reads, bytes of the file's weights), as the file stores them: every matrix and
+        vector, the LM head, and of each layer's experts only the n_expert_used a token is routed to; the embedding's
+        one row aside (unless it is the LM head too)."""
+        c, active, total = self.config, 0, 0
+        tied = self.output_name == "token_embd.weight"
+        for name in self.names():
+            nbytes = self.entry(name).nbytes
+            total += nbytes
+            if name == "token_embd.weight" and not tied:
+                continue
+            active += nbytes * c.n_expert_used // c.n_expert if name.endswith("_exps.weight") else nbytes
+        return active, total
+
 
 def _part_of(whole: Entry, rows: slice | None, cols: slice | None) -> Entry:
     """The entry of rows x cols of a tensor (its bytes in proportion: a part is whole rows or whole blocks)."""
