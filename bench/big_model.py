@@ -43,6 +43,7 @@ from kvlm.memory.kv_store import AUTO, resolve_kv_dtype  # noqa: E402
 
 KVLM, LLAMA = "kvlm defaults", "llama.cpp"
 PREFILL_TOKENS = 512
+SHORT_PROMPT = 16  # each of the parallel sequences' prompt
 MEASURES = ("start s", "peak GiB", "steady GiB", "prefill tok/s", "decode tok/s")
 
 
@@ -55,10 +56,12 @@ def evict(path: Path) -> None:
         os.close(fd)
 
 
-def measure(open_context, vocab: int, tokens: int) -> dict:
-    """Start (open_context()), prefill of PREFILL_TOKENS tokens, then `tokens` greedy tokens one at a time."""
+def measure(open_engine, make_context, vocab: int, tokens: int, sequences: int) -> dict:
+    """Start (open_engine() and a context of one sequence), prefill of PREFILL_TOKENS tokens, then `tokens` greedy
+    tokens one at a time; with `sequences`, then that many sequences decoding together in a context of their own."""
     started = time.perf_counter()
-    ctx = open_context()
+    engine = open_engine()
+    ctx = make_context(engine, 1)
     start = time.perf_counter() - started
     prompt = [(7919 * i) % (vocab - 1000) + 500 for i in range(PREFILL_TOKENS)]  # plain tokens, no specials
     started = time.perf_counter()
@@ -70,9 +73,28 @@ def measure(open_context, vocab: int, tokens: int) -> dict:
         ctx.decode([generated[-1]], [position], [0], [True])
         generated.append(ctx.greedy(0))
     decode = time.perf_counter() - started
-    return {"start s": start, "prefill tok/s": len(prompt) / prefill, "decode tok/s": tokens / decode,
-            "steady GiB": resident_bytes() / 2**30, "peak GiB": peak_resident_bytes() / 2**30,
-            "tokens": generated[:8]}
+    result = {"start s": start, "prefill tok/s": len(prompt) / prefill, "decode tok/s": tokens / decode,
+              "steady GiB": resident_bytes() / 2**30, "peak GiB": peak_resident_bytes() / 2**30,
+              "tokens": generated[:8]}
+    if sequences:
+        ctx.close()
+        result[f"{sequences} seqs tok/s"] = parallel_decode(make_context(engine, sequences), vocab, tokens, sequences)
+    return result
+
+
+def parallel_decode(ctx, vocab: int, tokens: int, sequences: int) -> float:
+    """Aggregate tokens/s of `sequences` sequences (prompts of SHORT_PROMPT tokens, prefilled in one batch first)
+    each decoding `tokens` greedy tokens, one token per sequence per step."""
+    prompts = [[(7919 * (i + 31 * s)) % (vocab - 1000) + 500 for i in range(SHORT_PROMPT)] for s in range(sequences)]
+    ctx.decode([t for p in prompts for t in p], [i for p in prompts for i in range(len(p))],
+               [s for s, p in enumerate(prompts) for _ in p], [i == len(p) - 1 for p in prompts for i in range(len(p))])
+    last = [ctx.greedy(s) for s in range(sequences)]
+    seq_ids, outputs = list(range(sequences)), [True] * sequences
+    started = time.perf_counter()
+    for step in range(tokens):
+        ctx.decode(last, [SHORT_PROMPT + step] * sequences, seq_ids, outputs)
+        last = [ctx.greedy(s) for s in range(sequences)]
+    return sequences * tokens / (time.perf_counter() - started)
 
 
 def child(args: argparse.Namespace) -> None:
@@ -83,22 +105,29 @@ def child(args: argparse.Namespace) -> None:
     if args.child == LLAMA:
         lib = llama.import_llama_cpp()
         with llama.llama_threads_free(lib):
-            def open_context():
-                engine = llama.LlamaCpp(lib, path, args.threads, args.child_extra_bufts == "on")
-                return engine.context(args.n_ctx, 1)
-            result = measure(open_context, args.child_vocab, args.tokens)
+            def open_engine():
+                return llama.LlamaCpp(lib, path, args.threads, args.child_extra_bufts == "on")
+
+            def make_context(engine, n_seq: int):  # one pool for all sequences, as kvlm's
+                return engine.context(args.n_ctx, n_seq, unified=n_seq > 1)
+            result = measure(open_engine, make_context, args.child_vocab, args.tokens, args.sequences)
     else:
-        def open_context():
-            model = load_model(str(path), progress=False, memory=MemoryRequest(n_ctx=args.n_ctx))
-            return KvlmContext(model, args.n_ctx, 1, resolve_kv_dtype(AUTO, model.decoder.dtype, model.decoder.quantized))
-        result = measure(open_context, args.child_vocab, args.tokens)
+        def open_engine():
+            return load_model(str(path), progress=False,
+                              memory=MemoryRequest(n_ctx=args.n_ctx, n_seq_max=max(1, args.sequences)))
+
+        def make_context(model, n_seq: int):
+            return KvlmContext(model, args.n_ctx, n_seq, resolve_kv_dtype(AUTO, model.decoder.dtype,
+                                                                          model.decoder.quantized))
+        result = measure(open_engine, make_context, args.child_vocab, args.tokens, args.sequences)
     print("RESULT " + json.dumps(result), flush=True)
 
 
 def run_child(label: str, path: Path, cold: bool, vocab: int, args: argparse.Namespace, extra_bufts: bool) -> dict:
     command = [sys.executable, "-m", "bench.big_model", "--child", label, "--child-path", str(path),
                "--child-vocab", str(vocab), "--child-extra-bufts", "on" if extra_bufts else "off",
-               "--threads", str(args.threads), "--n-ctx", str(args.n_ctx), "--tokens", str(args.tokens)]
+               "--threads", str(args.threads), "--n-ctx", str(args.n_ctx), "--tokens", str(args.tokens),
+               "--sequences", str(args.sequences)]
     # Every core this process started with: torch's OpenMP pinned this one's main thread (and so the children it
     # forks) to one core.
     done = subprocess.run(command + (["--child-cold"] if cold else []), capture_output=True, text=True,
@@ -125,6 +154,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="greedy tokens decoded one at a time")
     parser.add_argument("--repeats", type=int, default=2, help="child processes per setting and start (median)")
     parser.add_argument("--n-ctx", type=int, default=4096, help="both engines' context size")
+    parser.add_argument("--sequences", type=int, default=0,
+                        help="also decode this many sequences together (e.g. 32), in a context of their own")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     llama.add_extra_bufts_option(parser)
     parser.add_argument("--no-llama", action="store_true", help="run kvlm only")
@@ -149,25 +180,28 @@ def compare(args: argparse.Namespace) -> None:
     extra_bufts = llama.resolve_extra_bufts(args.llama_extra_bufts, path) if lib is not None else False
     labels = [KVLM] + ([LLAMA] if lib is not None else [])
     runs: dict[tuple[str, bool], list[dict]] = {(label, cold): [] for label in labels for cold in (True, False)}
+    parallel = f"{args.sequences} seqs tok/s"
+    measures = MEASURES + ((parallel,) if args.sequences else ())
     for repeat in range(args.repeats):  # engines interleaved: a slow phase of the machine hits both
         for label in labels:
             for cold in (True, False):
                 result = run_child(label, path, cold, vocab, args, extra_bufts)
                 runs[label, cold].append(result)
                 print(f"run {repeat + 1}, {label}, {'cold' if cold else 'warm'}: "
-                      + ", ".join(f"{m} {result[m]:.2f}" for m in MEASURES) + f", tokens {result['tokens']}",
+                      + ", ".join(f"{m} {result[m]:.2f}" for m in measures) + f", tokens {result['tokens']}",
                       flush=True)
-    median = {key: {m: statistics.median(r[m] for r in rs) for m in MEASURES} for key, rs in runs.items()}
+    median = {key: {m: statistics.median(r[m] for r in rs) for m in measures} for key, rs in runs.items()}
     print(f"\n{machine_line()}; {args.threads} threads for both engines")
     print(f"GGUF: {path.name} ({path.stat().st_size / 2**30:.2f} GiB); n_ctx {args.n_ctx}; prefill {PREFILL_TOKENS} "
           f"tokens in one batch; decode {args.tokens} tokens at batch 1 after it; "
           + (llama.setup_note(lib, extra_bufts) if lib is not None else "llama.cpp not run"))
     print(f"median of {args.repeats} child processes per setting\n")
     header = ["engine", "cold start s", "warm start s", "peak GiB", "steady GiB", "prefill tok/s", "decode tok/s"]
+    header += [f"{args.sequences} sequences tok/s"] if args.sequences else []
     rows = [[label, f"{median[label, True]['start s']:.1f}", f"{median[label, False]['start s']:.1f}",
              f"{median[label, False]['peak GiB']:.2f}", f"{median[label, False]['steady GiB']:.2f}",
              f"{median[label, False]['prefill tok/s']:.1f}", f"{median[label, False]['decode tok/s']:.2f}"]
-            for label in labels]
+            + ([f"{median[label, False][parallel]:.2f}"] if args.sequences else []) for label in labels]
     print(markdown_table(header, rows))
     if lib is not None:
         ours, theirs = median[KVLM, False], median[LLAMA, False]
@@ -175,7 +209,8 @@ def compare(args: argparse.Namespace) -> None:
               f"{ours['decode tok/s'] / theirs['decode tok/s']:.2f}x, warm start "
               f"{ours['start s'] / theirs['start s']:.2f}x (time), cold start "
               f"{median[KVLM, True]['start s'] / median[LLAMA, True]['start s']:.2f}x (time), peak memory "
-              f"{ours['peak GiB'] / theirs['peak GiB']:.2f}x")
+              f"{ours['peak GiB'] / theirs['peak GiB']:.2f}x"
+              + (f", {args.sequences} sequences {ours[parallel] / theirs[parallel]:.2f}x" if args.sequences else ""))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from bench.llama_cpp_driver import import_llama_cpp
 from kvlm.loader.fetch import pull
+from kvlm.startup import START_CPUS
 
 TOKENIZER_SOURCE = "qwen2.5-coder-0.5b-instruct"  # same tokenizer and chat template as every Qwen2.5 model
 SEED = 0
@@ -191,7 +192,7 @@ class RandomTensor:
     def _q8_0_to_file(self, fout) -> None:
         """Blocks of random levels, each with the same step, in chunks of CHUNK_VALUES weights."""
         n_blocks = self.spec.nbytes // Q8_0_BYTES
-        step = np.array(Q8_0_STEP, dtype=np.float16).view(np.uint8)
+        step = np.array([Q8_0_STEP], dtype=np.float16).view(np.uint8)
         per_chunk = CHUNK_VALUES // Q8_0_BLOCK
         for start in range(0, n_blocks, per_chunk):
             n = min(per_chunk, n_blocks - start)
@@ -268,7 +269,8 @@ def quantize(src: Path, dst: Path, ftype: int, progress: bool) -> None:
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftype
     params.allow_requantize = True  # the experts' Q8_0 blocks
-    params.nthread = os.cpu_count() or 1
+    params.nthread = len(START_CPUS)
+    os.sched_setaffinity(0, START_CPUS)  # torch's OpenMP pinned this thread to one core: llama.cpp's would inherit it
     if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) != 0:
         raise RuntimeError(f"llama.cpp could not quantize {src} to file type {ftype}")
 

@@ -160,9 +160,34 @@ def moe_gguf_metadata(spec: MoESpec, config) -> dict[str, Any]:
     return metadata
 
 
+EXPERT_LAYOUTS = ("stacked", "per-expert", "fused")
+
+
+def relaid_experts(tensors: dict[str, np.ndarray], layout: str) -> dict[str, np.ndarray]:
+    """The experts as older files store them (one tensor per expert: blk.N.ffn_gate.E.weight, as llama.cpp's
+    converter wrote Mixtral before it stacked experts) or as newer ones may (gate and up fused per expert:
+    blk.N.ffn_gate_up_exps.weight)."""
+    if layout == "stacked":
+        return tensors
+    out = {}
+    for name, value in tensors.items():
+        pieces = name.split(".")
+        block, part = ".".join(pieces[:2]), pieces[2] if len(pieces) > 3 else ""
+        if layout == "per-expert" and part.endswith("_exps"):
+            out.update({f"{block}.{part[:-5]}.{e}.weight": value[e] for e in range(len(value))})
+        elif layout == "fused" and part == "ffn_gate_exps":
+            up = tensors[name.replace("ffn_gate_exps", "ffn_up_exps")]
+            out[name.replace("ffn_gate_exps", "ffn_gate_up_exps")] = np.concatenate([value, up], axis=1)
+        elif not (layout == "fused" and part == "ffn_up_exps"):
+            out[name] = value
+    return out
+
+
 def write_moe_gguf(model: PreTrainedModel, spec: MoESpec, folder: Path, path: Path,
-                   quant: GGMLQuantizationType = GGMLQuantizationType.F32) -> Path:
-    """`folder`: the model saved by save_moe_folder (the converter reads the saved files)."""
+                   quant: GGMLQuantizationType = GGMLQuantizationType.F32, layout: str = "stacked") -> Path:
+    """`folder`: the model saved by save_moe_folder (the converter reads the saved files); `layout`: how the file
+    stores the experts (EXPERT_LAYOUTS)."""
     config = model.config
-    return write_gguf(path, moe_gguf_metadata(spec, config), moe_gguf_tensors(folder, spec, config), arch=spec.arch,
+    tensors = relaid_experts(moe_gguf_tensors(folder, spec, config), layout)
+    return write_gguf(path, moe_gguf_metadata(spec, config), tensors, arch=spec.arch,
                       quant=quant, keep_f32=("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight"))

@@ -146,6 +146,23 @@ def test_context_shift_and_rollback(zoo, name):
     assert max_diff(rolled, fresh.get_logits_ith(-1)) <= TOLERANCE
 
 
+@pytest.mark.parametrize("quant", [GGMLQuantizationType.F32, GGMLQuantizationType.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("name, layout", [("mixtral", "per-expert"), ("qwen3moe", "fused")])
+def test_experts_stored_per_expert_or_fused_read_as_stacked(zoo, tmp_path, name, layout, quant):
+    """Older Mixtral files (a tensor per expert) and fused gate/up tensors give the stacked file's weights and
+    logits."""
+    reference = zoo.reference(name)
+    hf = save_moe_folder(reference, tmp_path / "hf")
+    stacked = load_model(str(write_moe_gguf(reference, SPECS[name], hf, tmp_path / "a.gguf", quant)), "float32",
+                         progress=False)
+    other = load_model(str(write_moe_gguf(reference, SPECS[name], hf, tmp_path / "b.gguf", quant, layout)), "float32",
+                       progress=False)
+    ids = token_ids(stacked.config.vocab_size, 20, seed=4)
+    assert torch.equal(full_sequence_logits(other, ids), full_sequence_logits(stacked, ids))
+    if quant == GGMLQuantizationType.F32:
+        assert max_diff(full_sequence_logits(other, ids), reference_logits(reference, ids)) <= TOLERANCE
+
+
 # --- each routing variant broken on purpose ---
 
 def _moe_layers(model):

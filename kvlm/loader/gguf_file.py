@@ -11,7 +11,7 @@ from kvlm.errors import ModelFileError, UnsupportedModelError
 from kvlm.families import ATTENTION, CONV, family_named
 from kvlm.loader.config import ModelConfig
 from kvlm.loader.gguf_reader import GGUFFile, TensorInfo
-from kvlm.loader.tensors import GGUFTensors
+from kvlm.loader.tensors import ExpertParts, GGUFTensors
 from kvlm.loader.weights import ModelWeights, expected_shapes
 from kvlm.model import rope
 
@@ -28,8 +28,12 @@ def open_gguf_model(path: str | Path) -> tuple[ModelConfig, ModelWeights, dict[s
     family = config.family
     renamed = {ours: theirs for ours, theirs in family.gguf_names if theirs in gguf.tensors}
     permuted = {"attn_q.weight": config.n_head, "attn_k.weight": config.n_head_kv} if family.permuted_qk else {}
-    tensors = GGUFTensors(gguf, renamed, permuted)
+    experts = _expert_parts(gguf, config)
+    tensors = GGUFTensors(gguf, renamed, permuted, experts)
     for name, shape in expected_shapes(config).items():
+        if name in experts:
+            _check_expert_parts(gguf, experts[name], name, shape)
+            continue
         info = gguf.tensors.get(renamed.get(name, name))
         _check_tensor(gguf, info, name, shape, reshaped=name.endswith(family.gguf_reshaped))
     return config, ModelWeights(config, tensors), gguf.metadata
@@ -174,6 +178,35 @@ def _check_full_rotary(metadata: dict[str, Any], config: ModelConfig, path) -> N
             f"{path}: {config.architecture}.rope.dimension_count={dims} rotates part of each "
             f"{config.head_dim}-dim head; only full-head RoPE is supported"
         )
+
+
+def _expert_parts(gguf: GGUFFile, config: ModelConfig) -> dict[str, ExpertParts]:
+    """Experts' tensors the file stores otherwise than as one tensor each: a fused gate/up (ffn_gate_up_exps), or
+    one tensor per expert (older Mixtral files: ffn_gate.E, ffn_up.E, ffn_down.E)."""
+    parts = {}
+    for layer in (i for i, moe in enumerate(config.moe_layers) if moe):
+        fused = gguf.tensors.get(f"blk.{layer}.ffn_gate_up_exps.weight")
+        for half, part in enumerate(("gate", "up", "down")):
+            name = f"blk.{layer}.ffn_{part}_exps.weight"
+            if name in gguf.tensors:
+                continue
+            if fused is not None and part != "down":
+                parts[name] = ExpertParts((fused,), half)
+                continue
+            each = [gguf.tensors.get(f"blk.{layer}.ffn_{part}.{e}.weight") for e in range(config.n_expert)]
+            if all(each):
+                parts[name] = ExpertParts(tuple(each))
+    return parts
+
+
+def _check_expert_parts(gguf: GGUFFile, parts: ExpertParts, name: str, shape: tuple[int, ...]) -> None:
+    """Every part present and whole, of one type, making up the expected shape."""
+    if parts.shape != shape or len({t.qtype for t in parts.tensors}) != 1:
+        raise ModelFileError(f"{gguf.path}: tensor {name}, stored as {', '.join(t.name for t in parts.tensors[:3])}"
+                             f"{'...' if len(parts.tensors) > 3 else ''}, has shape {list(parts.shape)} (types "
+                             f"{sorted({t.qtype.name for t in parts.tensors})}), expected {list(shape)} of one type")
+    for tensor in parts.tensors:
+        gguf.check_complete(tensor)
 
 
 def _check_tensor(gguf: GGUFFile, info: TensorInfo | None, name: str, shape: tuple[int, ...],

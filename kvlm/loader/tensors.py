@@ -39,18 +39,42 @@ class Entry:
     nbytes: int
 
 
+@dataclass(frozen=True)
+class ExpertParts:
+    """A tensor of experts [expert, rows, cols] that a file stores otherwise: one tensor per expert (older Mixtral
+    files: blk.N.ffn_gate.E.weight), or one half of each expert's rows of a fused gate/up tensor
+    (blk.N.ffn_gate_up_exps.weight: each expert's gate rows, then its up rows)."""
+
+    tensors: tuple[TensorInfo, ...]
+    half: int | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        first = self.tensors[0]
+        if self.half is None:
+            return (len(self.tensors), *first.shape)
+        return (first.shape[0], first.shape[1] // 2, first.shape[2])
+
+    @property
+    def entry(self) -> Entry:
+        nbytes = sum(t.nbytes for t in self.tensors)
+        return Entry(self.shape, self.tensors[0].qtype.name, nbytes // 2 if self.half is not None else nbytes)
+
+
 class GGUFTensors:
     """The tensors of a GGUF file, under kvlm's names.
 
     `renamed`: kvlm's name -> the file's, for whole-model tensors a family names otherwise; `permuted`: tensor name
-    endings whose rows llama.cpp permuted for its RoPE -> the number of heads they hold.
+    endings whose rows llama.cpp permuted for its RoPE -> the number of heads they hold; `experts`: tensors of
+    experts the file stores otherwise than as one tensor.
     """
 
     def __init__(self, gguf: GGUFFile, renamed: dict[str, str] | None = None,
-                 permuted: dict[str, int] | None = None) -> None:
+                 permuted: dict[str, int] | None = None, experts: dict[str, ExpertParts] | None = None) -> None:
         self.gguf = gguf
         self.renamed = renamed or {}
         self.permuted = permuted or {}
+        self.experts = experts or {}
 
     def close(self) -> None:
         self.gguf.close()
@@ -59,10 +83,14 @@ class GGUFTensors:
         return self.gguf.tensors.get(self.renamed.get(name, name))
 
     def entry(self, name: str) -> Entry | None:
+        if name in self.experts:
+            return self.experts[name].entry
         info = self._info(name)
         return None if info is None else Entry(info.shape, info.qtype.name, info.nbytes)
 
     def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> Stored:
+        if name in self.experts:
+            return self._expert_parts(self.experts[name], rows, cols)
         info = self._info(name)
         self.gguf.check_complete(info)
         heads = next((n for ending, n in self.permuted.items() if name.endswith(ending)), 0)
@@ -89,6 +117,26 @@ class GGUFTensors:
             for expert in range(n_expert):
                 self.gguf.read_into(out[expert], info.offset + (expert * n_rows + first) * row_bytes)
         matrix = BlockMatrix(out.view(-1, row_bytes), info.qtype, n_cols)
+        return matrix if cols is None else matrix.columns(cols.start, cols.stop)
+
+    def _expert_parts(self, parts: ExpertParts, rows: slice | None, cols: slice | None) -> Stored:
+        """The experts of `parts` as one tensor of experts would read (see _experts)."""
+        n_rows = parts.shape[1]
+        first, last, _ = (rows or slice(None)).indices(n_rows)
+        if parts.half is not None:  # the half's rows of each expert's stacked gate and up
+            offset = parts.half * n_rows
+            return self._experts(parts.tensors[0], slice(offset + first, offset + last), cols)
+        info = parts.tensors[0]
+        if info.qtype not in NATIVE_TYPES:
+            values = torch.stack([self._dense(t, None, None) for t in parts.tensors])
+            return values[:, first:last, cols if cols is not None else slice(None)]
+        row_bytes = info.nbytes // n_rows
+        out = kept_memory(len(parts.tensors) * (last - first) * row_bytes).view(len(parts.tensors), last - first,
+                                                                                 row_bytes)
+        for expert, tensor in enumerate(parts.tensors):
+            self.gguf.check_complete(tensor)
+            self.gguf.read_into(out[expert], tensor.offset + first * row_bytes)
+        matrix = BlockMatrix(out.view(-1, row_bytes), info.qtype, info.shape[1])
         return matrix if cols is None else matrix.columns(cols.start, cols.stop)
 
     def _rows(self, info: TensorInfo, rows, kept: bool = False) -> torch.Tensor:
