@@ -12,8 +12,10 @@ text it generates is noise.
 
 or `make_big_model(path)` from Python. The F16 intermediate (15 GB for the 7B, 30 GB for the 14B) is written next
 to the output and deleted after quantization; memory stays at a few hundred MB while writing it. The experts of the
-MoE shapes are written as random Q8_0 blocks instead (the F16 intermediate of a 30B would be 61 GB): llama.cpp then
-requantizes them, as it does any file, to its Q4_K_M mix. A finished file is
+MoE shapes are written as random Q4_K blocks instead (the F16 intermediate of a 30B would be 61 GB, and llama.cpp's
+Q4_K search takes ~300 ns a weight on one core here: hours for 29B experts): llama.cpp's quantizer then keeps the
+experts its Q4_K_M mix leaves in Q4_K as they are and requantizes the ones it gives more bits (some ffn_down_exps to
+Q6_K), so each tensor's type is still llama.cpp's choice. A finished file is
 renamed into place at the end, so an existing output is complete and is returned as is (a cache). Needs the bench
 extra (llama-cpp-python). Takes minutes: for the 7B on 2 cores, about 3 to write the F16 file and 10 to quantize it
 (4.68 GB out, 339 tensors: Q4_K 169, Q6_K 29, F32 141).
@@ -41,8 +43,9 @@ SEED = 0
 MATRIX_STD = 0.02  # the usual initializer range of Qwen2 configs
 BIAS_STD = 0.01
 CHUNK_VALUES = 32 * 1024 * 1024  # values drawn at once: 128 MB of float32 plus 64 MB of float16
-Q8_0_BLOCK, Q8_0_BYTES = 32, 34  # weights per block; bytes (an f16 step, then 32 int8 levels)
-Q8_0_STEP = MATRIX_STD / 74  # levels uniform in -128..127 have a standard deviation of about 74
+Q4_K_BLOCK, Q4_K_BYTES = 256, 144  # weights per super-block; bytes (f16 d and dmin, 12 of scales, 128 of nibbles)
+# d * scale * level - dmin * min, scales and mins uniform in 0..63, levels in 0..15: a spread of about MATRIX_STD
+Q4_K_D = MATRIX_STD / 32 / 5
 MIN_BITS_PER_WEIGHT = 2  # below every llama.cpp quantization mix: a smaller file at the output path is not a model
 # What llama.cpp's Q4_K_M mix makes of these architectures' tensors (a few MoE tensors get more bits)
 Q4_K_M_TYPES = {"Q4_K", "Q5_K", "Q6_K", "Q8_0", "F32"}
@@ -100,12 +103,12 @@ class TensorSpec:
     dtype: type
     mean: float
     std: float
-    q8_0: bool = False  # written as random Q8_0 blocks (levels uniform in -128..127, one step for all)
+    q4_k: bool = False  # written as random Q4_K blocks (see _q4_k_to_file)
 
     @property
     def nbytes(self) -> int:
-        if self.q8_0:
-            return int(np.prod(self.shape)) // Q8_0_BLOCK * Q8_0_BYTES
+        if self.q4_k:
+            return int(np.prod(self.shape)) // Q4_K_BLOCK * Q4_K_BYTES
         return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
 
 
@@ -122,7 +125,7 @@ def bias(name: str, size: int) -> TensorSpec:
 
 
 def experts(name: str, n_expert: int, rows: int, cols: int) -> TensorSpec:
-    return TensorSpec(name, (n_expert, rows, cols), np.float32, 0.0, MATRIX_STD, q8_0=True)
+    return TensorSpec(name, (n_expert, rows, cols), np.float32, 0.0, MATRIX_STD, q4_k=True)
 
 
 def tensor_specs(shape: Shape) -> list[TensorSpec]:
@@ -171,8 +174,8 @@ class RandomTensor:
 
     def tofile(self, fout) -> None:
         spec = self.spec
-        if spec.q8_0:
-            self._q8_0_to_file(fout)
+        if spec.q4_k:
+            self._q4_k_to_file(fout)
             return
         cols = spec.shape[-1]
         rows = spec.shape[0] if len(spec.shape) == 2 else 1
@@ -189,15 +192,16 @@ class RandomTensor:
             values.tofile(fout)
 
 
-    def _q8_0_to_file(self, fout) -> None:
-        """Blocks of random levels, each with the same step, in chunks of CHUNK_VALUES weights."""
-        n_blocks = self.spec.nbytes // Q8_0_BYTES
-        step = np.array([Q8_0_STEP], dtype=np.float16).view(np.uint8)
-        per_chunk = CHUNK_VALUES // Q8_0_BLOCK
+    def _q4_k_to_file(self, fout) -> None:
+        """Super-blocks of random scales, mins and levels, all with the same d and dmin, in chunks of CHUNK_VALUES
+        weights."""
+        n_blocks = self.spec.nbytes // Q4_K_BYTES
+        steps = np.array([Q4_K_D, Q4_K_D], dtype=np.float16).view(np.uint8)
+        per_chunk = CHUNK_VALUES // Q4_K_BLOCK
         for start in range(0, n_blocks, per_chunk):
             n = min(per_chunk, n_blocks - start)
-            blocks = self.rng.integers(0, 256, size=(n, Q8_0_BYTES), dtype=np.uint8)
-            blocks[:, :2] = step
+            blocks = self.rng.integers(0, 256, size=(n, Q4_K_BYTES), dtype=np.uint8)
+            blocks[:, :4] = steps
             blocks.tofile(fout)
 
 
@@ -242,7 +246,7 @@ def write_f16(path: Path, shape: Shape, progress: bool) -> None:
     writer = gguf.GGUFWriter(path, shape.arch)
     add_metadata(writer, shape)
     for spec in specs:
-        raw = gguf.GGMLQuantizationType.Q8_0 if spec.q8_0 else None
+        raw = gguf.GGMLQuantizationType.Q4_K if spec.q4_k else None
         writer.add_tensor_info(spec.name, spec.shape, np.dtype(spec.dtype), spec.nbytes, raw_dtype=raw)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -268,7 +272,7 @@ def quantize(src: Path, dst: Path, ftype: int, progress: bool) -> None:
         import_llama_cpp()
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftype
-    params.allow_requantize = True  # the experts' Q8_0 blocks
+    params.allow_requantize = True  # the experts' Q4_K blocks, where the mix gives them another type
     params.nthread = len(START_CPUS)
     os.sched_setaffinity(0, START_CPUS)  # torch's OpenMP pinned this thread to one core: llama.cpp's would inherit it
     if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) != 0:

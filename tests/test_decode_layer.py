@@ -53,8 +53,8 @@ def steps(model, kv_dtype: str, n_steps: int, prompts=PROMPTS) -> tuple[torch.Te
 def fused_and_op_by_op(model, kv_dtype: str, monkeypatch, n_steps: int = 4, prompts=PROMPTS):
     calls = []
     original = NativeDecodeLayer.__call__
-    monkeypatch.setattr(NativeDecodeLayer, "__call__",
-                        lambda self, x, step, layer: calls.append(x.shape[0]) or original(self, x, step, layer))
+    monkeypatch.setattr(NativeDecodeLayer, "__call__", lambda self, x, step, layer, normed=None:
+                        calls.append(x.shape[0]) or original(self, x, step, layer, normed))
     fused = steps(model, kv_dtype, n_steps, prompts)
     decode_layers, model.decoder.decode_layers = model.decoder.decode_layers, None
     try:
@@ -117,6 +117,23 @@ def test_decode_past_the_sliding_window_is_op_by_op(tmp_path, monkeypatch):
     fused, op_by_op, calls = fused_and_op_by_op(model, "f32", monkeypatch, n_steps=WINDOW + 4, prompts=prompts)
     assert_same(fused, op_by_op)
     assert len(calls) == (WINDOW + 7) * model.config.n_layer  # the short prompts' batch and every decode step
+
+
+@pytest.mark.parametrize("name", ["qwen3moe", "olmoe", "qwen2moe"])
+def test_layers_of_experts_run_their_attention_natively_as_op_by_op(tmp_path, monkeypatch, name):
+    """Random mixtures of experts (Q8_0): the native call runs each layer's attention up to its experts' input
+    (per-head QK-norm; OLMoE's over whole projections; Qwen2-MoE's biases), the experts run after it."""
+    from gguf import GGMLQuantizationType
+    from moe_factory import SPECS, random_moe, save_moe_folder, write_moe_gguf
+
+    reference = random_moe(SPECS[name])
+    path = write_moe_gguf(reference, SPECS[name], save_moe_folder(reference, tmp_path / "hf"), tmp_path / "m.gguf",
+                          GGMLQuantizationType.Q8_0)
+    model = load_model(str(path), progress=False)
+    prompts = [[1, 5, 7, 9], [1, 30, 40, 50, 60, 70], [1, 99]]
+    fused, op_by_op, calls = fused_and_op_by_op(model, "f16", monkeypatch, n_steps=3, prompts=prompts)
+    assert_same(fused, op_by_op)
+    assert len(calls) == 6 * model.config.n_layer  # the short prompts' batch and 5 decode steps
 
 
 def test_the_plain_cpp_build_decodes_as_op_by_op(smollm2_gguf_path):

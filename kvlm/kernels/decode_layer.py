@@ -27,7 +27,8 @@ class MatrixSpec(ctypes.Structure):
 
 
 class LayerSpec(ctypes.Structure):
-    _fields_ = [("bf16", ctypes.c_int), ("gelu", ctypes.c_int), ("n_head", ctypes.c_int), ("n_kv", ctypes.c_int),
+    _fields_ = [("bf16", ctypes.c_int), ("gelu", ctypes.c_int), ("qk_norm_whole", ctypes.c_int),
+                ("n_head", ctypes.c_int), ("n_kv", ctypes.c_int),
                 ("d", ctypes.c_int), ("n_embd", _i64), ("n_ff", _i64), ("eps", _f32), ("query_scale", _f32),
                 ("attention_scale", _f32), ("attn_norm", _ptr), ("qkv_bias", _ptr), ("qk_norm", _ptr),
                 ("post_attention_norm", _ptr), ("ffn_norm", _ptr), ("post_ffw_norm", _ptr), ("qkv", MatrixSpec),
@@ -50,6 +51,7 @@ class LayerShape:
     eps: float
     query_scale: float
     gelu: bool
+    qk_norm_whole: bool = False  # the QK-norm over each token's whole Q and K projections (OLMoE)
 
 
 class NativeDecodeLayer:
@@ -62,18 +64,21 @@ class NativeDecodeLayer:
         self._keep = [v for v in vectors.values() if v is not None]  # the pointers below stay valid
         pointer = lambda name: None if vectors[name] is None else vectors[name].data_ptr()  # noqa: E731
         self.spec = LayerSpec(
-            int(dtype == torch.bfloat16), int(shape.gelu), shape.n_head, shape.n_kv, shape.head_dim, shape.n_embd,
+            int(dtype == torch.bfloat16), int(shape.gelu), int(shape.qk_norm_whole), shape.n_head, shape.n_kv, shape.head_dim, shape.n_embd,
             shape.n_ff, shape.eps, shape.query_scale, shape.head_dim ** -0.5,
             *(pointer(n) for n in ("attn_norm", "qkv_bias", "qk_norm", "post_attention_norm", "ffn_norm",
                                    "post_ffw_norm")),
-            *(MatrixSpec.of(products[n]) for n in ("qkv", "output", "gate_up", "down")))
+            *(MatrixSpec.of(products[n]) if products.get(n) is not None else MatrixSpec()  # no MLP: experts
+              for n in ("qkv", "output", "gate_up", "down")))
         self.dtype = dtype
 
-    def __call__(self, x: torch.Tensor, step: DecodeStep, layer: int) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, step: DecodeStep, layer: int,
+                 normed_out: torch.Tensor | None = None) -> torch.Tensor:
         """x [n_tokens, n_embd] (contiguous, the activation dtype) through the layer, in place; the tokens' K and V
-        written to their cells of `layer` in the step's store."""
+        written to their cells of `layer` in the step's store. A layer made without an MLP (its experts run
+        after) stops after the attention's residual add and writes the experts' input into `normed_out`."""
         status = self._call(ctypes.byref(self.spec), ctypes.byref(step.spec), layer, x.data_ptr(),
-                            torch.get_num_threads())
+                            None if normed_out is None else normed_out.data_ptr(), torch.get_num_threads())
         if status:
             raise ValueError(f"the native decode layer cannot take these shapes or this cache (status {status})")
         return x

@@ -107,7 +107,7 @@ class NativeKernels:
         self._lib.kvlm_interleave.argtypes = [i32, ptr, i64, i64, ctypes.c_int]
         self.tiles = bool(self._lib.kvlm_tiles())  # whether the products read interleaved tiles of 8 rows
         self.decode_layer_function = self._lib.kvlm_decode_layer
-        self.decode_layer_function.argtypes = [ptr, ptr, ctypes.c_int, ptr, ctypes.c_int]
+        self.decode_layer_function.argtypes = [ptr, ptr, ctypes.c_int, ptr, ptr, ctypes.c_int]
         self.layer_times_function = self._lib.kvlm_layer_times
         self.layer_times_function.argtypes = [ctypes.c_int, ptr]
         self.experts_function = self._lib.kvlm_experts

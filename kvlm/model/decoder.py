@@ -315,16 +315,17 @@ class Decoder:
     def _attention_block(self, index: int, layer: LayerWeights, x, cos, sin, kv: KVView) -> torch.Tensor:
         """Pre-norm attention then a pre-norm gated MLP, each added to the residual stream (each output normed
         once more first, for sandwich-norm families); one native call for decode tokens where it can be."""
+        activation = self.config.family.activation
         if self.decode_layers is not None and self.all_reduce is None:
             done = self.decode_layers.run(index, layer, x, cos, sin, kv)
             if done is not None:
-                return done
+                x, experts_input = done
+                return x if experts_input is None else x + layer.moe(experts_input, self.ops, activation)
         eps, ops, residual = self.config.rms_norm_eps, self.ops, self.config.residual_multiplier
         h = self._summed(self._attention(index, layer, ops.norm(x, layer.attn_norm, eps), cos, sin, kv))
         if layer.post_attention_norm is not None:
             h = ops.norm(h, layer.post_attention_norm, eps)
         normed, x = ops.add_norm(x, h if residual == 1.0 else h * residual, layer.ffn_norm, eps)
-        activation = self.config.family.activation
         h = self._summed(layer.moe(normed, ops, activation) if layer.moe is not None else
                          ops.gated_mlp(normed, layer.gate_up, layer.down, activation))
         h = h if layer.post_ffw_norm is None else ops.norm(h, layer.post_ffw_norm, eps)

@@ -72,44 +72,60 @@ class LayerOps:
 
 
 class DecodeLayers:
-    """The attention layers of a decoder whose four matrices are quantized (read by the native kernels), each as one
+    """The attention layers of a decoder whose matrices are quantized (read by the native kernels), each as one
     native call for a micro-batch of decode tokens: every token alone in its sequence, reading its own cells, and
-    few enough that the products stay native (with a dense copy, prompt-sized batches go through it instead).
-    `run` returns None for anything else, and the decoder runs the layer op by op."""
+    few enough that the products stay native (with a dense copy, prompt-sized batches go through it instead). A
+    layer of experts runs its attention so (up to its experts' input), its experts after. `run` returns None for
+    anything else, and the decoder runs the layer op by op. Not for what the native call does not compute:
+    Granite's residual multiplier, a whole-projection QK-norm after Q/K/V biases."""
 
     def __init__(self, kernels: NativeKernels, config: ModelConfig, layers: list, dtype: torch.dtype) -> None:
-        shape = LayerShape(config.n_head, config.n_head_kv, config.head_dim, config.n_embd, config.n_ff,
-                           config.rms_norm_eps, config.query_scale, config.family.activation == "gelu_tanh")
-        self.layers = {i: self._native(kernels, shape, dtype, layer) for i, layer in enumerate(layers)
-                       if self._eligible(layer) and shape.head_dim % HEAD_DIM_STEP == 0}
+        family = config.family
+        shapes = [LayerShape(config.n_head, config.n_head_kv, config.head_dim, config.n_embd, 0 if moe else config.n_ff,
+                             config.rms_norm_eps, config.query_scale, family.activation == "gelu_tanh",
+                             family.qk_norm_whole)
+                  for moe in config.moe_layers]
+        computed = not (family.qk_norm_whole and family.qkv_bias) and config.residual_multiplier == 1.0
+        self.layers = {i: self._native(kernels, shapes[i], dtype, layer) for i, layer in enumerate(layers)
+                       if computed and self._eligible(layer) and config.head_dim % HEAD_DIM_STEP == 0}
         self._steps: list[tuple[KVView, torch.Tensor, DecodeStep]] = []  # of the forward pass under way
 
     @staticmethod
-    def _eligible(layer) -> bool:
-        matrices = [getattr(layer, name, None) for name in ("qkv", "attn_output", "gate_up", "down")]
-        return all(isinstance(m, QuantizedLinear) for m in matrices)
+    def _matrices(layer) -> list:
+        """The layer's matrices the native call multiplies (the attention's alone in a layer of experts)."""
+        names = ("qkv", "attn_output") if getattr(layer, "moe", None) is not None else ("qkv", "attn_output",
+                                                                                      "gate_up", "down")
+        return [getattr(layer, name, None) for name in names]
+
+    @classmethod
+    def _eligible(cls, layer) -> bool:
+        return all(isinstance(m, QuantizedLinear) for m in cls._matrices(layer))
 
     @staticmethod
     def _native(kernels: NativeKernels, shape: LayerShape, dtype: torch.dtype, layer) -> NativeDecodeLayer:
         vectors = {name: getattr(layer, name) for name in ("attn_norm", "qkv_bias", "qk_norm", "post_attention_norm",
                                                            "ffn_norm", "post_ffw_norm")}
         vectors = {name: None if v is None else v.contiguous() for name, v in vectors.items()}
-        products = {"qkv": layer.qkv.native, "output": layer.attn_output.native, "gate_up": layer.gate_up.native,
-                    "down": layer.down.native}
+        products = {"qkv": layer.qkv.native, "output": layer.attn_output.native}
+        if layer.moe is None:
+            products.update(gate_up=layer.gate_up.native, down=layer.down.native)
         return NativeDecodeLayer(kernels, shape, dtype, vectors, products)
 
-    def run(self, index: int, layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv) -> torch.Tensor | None:
-        """Layer `index` for x [n_tokens, n_embd] natively (x updated in place and returned), or None."""
+    def run(self, index: int, layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            kv) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Layer `index` for x [n_tokens, n_embd] natively: (x updated in place, None), or for a layer of experts
+        (x after the attention, its experts' input); None where the layer must run op by op."""
         native = self.layers.get(index)
         if native is None or torch.compiler.is_compiling() or x.dim() != 2:
             return None
-        if not all(m.native_for(x.shape[0]) for m in (layer.qkv, layer.attn_output, layer.gate_up, layer.down)):
+        if not all(m.native_for(x.shape[0]) for m in self._matrices(layer)):
             return None
         view, local = kv.layer_view(index)
         cells = view.decode_cells if isinstance(view, KVView) else None
         if cells is None:
             return None
-        return native(x.contiguous(), self._step(view, cos, sin, cells), local)
+        normed = torch.empty_like(x) if layer.moe is not None else None
+        return native(x.contiguous(), self._step(view, cos, sin, cells), local, normed), normed
 
     def _step(self, view: KVView, cos: torch.Tensor, sin: torch.Tensor, cells) -> DecodeStep:
         """The step's description for this view and RoPE, made once per forward pass (a few per pass: iSWA layers

@@ -21,12 +21,13 @@ namespace kvlm {
 struct LayerSpec {
     int bf16;                  // activations bfloat16, else float32
     int gelu;                  // the gated activation: GELU (tanh), else SiLU
+    int qk_norm_whole;         // the QK-norm over each token's whole Q, then whole K (OLMoE; no q/k/v bias), not per head
     int n_head, n_kv, d;
     int64_t n_embd, n_ff;
     float eps, query_scale, attention_scale;
     const void* attn_norm;     // [n_embd]
     const void* qkv_bias;      // [(n_head + 2 n_kv) d] or null
-    const void* qk_norm;       // [n_head + n_kv][d] or null: each Q head's, then each K head's
+    const void* qk_norm;       // [n_head + n_kv][d] or null: each Q head's, then each K head's (whole: the same values)
     const void* post_attention_norm;  // [n_embd] or null (sandwich norms)
     const void* ffn_norm;      // [n_embd]
     const void* post_ffw_norm; // [n_embd] or null
@@ -130,7 +131,7 @@ inline void finish_head(const LayerSpec& L, const StepSpec& S, const LayerPlanes
         for (int i = 0; i < d; ++i) values[i] = round(values[i] + load_value(L.qkv_bias, bf16, int64_t(h) * d + i));
     for (int i = 0; i < d; ++i) store_value(qkv, bf16, at + i, values[i]);
     if (h < n_qk) {
-        if (L.qk_norm) {
+        if (L.qk_norm && !L.qk_norm_whole) {
             const char* weight = static_cast<const char*>(L.qk_norm) + int64_t(h) * d * (bf16 ? 2 : 4);
             head_norm_token(qkv, bf16, at, 1, d, weight, L.eps, values);
         }
@@ -171,8 +172,10 @@ struct PhaseClock {
     }
 };
 
-// The layer for S.n_tokens decode tokens, x [n_tokens][n_embd] (the residual stream, updated in place).
-inline void decode_layer(const LayerSpec& L, const StepSpec& S, int layer, void* x, int n_threads) {
+// The layer for S.n_tokens decode tokens, x [n_tokens][n_embd] (the residual stream, updated in place). A layer
+// without an MLP (gate_up of no parts: its experts run outside) stops after the attention's residual add and leaves
+// the next norm's output in normed_out [n_tokens][n_embd].
+inline void decode_layer(const LayerSpec& L, const StepSpec& S, int layer, void* x, void* normed_out, int n_threads) {
     const bool bf16 = L.bf16;
     const int64_t T = S.n_tokens, element = bf16 ? 2 : 4;
     const int d = L.d, n_heads_all = L.n_head + 2 * L.n_kv;
@@ -215,6 +218,15 @@ inline void decode_layer(const LayerSpec& L, const StepSpec& S, int layer, void*
         for (int64_t t = 0; t < T; ++t) rms_norm_row(x, nullptr, bf16, t, L.n_embd, L.attn_norm, L.eps, normed, nullptr, values);
         clock.lap(&T_::other);
         multiply(L.qkv, normed, qkv);
+        if (L.qk_norm && L.qk_norm_whole) {  // token t's Q (part 0), then its K (part 1), each as one vector
+#pragma omp for schedule(static)
+            for (int64_t task = 0; task < 2 * T; ++task) {
+                const int part = int(task % 2), heads = part ? L.n_kv : L.n_head;
+                const int64_t at = task / 2 * qkv_width + (part ? q_width : 0);
+                const char* weight = static_cast<const char*>(L.qk_norm) + (part ? q_width * element : 0);
+                head_norm_token(qkv, bf16, at, 1, heads * d, weight, L.eps, values);
+            }
+        }
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < T * n_heads_all; ++task)
             finish_head(L, S, planes, qkv, task / n_heads_all, int(task % n_heads_all), values);
@@ -229,16 +241,23 @@ inline void decode_layer(const LayerSpec& L, const StepSpec& S, int layer, void*
             rms_norm_row(x, h, bf16, t, L.n_embd, L.ffn_norm, L.eps, normed, x, values);  // x += h, then the norm
         }
         clock.lap(&T_::other);
-        multiply(L.gate_up, normed, gate_up);
+        if (L.gate_up.n_parts == 0) {  // a layer of experts: they run after this call, on what it leaves in normed_out
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; ++t) gated_row(gate_up, bf16, t, L.n_ff, L.gelu, gated);
-        clock.lap(&T_::other);
-        multiply(L.down, gated, h);
+            for (int64_t t = 0; t < T; ++t)
+                std::memcpy(static_cast<char*>(normed_out) + t * L.n_embd * element,
+                            static_cast<const char*>(normed) + t * L.n_embd * element, size_t(L.n_embd * element));
+        } else {
+            multiply(L.gate_up, normed, gate_up);
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; ++t) {
-            if (L.post_ffw_norm) rms_norm_row(h, nullptr, bf16, t, L.n_embd, L.post_ffw_norm, L.eps, h, nullptr, values);
-            for (int64_t i = 0; i < L.n_embd; ++i)
-                store_value(x, bf16, t * L.n_embd + i, load_value(x, bf16, t * L.n_embd + i) + load_value(h, bf16, t * L.n_embd + i));
+            for (int64_t t = 0; t < T; ++t) gated_row(gate_up, bf16, t, L.n_ff, L.gelu, gated);
+            clock.lap(&T_::other);
+            multiply(L.down, gated, h);
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < T; ++t) {
+                if (L.post_ffw_norm) rms_norm_row(h, nullptr, bf16, t, L.n_embd, L.post_ffw_norm, L.eps, h, nullptr, values);
+                for (int64_t i = 0; i < L.n_embd; ++i)
+                    store_value(x, bf16, t * L.n_embd + i, load_value(x, bf16, t * L.n_embd + i) + load_value(h, bf16, t * L.n_embd + i));
+            }
         }
         clock.lap(&T_::other);
     }

@@ -174,8 +174,10 @@ int kvlm_gated(const void* gate_up, int bf16, int64_t rows, int64_t n, int gelu,
 }
 
 // One decoder layer for decode tokens (decode_layer.h): x [n_tokens][n_embd] updated in place, the tokens' K and V
-// written to their cells of this layer (`layer`, in the store the step names).
-int kvlm_decode_layer(const LayerSpec* spec, const StepSpec* step, int layer, void* x, int n_threads) {
+// written to their cells of this layer (`layer`, in the store the step names); a layer of experts (no MLP) leaves
+// the input of its experts in normed_out.
+int kvlm_decode_layer(const LayerSpec* spec, const StepSpec* step, int layer, void* x, void* normed_out,
+                      int n_threads) {
     const LayerSpec& L = *spec;
     for (const Matrix* w : {&L.qkv, &L.output, &L.gate_up, &L.down}) {
         const int status = check_matrix(*w);
@@ -184,7 +186,8 @@ int kvlm_decode_layer(const LayerSpec* spec, const StepSpec* step, int layer, vo
     if (L.n_kv <= 0 || L.n_head % L.n_kv || L.d % HEAD_DIM_STEP || (step->kv_type == KV_Q8_0 && L.d % 32) ||
         step->kv_type < KV_F32 || step->kv_type > KV_Q8_0)
         return BAD_SHAPE;
-    decode_layer(L, *step, layer, x, n_threads);
+    if (L.gate_up.n_parts == 0 && normed_out == nullptr) return BAD_SHAPE;
+    decode_layer(L, *step, layer, x, normed_out, n_threads);
     return OK;
 }
 
