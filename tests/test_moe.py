@@ -230,3 +230,37 @@ def test_default_setting_rows_do_not_depend_on_their_batch(zoo):
     decode_ok(ctx, Batch(tokens=[5, 5, 5], seq_ids=[0, 1, 2], logits=[True] * 3))
     for s in range(3):
         assert torch.equal(ctx.get_logits_ith(s), alone[s]), s
+
+
+# --- what kvlm does not implement is refused before any weight is read ---
+
+def test_other_mixtures_of_experts_are_refused_by_name(tmp_path):
+    """DeepSeek (MLA), ERNIE, AFMoE and Phi-MoE folders: the architecture named, and what is supported."""
+    import json
+
+    from kvlm.errors import UnsupportedModelError
+    from kvlm.loader.hf_folder import config_from_hf
+
+    for architecture, model_type in [("DeepseekV2ForCausalLM", "deepseek_v2"), ("Ernie4_5_MoeForCausalLM",
+                                     "ernie4_5_moe"), ("AfmoeForCausalLM", "afmoe"), ("PhimoeForCausalLM", "phimoe")]:
+        folder = tmp_path / model_type
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"architectures": [architecture], "model_type": model_type}))
+        with pytest.raises(UnsupportedModelError, match=f"architecture '{architecture}'.*qwen3_moe"):
+            config_from_hf(folder)  # the config alone: no weight is read
+
+
+@pytest.mark.parametrize("key, value", [("expert_gating_func", 2), ("expert_weights_scale", 2.5),
+                                        ("expert_group_count", 8)])
+def test_routing_a_file_asks_for_and_kvlm_lacks_is_refused(zoo, tmp_path, key, value):
+    """Sigmoid gating, scaled expert weights, group-limited routing: refused with the key and value named."""
+    from gguf_factory import write_gguf
+    from kvlm.errors import UnsupportedModelError
+    from moe_factory import moe_gguf_metadata, moe_gguf_tensors
+
+    reference, spec = zoo.reference("qwen3moe"), SPECS["qwen3moe"]
+    hf = save_moe_folder(reference, tmp_path / "hf")
+    metadata = {**moe_gguf_metadata(spec, reference.config), f"qwen3moe.{key}": value}
+    path = write_gguf(tmp_path / "m.gguf", metadata, moe_gguf_tensors(hf, spec, reference.config), arch="qwen3moe")
+    with pytest.raises(UnsupportedModelError, match=f"qwen3moe.{key}={value}"):
+        load_model(str(path), progress=False)
