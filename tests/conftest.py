@@ -184,3 +184,31 @@ def reference_logits(hf_model, ids: list[int]) -> torch.Tensor:
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 
+
+
+class ModelZoo:
+    """Random models made, written and loaded once for a whole module, whatever order its tests run in: `make(name)`
+    builds a transformers model, `save(model, name, source, folder)` writes it (returns the path kvlm loads)."""
+
+    def __init__(self, tmp_path_factory, make, save) -> None:
+        self._tmp, self._make, self._save = tmp_path_factory, make, save
+        self._references, self._paths, self._models = {}, {}, {}
+
+    def reference(self, name: str):
+        if name not in self._references:
+            self._references[name] = self._make(name)
+        return self._references[name]
+
+    def path(self, name: str, source: str, *options):
+        key = (name, source, *options)
+        if key not in self._paths:
+            folder = self._tmp.mktemp(f"{name}-{source}")  # one model per folder
+            self._paths[key] = self._save(self.reference(name), name, source, folder, *options)
+        return self._paths[key]
+
+    def ours(self, name: str, source: str):
+        from kvlm.loader.load import load_model
+
+        if (name, source) not in self._models:
+            self._models[name, source] = load_model(str(self.path(name, source)), "float32", progress=False)
+        return self._models[name, source]

@@ -114,6 +114,12 @@ def random_model(spec: Spec) -> PreTrainedModel:
     and Q/K/V biases, which transformers initialises to zero, drawn like the weights."""
     torch.manual_seed(spec.seed)
     model = spec.model_class(make_config(spec)).eval()
+    return randomized_norms_and_biases(model)
+
+
+def randomized_norms_and_biases(model: PreTrainedModel) -> PreTrainedModel:
+    """Norms drawn in [0.5, 1.5] and biases like weights (transformers starts them at one and zero), so that a norm
+    or bias read from the wrong tensor shows."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):

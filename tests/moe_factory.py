@@ -31,6 +31,7 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
+from family_factory import randomized_norms_and_biases
 from gguf_factory import BOS_ID, EOS_ID, gguf_metadata, permute_rope_rows, save_hf_folder, write_gguf
 
 _BASE = dict(vocab_size=1000, hidden_size=128, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
@@ -77,14 +78,7 @@ SPECS: dict[str, MoESpec] = {
 def random_moe(spec: MoESpec) -> PreTrainedModel:
     """The transformers model with random weights, norms in [0.5, 1.5] and biases drawn like weights."""
     torch.manual_seed(spec.seed)
-    model = spec.model_class(spec.config_class(**{**_BASE, **spec.options})).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.uniform_(0.5, 1.5)
-            elif name.endswith(".bias"):
-                param.normal_(0.0, 0.5)
-    return model
+    return randomized_norms_and_biases(spec.model_class(spec.config_class(**{**_BASE, **spec.options})).eval())
 
 
 def save_moe_folder(model: PreTrainedModel, folder: Path) -> Path:

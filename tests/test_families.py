@@ -14,7 +14,8 @@ import torch
 import transformers
 
 from conftest import (
-    decode_ok, full_sequence_logits, max_diff, memory_state, one_batch, prefill_then_decode_logits, reference_logits,
+    ModelZoo, decode_ok, full_sequence_logits, max_diff, memory_state, one_batch, prefill_then_decode_logits,
+    reference_logits,
 )
 from family_factory import ORIGINAL_POSITIONS, SOURCES, SPECS, head_dim_of, random_model, save_model
 from kvlm import LLM, Batch, Context, DecodeStatus, SamplingParams, load_model
@@ -33,33 +34,10 @@ KV_TOLERANCES = {"f16": 0.05, "bf16": 0.3, "q8_0": 0.6}
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-class Zoo:
-    """Each model made, written and loaded once for the whole module, whatever order tests run in."""
-
-    def __init__(self, tmp_path_factory) -> None:
-        self._tmp = tmp_path_factory
-        self._references, self._paths, self._models = {}, {}, {}
-
-    def reference(self, name: str):
-        if name not in self._references:
-            self._references[name] = random_model(SPECS[name])
-        return self._references[name]
-
-    def path(self, name: str, source: str):
-        if (name, source) not in self._paths:
-            folder = self._tmp.mktemp(f"{name}-{source}")  # one model per folder
-            self._paths[name, source] = save_model(self.reference(name), SPECS[name], source, folder)
-        return self._paths[name, source]
-
-    def ours(self, name: str, source: str):
-        if (name, source) not in self._models:
-            self._models[name, source] = load_model(str(self.path(name, source)), "float32")
-        return self._models[name, source]
-
-
 @pytest.fixture(scope="module")
-def zoo(tmp_path_factory) -> Zoo:
-    return Zoo(tmp_path_factory)
+def zoo(tmp_path_factory) -> ModelZoo:
+    return ModelZoo(tmp_path_factory, lambda name: random_model(SPECS[name]),
+                    lambda model, name, source, folder: save_model(model, SPECS[name], source, folder))
 
 
 @pytest.fixture(scope="module", params=list(SPECS))

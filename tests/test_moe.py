@@ -13,7 +13,7 @@ import torch
 import transformers
 from gguf import GGMLQuantizationType
 
-from conftest import decode_ok, full_sequence_logits, max_diff, prefill_then_decode_logits, reference_logits
+from conftest import ModelZoo, decode_ok, full_sequence_logits, max_diff, prefill_then_decode_logits, reference_logits
 from kvlm import LLM, Batch, Context, SamplingParams, load_model
 from kvlm.kernels import native_kernels
 from kvlm.model.moe import BlockExperts, DenseExperts
@@ -27,35 +27,15 @@ SOURCES = ("hf", "gguf")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-class Zoo:
-    """Each model made, written and loaded once for the module."""
-
-    def __init__(self, tmp_path_factory) -> None:
-        self._tmp, self._references, self._paths, self._models = tmp_path_factory, {}, {}, {}
-
-    def reference(self, name: str):
-        if name not in self._references:
-            self._references[name] = random_moe(SPECS[name])
-        return self._references[name]
-
-    def path(self, name: str, source: str, quant=GGMLQuantizationType.F32):
-        key = (name, source, quant)
-        if key not in self._paths:
-            folder = self._tmp.mktemp(f"{name}-{source}")
-            hf = save_moe_folder(self.reference(name), folder / "hf")
-            self._paths[key] = hf if source == "hf" else write_moe_gguf(self.reference(name), SPECS[name], hf,
-                                                                         folder / "model.gguf", quant)
-        return self._paths[key]
-
-    def ours(self, name: str, source: str):
-        if (name, source) not in self._models:
-            self._models[name, source] = load_model(str(self.path(name, source)), "float32", progress=False)
-        return self._models[name, source]
+def save(model, name: str, source: str, folder, quant=GGMLQuantizationType.F32):
+    """The saved folder, or a GGUF file converted from it."""
+    hf = save_moe_folder(model, folder / "hf")
+    return hf if source == "hf" else write_moe_gguf(model, SPECS[name], hf, folder / "model.gguf", quant)
 
 
 @pytest.fixture(scope="module")
-def zoo(tmp_path_factory) -> Zoo:
-    return Zoo(tmp_path_factory)
+def zoo(tmp_path_factory) -> ModelZoo:
+    return ModelZoo(tmp_path_factory, lambda name: random_moe(SPECS[name]), save)
 
 
 @pytest.fixture(scope="module", params=list(SPECS))

@@ -151,20 +151,20 @@ inline void experts_ffn(const ExpertsSpec& s, const void* x, bool bf16, int64_t 
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < n_pairs; ++p)
             for (int64_t i = 0; i < s.n_embd; ++i) xs[p * s.n_embd + i] = load_value(x, bf16, routing.token[p] * s.n_embd + i);
-        quantize_in_team(xs, false, n_pairs, s.n_embd, wanted_in, act_in);
-        share_units(routing, gate_up_units, thread, count, mine);
-        for (size_t i = 0; i < experts.size(); ++i)
-            multiply_units(experts[i].gate_up(s.n_embd), act_in, routing.spans[i], mine[i].first, mine[i].second, h,
-                           false);
+        // This thread's share of every chosen expert's matrix (gate_up, else down) times its rows; then all wait.
+        const auto multiply = [&](bool gate_up, const QuantizedRows* act, float* out) {
+            share_units(routing, gate_up ? gate_up_units : down_units, thread, count, mine);
+            for (size_t i = 0; i < experts.size(); ++i)
+                multiply_units(gate_up ? experts[i].gate_up(s.n_embd) : experts[i].down(s.n_ff), act,
+                               routing.spans[i], mine[i].first, mine[i].second, out, false);
 #pragma omp barrier
+        };
+        quantize_in_team(xs, false, n_pairs, s.n_embd, wanted_in, act_in);
+        multiply(true, act_in, h);
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < n_pairs; ++p) gated_row(h, false, p, s.n_ff, s.gelu, a);
         quantize_in_team(a, false, n_pairs, s.n_ff, wanted_mid, act_mid);
-        share_units(routing, down_units, thread, count, mine);
-        for (size_t i = 0; i < experts.size(); ++i)
-            multiply_units(experts[i].down(s.n_ff), act_mid, routing.spans[i], mine[i].first, mine[i].second, ys,
-                           false);
-#pragma omp barrier
+        multiply(false, act_mid, ys);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < n_tokens; ++t)
             for (int64_t i = 0; i < s.n_embd; ++i) {
