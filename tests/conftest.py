@@ -212,3 +212,15 @@ class ModelZoo:
         if (name, source) not in self._models:
             self._models[name, source] = load_model(str(self.path(name, source)), "float32", progress=False)
         return self._models[name, source]
+
+
+@pytest.fixture
+def reference(zoo, name):
+    """The transformers model `name` of the module's `zoo` (modules of a ModelZoo define `zoo`, `name`, `source`)."""
+    return zoo.reference(name)
+
+
+@pytest.fixture
+def ours(zoo, name, source):
+    """kvlm's float32 model of the zoo's `name`, read from `source`."""
+    return zoo.ours(name, source)

@@ -31,7 +31,7 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from family_factory import randomized_norms_and_biases
+from family_factory import Spec, randomized_norms_and_biases
 from gguf_factory import BOS_ID, EOS_ID, gguf_metadata, permute_rope_rows, save_hf_folder, write_gguf
 
 _BASE = dict(vocab_size=1000, hidden_size=128, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
@@ -40,12 +40,7 @@ _BASE = dict(vocab_size=1000, hidden_size=128, intermediate_size=96, num_hidden_
 
 
 @dataclass(frozen=True)
-class MoESpec:
-    arch: str  # GGUF general.architecture
-    config_class: type
-    model_class: type
-    options: dict[str, Any]
-    seed: int = 0
+class MoESpec(Spec):
     gguf_keys: dict[str, Any] = field(default_factory=dict)  # metadata the converter writes beyond the common keys
 
 

@@ -50,16 +50,6 @@ def source(request) -> str:
     return request.param
 
 
-@pytest.fixture
-def reference(zoo, name):
-    return zoo.reference(name)
-
-
-@pytest.fixture
-def ours(zoo, name, source):
-    return zoo.ours(name, source)
-
-
 # --- the files themselves, and the config kvlm reads from them ---
 
 def test_old_spelling_means_the_same_to_transformers(zoo, name, reference):

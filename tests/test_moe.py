@@ -48,16 +48,6 @@ def source(request) -> str:
     return request.param
 
 
-@pytest.fixture
-def reference(zoo, name):
-    return zoo.reference(name)
-
-
-@pytest.fixture
-def ours(zoo, name, source):
-    return zoo.ours(name, source)
-
-
 def test_experts_are_read_alike_from_both_sources(zoo, name, reference):
     hf = reference.config
     configs = [zoo.ours(name, source).config for source in SOURCES]
