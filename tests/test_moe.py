@@ -234,3 +234,30 @@ def test_routing_a_file_asks_for_and_kvlm_lacks_is_refused(zoo, tmp_path, key, v
     path = write_gguf(tmp_path / "m.gguf", metadata, moe_gguf_tensors(hf, spec, reference.config), arch="qwen3moe")
     with pytest.raises(UnsupportedModelError, match=f"qwen3moe.{key}={value}"):
         load_model(str(path), progress=False)
+
+
+# --- what a user is told before loading ---
+
+def test_inspect_shows_the_experts_and_the_share_of_the_file_a_token_reads(zoo, capsys):
+    """Qwen3-MoE with a plain MLP in layer 1, Q8_0: experts per layer, used, width, weighting, the dense layer; the
+    bytes a token reads are every tensor's but the embedding's, and 2 of 6 experts' of each layer of experts."""
+    import kvlm.cli
+    from kvlm.loader.gguf_reader import GGUFFile
+
+    path = zoo.path("qwen3moe-dense-layer", "gguf", GGMLQuantizationType.Q8_0)
+    assert kvlm.cli.main(["inspect", str(path), "--ctx", "128"]) == 0
+    rows = {line[:20].strip(): line[20:].strip() for line in capsys.readouterr().out.splitlines()}
+    assert rows["experts"] == ("6 per layer, 2 used per token, each 32 wide; weights as routed (not renormalised); "
+                               "1 layer with a plain MLP")
+    tensors = GGUFFile(path).tensors
+    total = sum(t.nbytes for t in tensors.values())
+    experts = sum(t.nbytes for name, t in tensors.items() if name.endswith("_exps.weight"))
+    active = total - tensors["token_embd.weight"].nbytes - experts + experts * 2 // 6
+    assert rows["bytes per token"].startswith(f"{active} (") and f"active of {total} (" in rows["bytes per token"]
+
+
+@pytest.mark.parametrize("dtype", ["auto", "float32"])
+def test_the_memory_plan_counts_experts_as_they_are_held(zoo, dtype):
+    """In their blocks (the default) or dense (float32): the plan's weights are what the decoder then holds."""
+    model = load_model(str(zoo.path("qwen2moe", "gguf", GGMLQuantizationType.Q8_0)), dtype, progress=False)
+    assert model.plan.weights + model.plan.copies == pytest.approx(model.decoder.nbytes, rel=0.01)
