@@ -93,19 +93,6 @@ def test_speculative_decoding_on_two_ranks_equals_one_rank_without(one, two):
     assert llm.engine.speculator.stats.num_draft_tokens > 0
 
 
-def test_a_mixture_of_experts_on_two_ranks_equals_one(tmp_path_factory):
-    """Qwen2-MoE (experts and a gated shared expert): each rank holds half of every expert's width; the greedy
-    tokens equal one rank's, the logprobs within the tolerance."""
-    from moe_factory import SPECS, random_moe, save_moe_folder
-
-    folder = save_moe_folder(random_moe(SPECS["qwen2moe"]), tmp_path_factory.mktemp("tp-moe"))
-    prompts = [token_ids(VOCAB, 21, seed=7), token_ids(VOCAB, 6, seed=8), token_ids(VOCAB, 34, seed=9)]
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0)
-    expected = LLM(load_model(str(folder), "float32"), max_num_seqs=2).generate(prompts, params, use_tqdm=False)
-    for model in on_two_ranks(folder):
-        assert_same_outputs(LLM(model, max_num_seqs=2).generate(prompts, params, use_tqdm=False), expected)
-
-
 def sequence_operations(model) -> list[torch.Tensor]:
     """Logits after each of: a prompt in micro-batches of 5, seq_cp + partial seq_rm + continuation, a context
     shift (keep 4, discard 6), a batch aborted after its first micro-batch and then run again, a saved sequence

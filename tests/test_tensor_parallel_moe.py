@@ -1,0 +1,23 @@
+"""Tensor parallelism for a mixture of experts (issue 26): a random Qwen2-MoE (experts and a gated shared expert) on
+two ranks, each holding half of every expert's width, against one rank. A module of its own: one tensor-parallel
+model per process at a time, and the other modules' stay up for their whole module."""
+from __future__ import annotations
+
+from conftest import on_two_ranks
+from moe_factory import SPECS, random_moe, save_moe_folder
+from test_random_models import token_ids
+from test_tensor_parallel_engine import VOCAB, assert_same_outputs
+
+from kvlm import load_model
+from kvlm.engine.llm import LLM
+from kvlm.engine.sampling_params import SamplingParams
+
+
+def test_a_mixture_of_experts_on_two_ranks_equals_one(tmp_path_factory):
+    """The greedy tokens equal one rank's, the logprobs within the tolerance."""
+    folder = save_moe_folder(random_moe(SPECS["qwen2moe"]), tmp_path_factory.mktemp("tp-moe"))
+    prompts = [token_ids(VOCAB, 21, seed=7), token_ids(VOCAB, 6, seed=8), token_ids(VOCAB, 34, seed=9)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0)
+    expected = LLM(load_model(str(folder), "float32"), max_num_seqs=2).generate(prompts, params, use_tqdm=False)
+    for model in on_two_ranks(folder):
+        assert_same_outputs(LLM(model, max_num_seqs=2).generate(prompts, params, use_tqdm=False), expected)
