@@ -104,19 +104,26 @@ class GGUFTensors:
     def _experts(self, info: TensorInfo, rows: slice | None, cols: slice | None) -> Stored:
         """A tensor of experts [expert, rows, cols], `rows` and `cols` of each expert's matrix: of a block format
         the kernels read, a BlockMatrix of every expert's rows in turn (the file's own layout); else dense."""
-        n_expert, n_rows, n_cols = info.shape
+        n_expert, n_rows, _ = info.shape
         if info.qtype not in NATIVE_TYPES:
             values = self._dense(info, None, None).reshape(info.shape)
             return values[:, rows if rows is not None else slice(None), cols if cols is not None else slice(None)]
         row_bytes = info.nbytes // (n_expert * n_rows)
         first, last, _ = (rows or slice(None)).indices(n_rows)
-        out = kept_memory(n_expert * (last - first) * row_bytes).view(n_expert, last - first, row_bytes)
-        if last - first == n_rows:
-            self.gguf.read_into(out, info.offset)
-        else:  # each expert's share of rows (a tensor-parallel rank's)
-            for expert in range(n_expert):
-                self.gguf.read_into(out[expert], info.offset + (expert * n_rows + first) * row_bytes)
-        matrix = BlockMatrix(out.view(-1, row_bytes), info.qtype, n_cols)
+        starts = [info.offset + (expert * n_rows + first) * row_bytes for expert in range(n_expert)]
+        return self._expert_blocks(info, starts, last - first, row_bytes, cols)
+
+    def _expert_blocks(self, info: TensorInfo, starts: list[int], n_rows: int, row_bytes: int,
+                       cols: slice | None) -> BlockMatrix:
+        """n_rows rows of each expert, from the file offsets `starts`, stacked as one BlockMatrix (its columns
+        `cols`): one read where the experts' rows follow one another in the file."""
+        out = kept_memory(len(starts) * n_rows * row_bytes).view(len(starts), n_rows, row_bytes)
+        if starts == [starts[0] + expert * n_rows * row_bytes for expert in range(len(starts))]:
+            self.gguf.read_into(out, starts[0])
+        else:  # each expert's share of rows (a tensor-parallel rank's, a half of a fused tensor), or its own tensor
+            for expert, start in enumerate(starts):
+                self.gguf.read_into(out[expert], start)
+        matrix = BlockMatrix(out.view(-1, row_bytes), info.qtype, info.shape[-1])
         return matrix if cols is None else matrix.columns(cols.start, cols.stop)
 
     def _expert_parts(self, parts: ExpertParts, rows: slice | None, cols: slice | None) -> Stored:
@@ -130,14 +137,11 @@ class GGUFTensors:
         if info.qtype not in NATIVE_TYPES:
             values = torch.stack([self._dense(t, None, None) for t in parts.tensors])
             return values[:, first:last, cols if cols is not None else slice(None)]
-        row_bytes = info.nbytes // n_rows
-        out = kept_memory(len(parts.tensors) * (last - first) * row_bytes).view(len(parts.tensors), last - first,
-                                                                                 row_bytes)
-        for expert, tensor in enumerate(parts.tensors):
+        for tensor in parts.tensors:
             self.gguf.check_complete(tensor)
-            self.gguf.read_into(out[expert], tensor.offset + first * row_bytes)
-        matrix = BlockMatrix(out.view(-1, row_bytes), info.qtype, info.shape[1])
-        return matrix if cols is None else matrix.columns(cols.start, cols.stop)
+        row_bytes = info.nbytes // n_rows
+        return self._expert_blocks(info, [t.offset + first * row_bytes for t in parts.tensors], last - first,
+                                   row_bytes, cols)
 
     def _rows(self, info: TensorInfo, rows, kept: bool = False) -> torch.Tensor:
         """Rows of the tensor's bytes as uint8 [n, row_bytes] in memory of its own (a vector is one row): read

@@ -227,8 +227,8 @@ class Decoder:
             blocks = []
             for name in names:
                 stored = weights.read(name)
-                if storage != FROM_FILE or not isinstance(stored, BlockMatrix):
-                    values = self._float(stored) if isinstance(stored, BlockMatrix) else stored.float()
+                if storage != FROM_FILE:  # requantized: every expert's rows in turn, as the file stacks them
+                    values = self._float(stored)
                     stored = QUANTIZERS[storage](values.reshape(-1, values.shape[-1]))
                 blocks.append(kernels.interleave(stored))
             native = NativeExperts(kernels, blocks[0], blocks[1], blocks[2], self.config.n_expert,

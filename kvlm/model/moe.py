@@ -6,7 +6,7 @@ Routing is computed in float32 whatever the activations (as transformers and lla
 experts, the k most probable kept in descending order, their probabilities renormalised to sum to 1 where the model
 says so. The experts themselves run as one native call over the blocks their file stores them in
 (kvlm.kernels.experts), or, with dense weights (the reference mode, or no native kernels), as a loop over the experts
-that have tokens: the plain form the native call is tested against.
+that have tokens.
 """
 from __future__ import annotations
 
