@@ -35,15 +35,28 @@ def scale_bytes(rng, n: int) -> np.ndarray:
     return values.astype(np.float16).view(np.uint8).reshape(n, 2)
 
 
+def exponent_bytes(rng, n: int) -> np.ndarray:
+    """MXFP4's E8M0 exponents as a file has them: scales 2^(e - 128) of about 2^-10 .. 2^2."""
+    return rng.integers(118, 131, size=(n, 1), dtype=np.uint8)
+
+
+# Where a block's scales are: the offsets of its f16 scales, or of MXFP4's one exponent byte.
+SCALES_AT = {T.Q4_0: [0], T.Q5_0: [0], T.Q8_0: [0], T.Q4_1: [0, 2], T.Q5_1: [0, 2], T.Q4_K: [0, 2], T.Q5_K: [0, 2],
+             T.Q6_K: [208], T.MXFP4: [0]}
+
+
+def scale_width(qtype: T) -> int:
+    return 1 if qtype == T.MXFP4 else 2
+
+
 def random_blocks(qtype: T, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     """Rows of blocks with random levels and plausible scales: [rows, row_bytes] uint8."""
     rng = np.random.default_rng(seed)
     block_weights, block_bytes = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, size=(rows * cols // block_weights, block_bytes), dtype=np.uint8)
-    scale_at = {T.Q4_0: [0], T.Q5_0: [0], T.Q8_0: [0], T.Q4_1: [0, 2], T.Q5_1: [0, 2], T.Q4_K: [0, 2],
-                T.Q5_K: [0, 2], T.Q6_K: [208]}[qtype]
-    for at in scale_at:
-        raw[:, at:at + 2] = scale_bytes(rng, raw.shape[0])
+    scales = exponent_bytes if qtype == T.MXFP4 else scale_bytes
+    for at in SCALES_AT[qtype]:
+        raw[:, at:at + scale_width(qtype)] = scales(rng, raw.shape[0])
     return raw.reshape(rows, -1)
 
 
@@ -91,6 +104,24 @@ def test_the_reference_dequantizes_as_gguf_does(qtype):
     assert exact(reference.dequantize(matrix), torch.from_numpy(gguf_dequantize(raw, qtype)))
 
 
+def every_exponent_blocks() -> tuple[np.ndarray, torch.Tensor]:
+    """MXFP4 blocks with every exponent 0..255 (subnormal scales at 0 and 1, infinite values near 255) and every
+    code, 8 rows of 32 blocks, and gguf's values of them."""
+    raw = np.empty((256, 17), dtype=np.uint8)
+    raw[:, 0] = np.arange(256)
+    raw[:, 1:] = np.arange(0, 256, 17)  # bytes 0x00, 0x11, .. 0xFF: weights i and 16 + i have code i
+    raw = raw.reshape(8, -1)
+    with np.errstate(over="ignore"):
+        return raw, torch.from_numpy(gguf_dequantize(raw, T.MXFP4))
+
+
+def test_mxfp4_scales_are_ggufs_at_every_exponent():
+    """e = 0, 1 (subnormal 2^-128, 2^-127), 2, 254, 255 and all between, bit for bit, infinities included."""
+    raw, expected = every_exponent_blocks()
+    assert exact(reference.dequantize(BlockMatrix(torch.from_numpy(raw), T.MXFP4, 32 * 32)), expected)
+    assert expected.reshape(256, 32)[[0, 1, 2, 254], 1].tolist() == [2.0**-128, 2.0**-127, 2.0**-126, 2.0**126]
+
+
 def laid_out(kernels, raw: np.ndarray, qtype: T, cols: int, layout: str) -> BlockMatrix:
     """The blocks as the file has them, or interleaved in tiles of 8 rows where this build reads tiles."""
     matrix = BlockMatrix(torch.from_numpy(raw.copy()), qtype, cols)
@@ -119,6 +150,12 @@ def test_the_native_kernels_dequantize_as_gguf_does(kernels, qtype, layout):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_native_mxfp4_scales_are_ggufs_at_every_exponent(kernels, layout):
+    raw, expected = every_exponent_blocks()
+    assert exact(kernels.dequantize(laid_out(kernels, raw, T.MXFP4, 32 * 32, layout)), expected)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, 3, 4, 9])
 def test_the_native_product_is_its_definition(kernels, qtype, m, layout):
@@ -143,11 +180,11 @@ def test_a_tiles_levels_span_every_value(kernels, qtype):
     if qtype != T.Q8_0:
         weights_bytes = np.ones_like(raw, dtype=bool)
         block = GGML_QUANT_SIZES[qtype][1]
-        for at in {T.Q4_0: [0], T.Q5_0: [0], T.Q4_1: [0, 2], T.Q5_1: [0, 2], T.Q4_K: [0, 2], T.Q5_K: [0, 2],
-                   T.Q6_K: [208]}[qtype]:  # the f16 scales stay as they are
+        for at in SCALES_AT[qtype]:  # the scales stay as they are
             for start in range(at, raw.shape[1], block):
-                weights_bytes[:, start:start + 2] = False
-        raw[weights_bytes] = 0xFF  # every level (and K-quant scale and min) at its maximum
+                weights_bytes[:, start:start + scale_width(qtype)] = False
+        # every level (and K-quant scale and min) at its maximum; MXFP4's is code 7's (kvalue 12, level 24)
+        raw[weights_bytes] = 0x77 if qtype == T.MXFP4 else 0xFF
         if qtype == T.Q6_K:
             raw.reshape(-1, block)[:, 192:208] = 0x80  # scales of -128
     else:
@@ -160,7 +197,7 @@ def test_a_tiles_levels_span_every_value(kernels, qtype):
 
 def test_a_products_rows_do_not_depend_on_the_batch(kernels):
     """A row's arithmetic is the same alone and among others (every way activation rows share a tile's pass)."""
-    for qtype in (T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K):
+    for qtype in (T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K, T.MXFP4):
         matrix = laid_out(kernels, random_blocks(qtype, 16, 512), qtype, 512, "tiles")
         x = torch.randn(7, 512, generator=torch.Generator().manual_seed(int(qtype)))
         together = kernels.product([matrix])(x)

@@ -90,8 +90,24 @@ def _q6_k(b):
     return (step[..., None] * q.reshape(-1, 16, 16).float()).reshape(-1, 256)
 
 
+# MXFP4's codes: FP4 (E2M1) values doubled, as gguf's MXFP4.kvalues.
+_MXFP4_VALUES = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.float32)
+
+
+def _e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """2^(e - 128) for uint8 exponents, as gguf's e8m0_to_fp32_half: the float's bits built directly (subnormal for
+    e < 2), so every exponent is exact."""
+    e = e.to(torch.int32)
+    bits = torch.where(e < 2, 0x00200000 << e.clamp(max=1), (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
+def _mxfp4(b):
+    return _e8m0_half(b[:, :1]) * _MXFP4_VALUES[_nibbles(b[:, 1:]).long()]
+
+
 _DEQUANTIZE = {T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q8_0: _q8_0, T.Q4_K: _q4_k,
-               T.Q5_K: _q5_k, T.Q6_K: _q6_k}
+               T.Q5_K: _q5_k, T.Q6_K: _q6_k, T.MXFP4: _mxfp4}
 
 
 def dequantize(matrix: BlockMatrix, dtype: torch.dtype = torch.float32) -> torch.Tensor:

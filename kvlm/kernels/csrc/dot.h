@@ -1,7 +1,7 @@
 // Weights times rows of 8-bit activations (activations.h). Two ways, as in llama.cpp:
 //
-// - 32-weight formats (Q4_0 ... Q8_0), activations in blocks of 32: per block, the float scale times the integer
-//   dot product, plus the block's offset times the activations' sum;
+// - 32-weight formats (Q4_0 ... Q8_0, MXFP4), activations in blocks of 32: per block, the float scale times the
+//   integer dot product, plus the block's offset times the activations' sum;
 // - K-quants (Q4_K, Q5_K, Q6_K), activations in blocks of 256: a super-block's sub-block scales are integers, so
 //   its dot products are scaled and summed in integers, and floats come in once per super-block.
 //
@@ -117,15 +117,25 @@ inline void nibble_levels(const uint8_t* section, int p, __m256i& low, __m256i& 
 
 // The 32-weight formats: per block column, each row's integer dot product with a block of activations, then its
 // scale (and offset) times the activations' step (and step times their sum).
-template <int TYPE> constexpr int nibbles_at() {  // after d, m and the fifth bits (tiles.h)
+template <int TYPE> constexpr int nibbles_at() {  // after d (MXFP4: e), m and the fifth bits (tiles.h)
+    if (TYPE == MXFP4) return 8;
     return 16 + 16 * (TYPE == Q4_1 || TYPE == Q5_1) + 32 * (TYPE == Q5_0 || TYPE == Q5_1);
+}
+
+// The 8 rows' scales of a block column: f16, or MXFP4's E8M0 exponent bytes.
+template <int TYPE> inline __m256 column_scales(const uint8_t* column) {
+    if constexpr (TYPE == MXFP4)
+        return e8m0_halves(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(column))));
+    else
+        return f16x8(column);
 }
 
 template <int TYPE, int R>
 inline void legacy_tile(const uint8_t* tile, int64_t n_blocks, const ActRows<R>& act, __m256 out[R]) {
     constexpr int COLUMN = TILE_ROWS * Traits<TYPE>::bytes;
     constexpr bool five = TYPE == Q5_0 || TYPE == Q5_1, with_min = TYPE == Q4_1 || TYPE == Q5_1;
-    const __m256i ones = _mm256_set1_epi16(1);
+    constexpr bool coded = TYPE == MXFP4;  // nibbles are codes, mapped to levels 0..24 by a table
+    const __m256i ones = _mm256_set1_epi16(1), levels_of = coded ? mxfp4_level_table() : _mm256_setzero_si256();
     __m256 acc[R], offsets[R];
     for (int t = 0; t < R; ++t) acc[t] = offsets[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < n_blocks; ++b) {
@@ -143,7 +153,9 @@ inline void legacy_tile(const uint8_t* tile, int64_t n_blocks, const ActRows<R>&
                 }
             });
         } else {
-            // int16 pair sums hold 8 products of 4-bit levels (or 4 of 5-bit ones) without overflow.
+            // Each int16 of the pair sums gains 4 products per register of nibbles. 4-bit levels fit all 4
+            // registers' (16 * 15 * 127 < 2^15); 5-bit levels and MXFP4's (up to 24) only 2 registers' (8 * 31 * 127),
+            // so theirs are widened to int32 halfway.
             __m256i pairs[R];
             for (int t = 0; t < R; ++t) pairs[t] = _mm256_setzero_si256();
             const __m256i plane = five ? load256(column + (with_min ? 32 : 16)) : _mm256_setzero_si256();
@@ -155,11 +167,15 @@ inline void legacy_tile(const uint8_t* tile, int64_t n_blocks, const ActRows<R>&
                     low = _mm256_or_si256(low, fifth_bit<2 * p>(plane));
                     high = _mm256_or_si256(high, fifth_bit<2 * p + 1>(plane));
                 }
+                if constexpr (coded) {
+                    low = _mm256_shuffle_epi8(levels_of, low);
+                    high = _mm256_shuffle_epi8(levels_of, high);
+                }
                 for (int t = 0; t < R; ++t) {
                     const int8_t* a = act.q[t] + 32 * b + 8 * p;
                     pairs[t] = _mm256_add_epi16(pairs[t], _mm256_add_epi16(pair_sums(low, a), pair_sums(high, a + 4)));
                 }
-                if constexpr (five && p == 1)
+                if constexpr ((five || coded) && p == 1)
                     for (int t = 0; t < R; ++t) {
                         sums[t] = _mm256_madd_epi16(pairs[t], ones);
                         pairs[t] = _mm256_setzero_si256();
@@ -167,7 +183,7 @@ inline void legacy_tile(const uint8_t* tile, int64_t n_blocks, const ActRows<R>&
             });
             for (int t = 0; t < R; ++t) sums[t] = _mm256_add_epi32(sums[t], _mm256_madd_epi16(pairs[t], ones));
         }
-        const __m256 d = f16x8(column);
+        const __m256 d = column_scales<TYPE>(column);
         for (int t = 0; t < R; ++t)
             acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t]), _mm256_mul_ps(d, _mm256_set1_ps(act.step[t][b])), acc[t]);
         if constexpr (TYPE != Q8_0) {

@@ -3,11 +3,11 @@
 // Every format is read the same way: a chunk of up to 256 consecutive weights of one row becomes 256 unsigned
 // 8-bit levels plus, for each group of 16 weights, a scale and an offset, so that
 //     weight = scale[g] * level + offset[g]
-// holds exactly (every format's levels are small integers and its scales and offsets products of an f16 and a
-// small integer, which float32 holds exactly). The products read the chunks: the levels go into integer dot
-// products with 8-bit activations, the scales and offsets into float arithmetic once per group.
+// holds exactly (every format's levels are small integers and its scales and offsets products of an f16, or of
+// MXFP4's power of two, and a small integer, which float32 holds exactly). The products read the chunks: the levels
+// go into integer dot products with 8-bit activations, the scales and offsets into float arithmetic once per group.
 //
-// This file holds the formats' plain C++ readers (what any -march builds); unpack_simd.h holds the vector ones.
+// This file holds the formats' plain C++ readers (what any -march builds); readers.h holds the vector ones.
 #pragma once
 
 #include <cmath>
@@ -21,7 +21,8 @@ constexpr int GROUP = 16;   // weights sharing one scale and offset in a chunk
 constexpr int GROUPS = CHUNK / GROUP;
 
 // ggml's type ids (gguf's GGMLQuantizationType).
-enum Type : int32_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum Type : int32_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+                      MXFP4 = 39 };
 
 struct alignas(64) Chunk {
     uint8_t levels[CHUNK];
@@ -41,6 +42,7 @@ template <> struct Traits<Q8_0> { static constexpr int weights = 32, bytes = 34,
 template <> struct Traits<Q4_K> { static constexpr int weights = 256, bytes = 144, center = 0; };
 template <> struct Traits<Q5_K> { static constexpr int weights = 256, bytes = 176, center = 0; };
 template <> struct Traits<Q6_K> { static constexpr int weights = 256, bytes = 210, center = 32; };
+template <> struct Traits<MXFP4> { static constexpr int weights = 32, bytes = 17, center = 12; };
 
 template <int TYPE> constexpr int64_t row_bytes(int64_t n_cols) {
     return n_cols / Traits<TYPE>::weights * Traits<TYPE>::bytes;
@@ -95,6 +97,23 @@ inline uint32_t load_u32(const uint8_t* p) {
 }
 
 inline float f16_at(const uint8_t* p) { return fp16_to_float(load_u16(p)); }
+
+// MXFP4's scale from its E8M0 exponent byte e, as ggml's ggml_e8m0_to_fp32_half: 2^(e - 128), half the E8M0 value
+// because the codes below are FP4 (E2M1) values doubled. The bits are built directly (e < 2 gives a subnormal),
+// so every e is exact with no float arithmetic.
+inline uint32_t e8m0_half_bits(uint8_t e) { return e < 2 ? 0x00200000u << e : uint32_t(e - 1) << 23; }
+
+inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e8m0_half_bits(e);
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+// MXFP4's 16 codes: gguf's kvalues (E2M1 doubled: codes 8-15 are the negatives of 0-7), read as the unsigned
+// levels kvalue + 12 (0..24) around Traits<MXFP4>::center.
+constexpr int8_t MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+constexpr uint8_t mxfp4_level(int code) { return uint8_t(MXFP4_VALUES[code] + 12); }
 
 // The eight 6-bit scales and mins of Q4_K and Q5_K, packed in 12 bytes: the low 6 bits of bytes 0-3 are scales
 // 0-3 and of bytes 4-7 mins 0-3; scales and mins 4-7 take their low 4 bits from the nibbles of bytes 8-11 and their
@@ -214,6 +233,22 @@ template <> inline void unpack_generic<Q6_K>(const uint8_t* block, int, Chunk& c
     for (int g = 0; g < GROUPS; ++g) {
         c.scale[g] = d * float(int8_t(block[192 + g]));
         c.offset[g] = -32.0f * c.scale[g];
+    }
+}
+
+// MXFP4: an E8M0 exponent e, 16 bytes of 4-bit codes (low nibbles weights 0-15, high 16-31);
+// w = e8m0_half(e) * kvalue[code], read as level kvalue + 12 with offset -12 d. Near the top of e's range the level
+// form leaves float32 where gguf's d * kvalue does not: d * 24 is infinite for e >= 252 (24 * 2^124 > FLT_MAX), the
+// offset -12 d for e >= 253. Dequantization computes d * (level - 12), gguf's own product, so it is exact for every
+// e (infinite exactly where gguf's is); products over such blocks are not (no real weights have scales near 2^124).
+template <> inline void unpack_generic<MXFP4>(const uint8_t* block, int n, Chunk& c) {
+    for (int b = 0; b < n; ++b, block += 17) {
+        const float d = e8m0_half(block[0]);
+        for (int i = 0; i < 16; ++i) {
+            c.levels[32 * b + i] = mxfp4_level(block[1 + i] & 15);
+            c.levels[32 * b + 16 + i] = mxfp4_level(block[1 + i] >> 4);
+        }
+        set_block_group(c, b, d, -12.0f * d);
     }
 }
 

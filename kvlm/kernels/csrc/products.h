@@ -34,6 +34,7 @@ template <class F> bool with_type(int32_t type, F&& f) {
         case Q4_K: f(TypeTag<Q4_K>{}); return true;
         case Q5_K: f(TypeTag<Q5_K>{}); return true;
         case Q6_K: f(TypeTag<Q6_K>{}); return true;
+        case MXFP4: f(TypeTag<MXFP4>{}); return true;
         default: return false;
     }
 }

@@ -123,6 +123,39 @@ template <> struct Reader<Q8_0> : BlockGroups<Reader<Q8_0>> {
     }
 };
 
+// MXFP4's scales for eight E8M0 exponents (one per 32-bit lane, 0..255): formats.h's e8m0_half_bits lane by lane,
+// in integers, so every exponent is exact (e < 2 gives a subnormal).
+inline __m256 e8m0_halves(__m256i e) {
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i subnormal = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, subnormal, small));
+}
+
+// The codes' levels (formats.h, mxfp4_level) as a pshufb table, repeated in both 128-bit halves.
+inline __m256i mxfp4_level_table() {
+    alignas(16) uint8_t levels[16];
+    for (int code = 0; code < 16; ++code) levels[code] = mxfp4_level(code);
+    return _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(levels)));
+}
+
+template <> struct Reader<MXFP4> : BlockGroups<Reader<MXFP4>> {
+    static float scale(const uint8_t* block) { return e8m0_half(block[0]); }
+    static float offset(const uint8_t* block) { return -12.0f * e8m0_half(block[0]); }
+    static __m256i levels(const uint8_t* first, int s) {
+        return _mm256_shuffle_epi8(mxfp4_level_table(), nibble_levels(first + 17 * s + 1));
+    }
+    static void blocks(const uint8_t* first, int n, __m256& scale, __m256& offset) {
+        alignas(32) int32_t e[8] = {};
+        for (int b = 0; b < n; ++b) e[b] = first[17 * b];
+        // blocks past n get scale 0, as f16_strided gives them (an exponent of 0 would give 2^-128)
+        const __m256i present = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        scale = _mm256_and_ps(e8m0_halves(_mm256_load_si256(reinterpret_cast<const __m256i*>(e))),
+                              _mm256_castsi256_ps(present));
+        offset = _mm256_mul_ps(scale, _mm256_set1_ps(-12.0f));
+    }
+};
+
 // Q4_K and Q5_K: d * scale and -(dmin * min) per 32 weights.
 inline void k_groups(const uint8_t* block, __m256 scale[2], __m256 offset[2]) {
     uint32_t words[4];

@@ -16,8 +16,10 @@
 //   Q4_K   d[8] dmin[8] A[8] B[8] C[8], then per 32-weight sub-block: nibbles(32)        A, B, C: the three words
 //   Q5_K   d[8] dmin[8] A[8] B[8] C[8], then per 32-weight sub-block: fifth(32) nibbles(32)   of packed scales
 //   Q6_K   d[8] scales[16][8], then per 16-weight sub-block: high2(16) nibbles(16)
+//   MXFP4  e[8]                 nibbles(32)                      E8M0 exponents, one byte per row
 //
-// where, for w[r][i] the levels of row r (formats.h: unsigned, 0..15, 31, 63; Q8_0 its signed bytes):
+// where, for w[r][i] the levels of row r (formats.h: unsigned, 0..15, 31, 63; Q8_0 its signed bytes; MXFP4 its
+// 4-bit codes, since its levels 0..24 do not fit a nibble: the products map codes to levels as they read them):
 //   nibbles(n): n/8 registers of 32 bytes; register p, byte 4r + i = (w[r][8p+i] & 15) | (w[r][8p+4+i] & 15) << 4
 //   fifth(32):  one register; byte 4r + i, bit g = bit 4 of w[r][4g+i]                          (g = 0..7)
 //   high2(16):  one register; byte 4r + i, bits 2g, 2g+1 = bits 4, 5 of w[r][4g+i]              (g = 0..3)
@@ -64,6 +66,9 @@ template <> struct TileLayout<Q5_1> {
 template <> struct TileLayout<Q8_0> {
     static constexpr Section sections[] = {{SIDE, 0, 0, 1, 0, 2}, {BYTES, 16, 0, 32, 0, 0}};
 };
+template <> struct TileLayout<MXFP4> {
+    static constexpr Section sections[] = {{SIDE, 0, 0, 1, 0, 1}, {NIBBLES, 8, 0, 32, 0, 0}};
+};
 
 // Q4_K: d, dmin (two f16 from byte 0), the 12 bytes of scales as three words (from byte 4), 8 sub-blocks of nibbles.
 #define KVLM_K_SIDES {SIDE, 0, 0, 2, 0, 2}, {SIDE, 32, 0, 3, 4, 4}
@@ -105,6 +110,10 @@ template <int TYPE> void file_levels(const uint8_t* block, uint8_t* levels) {
     if (TYPE == Q8_0)
         for (int i = 0; i < 32; ++i) levels[i] ^= 0x80;  // the signed bytes as stored
 }
+// MXFP4's tiles hold its codes (the layout above), so its "levels" here are the codes as stored.
+template <> inline void file_levels<MXFP4>(const uint8_t* block, uint8_t* codes) {
+    for (int i = 0; i < 16; ++i) { codes[i] = block[1 + i] & 15; codes[16 + i] = block[1 + i] >> 4; }
+}
 
 inline void set_nibble_pairs(uint8_t* qs, const uint8_t* low, const uint8_t* high, int n) {
     for (int i = 0; i < n; ++i) qs[i] = uint8_t((low[i] & 15) | (high[i] & 15) << 4);
@@ -129,6 +138,7 @@ template <> inline void set_file_levels<Q5_1>(uint8_t* block, const uint8_t* w) 
     set_nibble_pairs(block + 8, w, w + 16, 16);
 }
 template <> inline void set_file_levels<Q8_0>(uint8_t* block, const uint8_t* w) { std::memcpy(block + 2, w, 32); }
+template <> inline void set_file_levels<MXFP4>(uint8_t* block, const uint8_t* w) { set_nibble_pairs(block + 1, w, w + 16, 16); }
 template <> inline void set_file_levels<Q4_K>(uint8_t* block, const uint8_t* w) {
     for (int j = 0; j < 4; ++j) set_nibble_pairs(block + 16 + 32 * j, w + 64 * j, w + 64 * j + 32, 32);
 }
