@@ -55,6 +55,39 @@ def test_decode_attention_matches_torch(kernels, kv_dtype, dtype, n_head, n_kv, 
         torch.testing.assert_close(out[t:t + 1].double(), expected, **tolerance(dtype))
 
 
+def sink_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with sinks written out as gpt-oss defines it (transformers' eager_attention_forward): one token's
+    q [n_head, d] over k, v [L, n_kv, d], each head's sink logit a last softmax column that is then dropped."""
+    n_head, dim = q.shape
+    group = n_head // k.shape[1]
+    keys, values = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [L, n_head, d]
+    scores = torch.einsum("hd,lhd->hl", q, keys) * dim ** -0.5
+    weights = torch.softmax(torch.cat([scores, sinks[:, None]], dim=1), dim=1)[:, :-1]
+    return torch.einsum("hl,lhd->hd", weights, values).reshape(1, -1)
+
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "q8_0"])
+def test_decode_attention_with_sinks_matches_their_definition(kernels, kv_dtype):  # noqa: F811
+    """gpt-oss's sinks in the native decode attention (and torch's attention with them as an extra key), over
+    lengths of one cell, a chunk and past it (the chunks' merge starts from the sink)."""
+    n_cells, n_head, n_kv, dim = 600, 8, 2, 32
+    (k_plane, k_values), (v_plane, v_values) = planes(kv_dtype, n_cells, n_kv, dim, seed=3)
+    g = torch.Generator().manual_seed(13)
+    q = torch.randn(3, n_head, dim, generator=g)
+    sinks = torch.randn(n_head, generator=g) * 3
+    lengths = torch.tensor([1, 256, 600])
+    cells = torch.stack([torch.randperm(n_cells, generator=g) for _ in range(3)])
+    out = kernels.layer_ops.decode_attention(q, k_plane, v_plane, cells, lengths, dim ** -0.5, sinks)
+    for t, n in enumerate(lengths.tolist()):
+        rows = cells[t, :n]
+        expected = sink_attention_reference(q[t].double(), k_values[rows], v_values[rows], sinks.double())
+        torch.testing.assert_close(out[t:t + 1].double(), expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(grouped_attention(q[t:t + 1].double(), k_values[rows], v_values[rows], None,
+                                                     sinks.double()), expected)
+    without = kernels.layer_ops.decode_attention(q, k_plane, v_plane, cells, lengths, dim ** -0.5)
+    assert (out - without).abs().max() > 1e-2  # the sinks took their share
+
+
 @pytest.mark.parametrize("kv_dtype", ["f32", "q8_0"])
 def test_long_contexts_are_attended_in_chunks_merged_exactly(kernels, kv_dtype):  # noqa: F811
     """Cells beyond one chunk of 256: the partial softmaxes merged give torch's attention; and the result is the

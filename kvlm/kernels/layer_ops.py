@@ -18,7 +18,7 @@ class NativeLayerOps:
         i32, i64, ptr, f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
         self._attention = lib.kvlm_decode_attention
         self._attention.argtypes = [ptr, i32, i64, i32, i32, i32, f32, ptr, ptr, ptr, ptr, i32, ptr, i64, ptr, ptr,
-                                    i32]
+                                    ptr, i32]
         self._rms_norm = lib.kvlm_rms_norm
         self._rms_norm.argtypes = [ptr, ptr, i32, i64, i64, ptr, f32, ptr, ptr, i32]
         self._rope = lib.kvlm_rope
@@ -29,9 +29,10 @@ class NativeLayerOps:
         self._gated.argtypes = [ptr, i32, i64, i64, i32, ptr, i32]
 
     def decode_attention(self, q: torch.Tensor, k_plane: tuple, v_plane: tuple, cells: torch.Tensor,
-                         lengths: torch.Tensor, scale: float) -> torch.Tensor:
+                         lengths: torch.Tensor, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, n_head, d] (float32 or bfloat16, contiguous) over the cells cells[t, :lengths[t]] of the K and V
-        planes (each `(data [n_cells, n_kv, d], q8 scales or None)`, see KVPlane.native); [T, n_head * d]."""
+        planes (each `(data [n_cells, n_kv, d], q8 scales or None)`, see KVPlane.native); [T, n_head * d].
+        `sinks`: [n_head] float32 (contiguous) sink logits joining each head's softmax, or None."""
         (k, k_scales), (v, v_scales) = k_plane, v_plane
         n_tokens, n_head, dim = q.shape
         kv_type = KV_Q8_0 if k_scales is not None else KV_TYPES[k.dtype]
@@ -40,7 +41,7 @@ class NativeLayerOps:
             q.data_ptr(), q.dtype == torch.bfloat16, n_tokens, n_head, k.shape[1], dim, scale, k.data_ptr(),
             None if k_scales is None else k_scales.data_ptr(), v.data_ptr(),
             None if v_scales is None else v_scales.data_ptr(), kv_type, cells.data_ptr(), cells.stride(0),
-            lengths.data_ptr(), out.data_ptr(), torch.get_num_threads())
+            lengths.data_ptr(), None if sinks is None else sinks.data_ptr(), out.data_ptr(), torch.get_num_threads())
         if status:
             raise ValueError(f"decode attention cannot take n_head {n_head}, n_kv {k.shape[1]}, head_dim {dim} "
                              f"with this cache type")

@@ -69,11 +69,11 @@ class KVView:
         return self.store.read(layer, self.n_visible)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               batch_invariant: bool = False, native=None) -> torch.Tensor:
+               batch_invariant: bool = False, native=None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Write the step's K/V [n_tokens, n_kv, d] of `layer`, then attend q over the visible rows (`native`: the
-        native layer ops, for decode tokens)."""
+        native layer ops, for decode tokens; `sinks`: attention sinks' logits per head, or None)."""
         self.write(layer, k, v)
-        return attend(q, layer, self, batch_invariant, native)
+        return attend(q, layer, self, batch_invariant, native, sinks)
 
 
 MAX_SHARED_DECODE_TOKENS = 4  # more tokens over the same rows (a prompt chunk) are faster in torch's fused kernel
@@ -97,9 +97,9 @@ class LayerViews:
     by_layer: list[tuple[object, int]]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               batch_invariant: bool = False, native=None) -> torch.Tensor:
+               batch_invariant: bool = False, native=None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         view, local = self.by_layer[layer]
-        return view.attend(local, q, k, v, batch_invariant, native)
+        return view.attend(local, q, k, v, batch_invariant, native, sinks)
 
     def recurrent(self, layer: int):
         """A recurrent layer's state for this micro-batch (see kvlm.memory.recurrent)."""

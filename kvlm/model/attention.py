@@ -14,22 +14,23 @@ if TYPE_CHECKING:
 
 
 def attend(q: torch.Tensor, layer: int, kv: KVView, batch_invariant: bool = False,
-           native: NativeLayerOps | None = None) -> torch.Tensor:
+           native: NativeLayerOps | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, n_head, d] over the rows of `layer` that `kv` makes visible; returns [T, n_head * d] in q's dtype.
+    `sinks` [n_head] float32: attention sinks' logits (gpt-oss), or None.
 
     With `native`, decode tokens (each alone in its sequence) attend in one native call per layer that reads K/V
     in place in the cells (no gather, no conversion; float32 softmax); prompt chunks take torch's fused kernel."""
     if native is not None:
-        out = _native_decode(q, layer, kv, native)
+        out = _native_decode(q, layer, kv, native, sinks)
         if out is not None:
             return out
     keys, values = kv.read(layer)
     dtype = attention_dtype(q.dtype, keys.dtype, batch_invariant)
     q_in = q.to(dtype)
     if kv.groups is None:
-        out = grouped_attention(q_in, keys.to(dtype), values.to(dtype), kv.mask)
-    else:
-        out = _attention_by_group(q_in, keys, values, kv.groups)  # only the rows each group reads are converted
+        out = grouped_attention(q_in, keys.to(dtype), values.to(dtype), kv.mask, sinks)
+    else:  # only the rows each group reads are converted
+        out = _attention_by_group(q_in, keys, values, kv.groups, sinks)
     return out.to(q.dtype)
 
 
@@ -45,25 +46,27 @@ def attention_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype, batch_invariant
     return torch.float64 if batch_invariant else torch.float32
 
 
-def _native_decode(q: torch.Tensor, layer: int, kv: KVView, native: NativeLayerOps) -> torch.Tensor | None:
+def _native_decode(q: torch.Tensor, layer: int, kv: KVView, native: NativeLayerOps,
+                   sinks: torch.Tensor | None) -> torch.Tensor | None:
     """The native decode attention where every token of the step reads its own rows (or a few tokens read all
     visible rows); None for anything else (prompt chunks, masked shared rows)."""
     cells = kv.decode_cells
     if cells is None or q.shape[-1] % HEAD_DIM_STEP:
         return None
     planes = (kv.store.k.native(layer), kv.store.v.native(layer))
-    return native.decode_attention(q.contiguous(), *planes, *cells, q.shape[-1] ** -0.5)
+    return native.decode_attention(q.contiguous(), *planes, *cells, q.shape[-1] ** -0.5, sinks)
 
 
-def _attention_by_group(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, groups) -> torch.Tensor:
+def _attention_by_group(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, groups,
+                        sinks: torch.Tensor | None) -> torch.Tensor:
     out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
     for group in groups:
         q_group = q.index_select(0, group.tokens)
         if group.index.dim() == 2:
-            result = gathered_attention(q_group, keys, values, group.index, group.mask)
+            result = gathered_attention(q_group, keys, values, group.index, group.mask, sinks)
         else:
             rows_k = keys.index_select(0, group.index).to(q.dtype)
             rows_v = values.index_select(0, group.index).to(q.dtype)
-            result = grouped_attention(q_group, rows_k, rows_v, group.mask)
+            result = grouped_attention(q_group, rows_k, rows_v, group.mask, sinks)
         out.index_copy_(0, group.tokens, result)
     return out

@@ -59,7 +59,7 @@ class StepKV:
         self.new_v: list[torch.Tensor] = []
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               batch_invariant: bool = False, native=None) -> torch.Tensor:
+               batch_invariant: bool = False, native=None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """As KVView.attend, traced in torch ops (`native` cannot be traced, so it is not used)."""
         self.new_k.append(k)
         self.new_v.append(v)
@@ -72,7 +72,7 @@ class StepKV:
         # The step's own K/V rounded as the cache will store them: the same values eager attention reads back.
         new = lambda t: t.to(stored).to(dtype).view(batch, -1, *t.shape[1:])  # noqa: E731
         queries = q.to(dtype).view(batch, -1, *q.shape[1:])
-        out = attention_with_own_rows(queries, old_k, old_v, new(k), new(v), self.mask.to(dtype))
+        out = attention_with_own_rows(queries, old_k, old_v, new(k), new(v), self.mask.to(dtype), sinks)
         return out.to(q.dtype)
 
 

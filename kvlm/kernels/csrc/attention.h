@@ -6,6 +6,9 @@
 // the chunks of a (token, KV head) are then merged (each rescaled by exp(its maximum - the overall one)). So one
 // token over a long context is shared among the threads, and since chunks are fixed by position in the cell list,
 // the result depends neither on the number of threads nor on the other tokens of the step.
+//
+// Attention sinks (gpt-oss): one learned logit per query head joins each softmax's denominator, with no value row,
+// so a head may attend to "nothing"; the merge starts its maximum and sum from the sink's logit.
 #pragma once
 
 #include <omp.h>
@@ -279,6 +282,7 @@ struct AttentionWork {
     KVPlane k, v;
     void* out;
     int64_t out_stride;
+    const float* sinks;  // [n_head] logits, or null
 };
 
 inline int64_t chunks_of(int64_t length) { return std::max<int64_t>(1, (length + CHUNK_CELLS - 1) / CHUNK_CELLS); }
@@ -319,8 +323,10 @@ inline void attention_in_team(const AttentionWork& w, std::vector<float>& partia
         weights.resize(size_t(n_chunks));
         query.resize(size_t(d));  // the merged row, before its store
         for (int g = 0; g < group; ++g) {
-            float top = -INFINITY, total = 0.0f;
+            const float sink = w.sinks ? w.sinks[head * group + g] : -INFINITY;
+            float top = sink;
             for (int64_t c = 0; c < n_chunks; ++c) top = std::max(top, parts[c * per_chunk + g]);
+            float total = w.sinks ? exp_nonpositive(sink - top) : 0.0f;
             for (int64_t c = 0; c < n_chunks; ++c) {
                 weights[c] = exp_nonpositive(parts[c * per_chunk + g] - top);
                 total += weights[c] * parts[c * per_chunk + group + g];

@@ -120,15 +120,16 @@ int kvlm_matmul(const void* x, int x_bf16, int64_t m, int64_t k, int n_parts, co
 
 // Decode attention straight from the KV planes (attention.h): token t's query heads [n_head][d] (q, float32 or
 // bfloat16) over the cells cells[t][0 .. lengths[t]-1] of K and V ([cells][n_kv][d] of kv_type; q8_0 with scales),
-// query heads g*j .. g*j+g-1 reading KV head j; out [n_tokens][n_head * d] in q's dtype.
+// query heads g*j .. g*j+g-1 reading KV head j; out [n_tokens][n_head * d] in q's dtype. sinks: [n_head] logits
+// joining each head's softmax denominator (gpt-oss), or null.
 int kvlm_decode_attention(const void* q, int q_bf16, int64_t n_tokens, int n_head, int n_kv, int d, float scale,
                           const void* k, const uint16_t* k_scales, const void* v, const uint16_t* v_scales,
                           int kv_type, const int64_t* cells, int64_t cells_stride, const int64_t* lengths,
-                          void* out, int n_threads) {
+                          const float* sinks, void* out, int n_threads) {
     if (n_kv <= 0 || n_head % n_kv || d % HEAD_DIM_STEP || kv_type < KV_F32 || kv_type > KV_Q8_0) return BAD_SHAPE;
     const int64_t width = int64_t(n_head) * d;
     const AttentionWork work{q, q_bf16 != 0, width, n_tokens, n_head, n_kv, d, scale, cells, cells_stride, lengths,
-                             {k, k_scales, kv_type, n_kv, d}, {v, v_scales, kv_type, n_kv, d}, out, width};
+                             {k, k_scales, kv_type, n_kv, d}, {v, v_scales, kv_type, n_kv, d}, out, width, sinks};
     static thread_local std::vector<float> partials;
     std::vector<float>* shared = &partials;  // the calling thread's (in the team, `partials` is each thread's own)
 #pragma omp parallel num_threads(n_threads)
