@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
 from kvlm.kernels import NATIVE_TYPES, BlockMatrix, reference
-from kvlm.kernels.experts import NativeExperts
+from kvlm.kernels.experts import ExpertBiases, NativeExperts
 from kvlm.kernels.native import BuildError, NativeKernels, build, compiler
 from test_kernels import K_QUANTS, random_blocks
 
@@ -48,8 +48,20 @@ def experts(qtypes: tuple[T, T, T], n_embd: int, n_ff: int) -> list[BlockMatrix]
             for i, (qtype, (rows, cols)) in enumerate(zip(qtypes, shapes))]
 
 
-def loop_reference(x: torch.Tensor, ids, weights, blocks: list[BlockMatrix], n_ff: int, gelu: bool) -> torch.Tensor:
-    """Per expert: its rows of each matrix, the products as the native products compute them, in float64."""
+def gpt_oss_activation(g: torch.Tensor, u: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """transformers' GptOssExperts._apply_gate on gate and up already split."""
+    g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+    return (u + 1) * (g * torch.sigmoid(g * alpha))
+
+
+ACTIVATIONS = {"silu": lambda g, u: F.silu(g) * u, "gelu_tanh": lambda g, u: F.gelu(g, approximate="tanh") * u,
+               "swiglu_oai": gpt_oss_activation}
+
+
+def loop_reference(x: torch.Tensor, ids, weights, blocks: list[BlockMatrix], n_ff: int, activation: str,
+                   biases: ExpertBiases | None = None) -> torch.Tensor:
+    """Per expert: its rows of each matrix, the products as the native products compute them (plus the expert's
+    biases), in float64."""
     gate, up, down = blocks
     n_embd = x.shape[1]
     out = torch.zeros(x.shape, dtype=torch.float64)
@@ -59,9 +71,12 @@ def loop_reference(x: torch.Tensor, ids, weights, blocks: list[BlockMatrix], n_f
             continue
         rows = slice(expert * n_ff, (expert + 1) * n_ff)
         hidden = reference.quantized_product(x[tokens].float(), [gate.rows(rows), up.rows(rows)]).float()
-        g, u = hidden.chunk(2, dim=-1)
-        activated = (F.gelu(g, approximate="tanh") if gelu else F.silu(g)) * u
+        if biases is not None:
+            hidden = hidden + biases.gate_up[expert]
+        activated = ACTIVATIONS[activation](*hidden.chunk(2, dim=-1))
         y = reference.quantized_product(activated, [down.rows(slice(expert * n_embd, (expert + 1) * n_embd))])
+        if biases is not None:
+            y = y + biases.down[expert].double()
         out.index_add_(0, tokens, y * weights[tokens, slots, None].double())
     return out
 
@@ -88,8 +103,8 @@ def test_experts_equal_a_loop_over_experts(kernels, qtype, layout):
     blocks = experts((qtype, qtype, qtype), n_embd, n_ff)
     x = torch.randn(7, n_embd, generator=torch.Generator().manual_seed(1))
     ids, weights = routing(7)
-    native = NativeExperts(kernels, *as_laid_out(kernels, blocks, layout), N_EXPERT, gelu=False)
-    assert_close(native(x, ids, weights), loop_reference(x, ids, weights, blocks, n_ff, gelu=False))
+    native = NativeExperts(kernels, *as_laid_out(kernels, blocks, layout), N_EXPERT, activation="silu")
+    assert_close(native(x, ids, weights), loop_reference(x, ids, weights, blocks, n_ff, "silu"))
 
 
 @pytest.mark.parametrize("n_tokens", [1, 2, 33])
@@ -99,17 +114,35 @@ def test_mixed_formats_gelu_and_bfloat16(kernels, n_tokens):
     x = torch.randn(n_tokens, 256, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     ids, weights = routing(n_tokens, seed=3)
     native = NativeExperts(kernels, *as_laid_out(kernels, blocks, "tiles" if kernels.tiles else "file"), N_EXPERT,
-                           gelu=True)
+                           activation="gelu_tanh")
     out = native(x, ids, weights)
     assert out.dtype == torch.bfloat16
     # bfloat16 rounds the gate/up outputs and the result to 8 bits (4e-3)
-    assert_close(out.float(), loop_reference(x.float(), ids, weights, blocks, 256, gelu=True), relative=1e-2)
+    assert_close(out.float(), loop_reference(x.float(), ids, weights, blocks, 256, "gelu_tanh"), relative=1e-2)
+
+
+@pytest.mark.parametrize("n_tokens", [1, 9])
+def test_gpt_oss_experts_with_biases_and_the_clamped_swiglu(kernels, n_tokens):
+    """MXFP4 experts (as gpt-oss's files store them) with biases on gate, up and down, and gates wide enough that the
+    clamp at 7 cuts many of them."""
+    blocks = experts((T.MXFP4, T.MXFP4, T.MXFP4), 96, 64)
+    generator = torch.Generator().manual_seed(8)
+    x = 20 * torch.randn(n_tokens, 96, generator=generator)
+    biases = ExpertBiases(torch.randn(N_EXPERT, 128, generator=generator), torch.randn(N_EXPERT, 96, generator=generator))
+    ids, weights = routing(n_tokens, seed=9)
+    native = NativeExperts(kernels, *as_laid_out(kernels, blocks, "tiles" if kernels.tiles else "file"), N_EXPERT,
+                           activation="swiglu_oai", biases=biases)
+    expected = loop_reference(x, ids, weights, blocks, 64, "swiglu_oai", biases)
+    gate = reference.quantized_product(x, [blocks[0]]) + biases.gate_up[:, :64].reshape(1, -1)
+    assert (gate > 7).float().mean() > 0.1  # the clamp is exercised
+    assert_close(native(x, ids, weights), expected)
+    assert (native(x, ids, weights).double() - loop_reference(x, ids, weights, blocks, 64, "silu", biases)).abs().max() > 1
 
 
 def test_each_row_is_the_same_whatever_is_beside_it(kernels):
     """Batch invariance: a token's output bit for bit alone or among others routed elsewhere."""
     blocks = experts((T.Q8_0, T.Q8_0, T.Q8_0), 96, 160)
-    native = NativeExperts(kernels, *blocks, N_EXPERT, gelu=False)
+    native = NativeExperts(kernels, *blocks, N_EXPERT, activation="silu")
     x = torch.randn(9, 96, generator=torch.Generator().manual_seed(4))
     ids, weights = routing(9, seed=5)
     together = native(x, ids, weights)
@@ -124,13 +157,13 @@ def test_a_fused_gate_up_tensor_reads_as_two(kernels):
                        for e in range(N_EXPERT)])
     x = torch.randn(5, 96, generator=torch.Generator().manual_seed(6))
     ids, weights = routing(5, seed=7)
-    separate = NativeExperts(kernels, gate, up, down, N_EXPERT, gelu=False)(x, ids, weights)
-    together = NativeExperts(kernels, BlockMatrix(fused, T.Q8_0, 96), None, down, N_EXPERT, gelu=False)(x, ids, weights)
+    separate = NativeExperts(kernels, gate, up, down, N_EXPERT, activation="silu")(x, ids, weights)
+    together = NativeExperts(kernels, BlockMatrix(fused, T.Q8_0, 96), None, down, N_EXPERT, activation="silu")(x, ids, weights)
     assert torch.equal(separate, together)
 
 
 def test_an_expert_id_out_of_range_is_refused(kernels):
     blocks = experts((T.Q8_0, T.Q8_0, T.Q8_0), 96, 160)
-    native = NativeExperts(kernels, *blocks, N_EXPERT, gelu=False)
+    native = NativeExperts(kernels, *blocks, N_EXPERT, activation="silu")
     with pytest.raises(ValueError, match="ids must lie in 0..5"):
         native(torch.randn(2, 96), torch.tensor([[0, 6, 1], [1, 2, 3]]), torch.ones(2, 3))

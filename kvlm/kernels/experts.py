@@ -5,6 +5,7 @@ tests/test_expert_kernel.py compares it with."""
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
@@ -18,8 +19,22 @@ class ExpertMatrix(ctypes.Structure):
 
 
 class ExpertsSpec(ctypes.Structure):
-    _fields_ = [("n_embd", _i64), ("n_ff", _i64), ("n_expert", _i32), ("gelu", _i32), ("gate", ExpertMatrix),
-                ("up", ExpertMatrix), ("down", ExpertMatrix)]
+    _fields_ = [("n_embd", _i64), ("n_ff", _i64), ("n_expert", _i32), ("activation", _i32), ("gate", ExpertMatrix),
+                ("up", ExpertMatrix), ("down", ExpertMatrix), ("alpha", ctypes.c_float), ("limit", ctypes.c_float),
+                ("gate_up_bias", _ptr), ("down_bias", _ptr)]
+
+
+# The experts' activations (csrc/experts.h ExpertActivation), by kvlm's names (kvlm.families.family.ACTIVATIONS)
+ACTIVATION_IDS = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2}
+
+
+@dataclass(frozen=True)
+class ExpertBiases:
+    """gpt-oss's experts' biases, float32: gate_up [n_expert, 2 n_ff] (each expert's gate bias, then its up bias),
+    down [n_expert, n_embd]."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
 
 
 def _expert_matrix(matrix: BlockMatrix, n_expert: int, offset_rows: int = 0, rows: int | None = None) -> ExpertMatrix:
@@ -35,15 +50,19 @@ class NativeExperts:
     holds each expert's gate and up rows stacked ([n_expert * 2 n_ff, n_embd], a fused tensor)."""
 
     def __init__(self, kernels, gate: BlockMatrix, up: BlockMatrix | None, down: BlockMatrix, n_expert: int,
-                 gelu: bool) -> None:
+                 activation: str, biases: ExpertBiases | None = None, alpha: float = 1.702, limit: float = 7.0) -> None:
+        """`activation` one of ACTIVATION_IDS; `alpha` and `limit` are swiglu_oai's."""
         self._call = kernels.experts_function
-        self._keep = (gate, up, down)  # the pointers below stay valid
+        biases = None if biases is None else ExpertBiases(biases.gate_up.float().contiguous(),
+                                                          biases.down.float().contiguous())
+        self._keep = (gate, up, down, biases)  # the pointers below stay valid
         n_ff, n_embd = down.n_cols, gate.n_cols
         self.spec = ExpertsSpec(
-            n_embd, n_ff, n_expert, int(gelu),
+            n_embd, n_ff, n_expert, ACTIVATION_IDS[activation],
             _expert_matrix(gate, n_expert, rows=n_ff),
             _expert_matrix(up, n_expert) if up is not None else _expert_matrix(gate, n_expert, n_ff, n_ff),
-            _expert_matrix(down, n_expert))
+            _expert_matrix(down, n_expert), alpha, limit,
+            None if biases is None else biases.gate_up.data_ptr(), None if biases is None else biases.down.data_ptr())
         self.n_embd = n_embd
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,10 @@
 // A mixture-of-experts feed-forward block in one call: each token's chosen experts, tokens grouped by expert, each
 // expert's matrices read once per call from the quantized blocks its file stores them in (no dequantized copies).
 //
-//   out[t] = sum over j < n_used of weight[t][j] * down_e(act(gate_e x_t) * up_e x_t),  e = ids[t][j]
+//   out[t] = sum over j < n_used of weight[t][j] * down_e(act(gate_e x_t, up_e x_t)),  e = ids[t][j]
+//
+// with act(g, u) = silu(g) u or gelu(g) u, or gpt-oss's clamped SwiGLU; gpt-oss's experts also add a bias to each
+// of their products.
 //
 // The routing (which experts, with what weights) is the caller's. Pairs (token, expert) are sorted by expert; all
 // pairs' rows are gathered and quantized once, then the team shares the units of 8 output rows of every chosen
@@ -13,6 +16,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -30,12 +34,35 @@ struct ExpertMatrix {
     int32_t interleaved;
 };
 
+enum ExpertActivation : int32_t { EXPERTS_SILU = 0, EXPERTS_GELU = 1, EXPERTS_SWIGLU_OAI = 2 };
+
 struct ExpertsSpec {
     int64_t n_embd, n_ff;  // gate and up: n_ff rows of n_embd; down: n_embd rows of n_ff
     int32_t n_expert;
-    int32_t gelu;  // the gate's activation: GELU (tanh), else SiLU
+    int32_t activation;  // an ExpertActivation
     ExpertMatrix gate, up, down;
+    float alpha, limit;  // EXPERTS_SWIGLU_OAI's sigmoid gain and clamp
+    const float* gate_up_bias;  // [n_expert][2 n_ff]: each expert's gate bias then its up bias; or null
+    const float* down_bias;     // [n_expert][n_embd], or null
 };
+
+// gpt-oss's activation: the gate clamped above at `limit`, up to [-limit, limit], then (up + 1) gate sigmoid(alpha gate).
+inline float swiglu_oai(float gate, float up, float alpha, float limit) {
+    const float g = std::min(gate, limit), u = std::clamp(up, -limit, limit);
+    return (u + 1.0f) * (g / (1.0f + std::exp(-alpha * g)));
+}
+
+// Pair p's activation a [n_ff] from its [gate | up] h [2 n_ff], with expert e's biases (if any) added first.
+inline void expert_activation(const ExpertsSpec& s, float* h, int64_t p, int32_t e, float* a) {
+    float* row = h + p * 2 * s.n_ff;
+    if (s.gate_up_bias)
+        for (int64_t i = 0; i < 2 * s.n_ff; ++i) row[i] += s.gate_up_bias[e * 2 * s.n_ff + i];
+    if (s.activation != EXPERTS_SWIGLU_OAI) {
+        gated_row(h, false, p, s.n_ff, s.activation == EXPERTS_GELU, a);
+        return;
+    }
+    for (int64_t i = 0; i < s.n_ff; ++i) a[p * s.n_ff + i] = swiglu_oai(row[i], row[s.n_ff + i], s.alpha, s.limit);
+}
 
 // One expert's gate and up (stacked, so one pass yields [gate | up] per row) and its down projection, as the
 // products read them; the arrays live here so that Matrix can point at them.
@@ -76,6 +103,7 @@ struct Routing {
     std::vector<RowSpan> spans;    // of each such expert, in the sorted pairs
     std::vector<int64_t> position;  // of pair t * n_used + j, in the sorted pairs
     std::vector<int64_t> token;     // of each sorted pair
+    std::vector<int32_t> expert;    // of each sorted pair
 
     bool build(const int32_t* ids, int64_t n_pairs, int n_used, int32_t n_expert) {
         std::vector<int64_t> start(size_t(n_expert) + 1, 0);
@@ -94,10 +122,12 @@ struct Routing {
         }
         position.resize(size_t(n_pairs));
         token.resize(size_t(n_pairs));
+        expert.resize(size_t(n_pairs));
         for (int64_t p = 0; p < n_pairs; ++p) {  // in pair order: each expert's tokens stay in token order
             const int64_t at = start[size_t(ids[p])]++;
             position[size_t(p)] = at;
             token[size_t(at)] = p / n_used;
+            expert[size_t(at)] = ids[p];
         }
         return true;
     }
@@ -162,15 +192,18 @@ inline void experts_ffn(const ExpertsSpec& s, const void* x, bool bf16, int64_t 
         quantize_in_team(xs, false, n_pairs, s.n_embd, wanted_in, act_in);
         multiply(true, act_in, h);
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < n_pairs; ++p) gated_row(h, false, p, s.n_ff, s.gelu, a);
+        for (int64_t p = 0; p < n_pairs; ++p) expert_activation(s, h, p, routing.expert[size_t(p)], a);
         quantize_in_team(a, false, n_pairs, s.n_ff, wanted_mid, act_mid);
         multiply(false, act_mid, ys);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < n_tokens; ++t)
             for (int64_t i = 0; i < s.n_embd; ++i) {
                 float sum = 0.0f;
-                for (int j = 0; j < n_used; ++j)
-                    sum += weights[t * n_used + j] * ys[routing.position[size_t(t * n_used + j)] * s.n_embd + i];
+                for (int j = 0; j < n_used; ++j) {
+                    const int64_t p = routing.position[size_t(t * n_used + j)];
+                    const float bias = s.down_bias ? s.down_bias[routing.expert[size_t(p)] * s.n_embd + i] : 0.0f;
+                    sum += weights[t * n_used + j] * (ys[p * s.n_embd + i] + bias);
+                }
                 store_value(out, bf16, t * s.n_embd + i, sum);
             }
     }
