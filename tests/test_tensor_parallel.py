@@ -140,3 +140,25 @@ def test_each_rank_reads_its_share_of_every_experts_width(moe_files, kind):
             assert torch.equal(torch.cat(parts, dim=dim), expected), name
         else:
             assert all(torch.equal(p, expected) for p in parts), name
+
+
+@pytest.mark.parametrize("kind", ["folder", "mxfp4-gguf"])
+def test_gpt_oss_ranks_split_sinks_and_expert_biases_and_keep_the_added_once_biases(tmp_path_factory, kind):
+    """gpt-oss's parts beyond other MoE: the sinks go with their heads, the experts' gate and up biases with their
+    rows, and the biases added after the ranks' partial sums (attention output, experts' down) are read whole."""
+    from gguf import GGMLQuantizationType
+    from gptoss_factory import random_gpt_oss, save_gpt_oss_folder, write_gpt_oss_gguf
+
+    model, folder = random_gpt_oss(), tmp_path_factory.mktemp("tp-gpt-oss")
+    path = save_gpt_oss_folder(model, folder) if kind == "folder" else \
+        write_gpt_oss_gguf(model, folder / "m.gguf", GGMLQuantizationType.MXFP4)
+    open_file = (lambda: open_hf_folder(path)[1]) if kind == "folder" else (lambda: open_gguf_model(path)[1])
+    whole, shards = open_file(), [sharded(open_file(), rank, 2) for rank in range(2)]
+    for suffix, dim in (("attn_sinks.weight", 0), ("ffn_gate_exps.bias", 1), ("ffn_up_exps.bias", 1),
+                        ("attn_output.bias", None), ("ffn_down_exps.bias", None)):
+        name = f"blk.1.{suffix}"
+        expected, parts = values(whole.read(name)), [values(s.read(name)) for s in shards]
+        if dim is None:
+            assert all(torch.equal(p, expected) for p in parts), name
+        else:
+            assert torch.equal(torch.cat(parts, dim=dim), expected), name

@@ -1,9 +1,13 @@
-"""Tensor parallelism for a mixture of experts (issue 26): a random Qwen2-MoE (experts and a gated shared expert) on
-two ranks, each holding half of every expert's width, against one rank. A module of its own: one tensor-parallel
+"""Tensor parallelism for a mixture of experts (issue 26): a random Qwen2-MoE (experts and a gated shared expert) and a
+random gpt-oss (attention sinks, biases on the attention output and in the experts) on two ranks, each holding half of
+every expert's width (and half of the heads), against one rank. A module of its own: one tensor-parallel
 model per process at a time, and the other modules' stay up for their whole module."""
 from __future__ import annotations
 
+import pytest
+
 from conftest import on_two_ranks
+from gptoss_factory import random_gpt_oss, save_gpt_oss_folder, write_gpt_oss_gguf
 from moe_factory import SPECS, random_moe, save_moe_folder
 from test_random_models import token_ids
 from test_tensor_parallel_engine import VOCAB, assert_same_outputs
@@ -13,9 +17,18 @@ from kvlm.engine.llm import LLM
 from kvlm.engine.sampling_params import SamplingParams
 
 
-def test_a_mixture_of_experts_on_two_ranks_equals_one(tmp_path_factory):
+def save_model(name: str, folder):
+    """The folder of the random Qwen2-MoE, or the folder or F32 GGUF file of the random gpt-oss."""
+    if name == "qwen2moe":
+        return save_moe_folder(random_moe(SPECS["qwen2moe"]), folder)
+    model = random_gpt_oss()
+    return save_gpt_oss_folder(model, folder) if name == "gpt-oss" else write_gpt_oss_gguf(model, folder / "m.gguf")
+
+
+@pytest.mark.parametrize("name", ["qwen2moe", "gpt-oss", "gpt-oss-gguf"])
+def test_a_mixture_of_experts_on_two_ranks_equals_one(tmp_path_factory, name):
     """The greedy tokens equal one rank's, the logprobs within the tolerance."""
-    folder = save_moe_folder(random_moe(SPECS["qwen2moe"]), tmp_path_factory.mktemp("tp-moe"))
+    folder = save_model(name, tmp_path_factory.mktemp("tp-moe"))
     prompts = [token_ids(VOCAB, 21, seed=7), token_ids(VOCAB, 6, seed=8), token_ids(VOCAB, 34, seed=9)]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0)
     expected = LLM(load_model(str(folder), "float32"), max_num_seqs=2).generate(prompts, params, use_tqdm=False)

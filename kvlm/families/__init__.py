@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 from kvlm.errors import UnsupportedModelError
-from kvlm.families import gemma3, granitemoe, lfm2, llama, mamba2, olmoe, qwen2, qwen2moe, qwen3, qwen3moe
+from kvlm.families import gemma3, gptoss, granitemoe, lfm2, llama, mamba2, olmoe, qwen2, qwen2moe, qwen3, qwen3moe
 from kvlm.families.family import ATTENTION, CONV, LAYER_KINDS, MAMBA, RECURRENT_KINDS, SLIDING, Family
 
 FAMILIES: dict[str, Family] = {
     family.name: family for family in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma3.FAMILY, lfm2.FAMILY,
                                        mamba2.FAMILY, qwen3moe.FAMILY, qwen2moe.FAMILY, olmoe.FAMILY,
-                                       granitemoe.FAMILY)
+                                       granitemoe.FAMILY, gptoss.FAMILY)
 }
 _BY_HF_NAME = {
     name: family for family in FAMILIES.values() for name in (*family.hf_architectures, family.hf_model_type)

@@ -10,7 +10,7 @@ CONV = "conv"  # a gated short convolution whose last inputs are its state (LFM2
 MAMBA = "mamba"  # a Mamba2 mixer: a convolution state and an SSM state per sequence
 LAYER_KINDS = (ATTENTION, SLIDING, CONV, MAMBA)
 RECURRENT_KINDS = (CONV, MAMBA)
-ACTIVATIONS = ("silu", "gelu_tanh")
+ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")  # swiglu_oai: gpt-oss's clamped SwiGLU (its experts only)
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,16 @@ class Family:
     hf_expert_weights_norm: bool | None = None  # always (Mixtral, Granite), whatever config.json says; None: it says
     shared_expert_gate: bool = False  # the shared expert's output times sigmoid(a learned row . x) (Qwen2-MoE)
     granite_multipliers: bool = False  # Granite's embedding, attention, residual and logit multipliers
+    # gpt-oss: a bias on the attention output too; a learned sink logit per head in each attention softmax; the
+    # router's and the experts' products with biases; its experts in Hugging Face folders as [expert, in, out]
+    # tensors with gate and up columns interleaved
+    output_bias: bool = False
+    attention_sinks: bool = False
+    expert_biases: bool = False
+    hf_experts_interleaved: bool = False
+    sliding_rope_base: bool = True  # sliding layers' RoPE has a base of its own (Gemma 3's); else the full layers'
+    gguf_yarn_truncate: bool = True  # YaRN's correction range rounded to whole dimensions (llama.cpp's rule)
+    gguf_layer_names: tuple[tuple[str, str], ...] = ()  # (kvlm's, the file's) name of a layer tensor, where not Llama's
 
     def layer_kinds(self, n_layer: int, sliding: bool = False) -> tuple[str, ...]:
         """llama.cpp's pattern: with a window, layer i slides unless i % period == period - 1."""
@@ -83,6 +93,10 @@ class Family:
                        "attn_v.weight": (kv_rows, n_embd), "attn_output.weight": (n_embd, q_rows)})
         if self.qkv_bias:
             shapes.update({"attn_q.bias": (q_rows,), "attn_k.bias": (kv_rows,), "attn_v.bias": (kv_rows,)})
+        if self.output_bias:
+            shapes["attn_output.bias"] = (n_embd,)
+        if self.attention_sinks:
+            shapes["attn_sinks.weight"] = (n_head,)
         if self.qk_norm:
             q_norm, k_norm = (q_rows, kv_rows) if self.qk_norm_whole else (head_dim, head_dim)
             shapes.update({"attn_q_norm.weight": (q_norm,), "attn_k_norm.weight": (k_norm,)})
@@ -100,6 +114,9 @@ class Family:
                            "ffn_down_shexp.weight": (n_embd, shared)})
         if shared and self.shared_expert_gate:
             shapes["ffn_gate_inp_shexp.weight"] = (1, n_embd)
+        if self.expert_biases:
+            shapes.update({"ffn_gate_inp.bias": (n_expert,), "ffn_gate_exps.bias": (n_expert, width),
+                           "ffn_up_exps.bias": (n_expert, width), "ffn_down_exps.bias": (n_expert, n_embd)})
         return shapes
 
 

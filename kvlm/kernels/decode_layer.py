@@ -31,7 +31,8 @@ class LayerSpec(ctypes.Structure):
                 ("n_head", ctypes.c_int), ("n_kv", ctypes.c_int),
                 ("d", ctypes.c_int), ("n_embd", _i64), ("n_ff", _i64), ("eps", _f32), ("query_scale", _f32),
                 ("attention_scale", _f32), ("attn_norm", _ptr), ("qkv_bias", _ptr), ("qk_norm", _ptr),
-                ("post_attention_norm", _ptr), ("ffn_norm", _ptr), ("post_ffw_norm", _ptr), ("qkv", MatrixSpec),
+                ("post_attention_norm", _ptr), ("ffn_norm", _ptr), ("post_ffw_norm", _ptr), ("output_bias", _ptr),
+                ("sinks", _ptr), ("qkv", MatrixSpec),
                 ("output", MatrixSpec), ("gate_up", MatrixSpec), ("down", MatrixSpec)]
 
 
@@ -55,8 +56,9 @@ class LayerShape:
 
 
 class NativeDecodeLayer:
-    """A decoder layer's weights as the native call reads them. `vectors` are its norms and bias, tensors in the
-    activation dtype (None where the family has none); `products` its four matrices' native products."""
+    """A decoder layer's weights as the native call reads them. `vectors` are its norms and biases, tensors in the
+    activation dtype, and its attention sinks in float32 (None where the family has none); `products` its four
+    matrices' native products."""
 
     def __init__(self, kernels: NativeKernels, shape: LayerShape, dtype: torch.dtype, vectors: dict,
                  products: dict[str, NativeProduct]) -> None:
@@ -67,7 +69,7 @@ class NativeDecodeLayer:
             int(dtype == torch.bfloat16), int(shape.gelu), int(shape.qk_norm_whole), shape.n_head, shape.n_kv, shape.head_dim, shape.n_embd,
             shape.n_ff, shape.eps, shape.query_scale, shape.head_dim ** -0.5,
             *(pointer(n) for n in ("attn_norm", "qkv_bias", "qk_norm", "post_attention_norm", "ffn_norm",
-                                   "post_ffw_norm")),
+                                   "post_ffw_norm", "output_bias", "sinks")),
             *(MatrixSpec.of(products[n]) if products.get(n) is not None else MatrixSpec()  # no MLP: experts
               for n in ("qkv", "output", "gate_up", "down")))
         self.dtype = dtype

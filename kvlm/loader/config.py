@@ -12,7 +12,7 @@ _SHOWN_WHEN_SET = {"sliding_window": 0, "rope_local": None, "query_scale": 1.0, 
                    "conv_kernel": 0, "ssm_inner": 0, "ssm_state": 0, "ssm_groups": 0,
                    "ssm_dt_limit": (0.0, float("inf")), "n_expert": 0, "n_expert_used": 0, "n_ff_exp": 0,
                    "n_ff_shexp": 0, "expert_weights_norm": False, "moe_layers": (), "embedding_multiplier": 1.0,
-                   "residual_multiplier": 1.0, "logit_scale": 1.0}
+                   "residual_multiplier": 1.0, "logit_scale": 1.0, "swiglu_alpha": 1.702, "swiglu_limit": 7.0}
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,8 @@ class ModelConfig:
     embedding_multiplier: float = 1.0  # Granite: embeddings times it
     residual_multiplier: float = 1.0  # Granite: attention and MLP outputs times it before each residual add
     logit_scale: float = 1.0  # Granite: logits divided by it
+    swiglu_alpha: float = 1.702  # gpt-oss's clamped SwiGLU: its sigmoid's gain ...
+    swiglu_limit: float = 7.0  # ... and the clamp of its gate (above) and up (both sides)
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "vocab_size", "n_ctx_train"):
@@ -126,7 +128,8 @@ class ModelConfig:
         """The config for people: RoPE by what differs from the plain form, layer kinds as runs."""
         values = dict(self.__dict__)
         family = self.family
-        values["architecture"] = " ".join([self.architecture, *(p for p in ("qkv_bias", "qk_norm") if getattr(family, p))])
+        parts = ("qkv_bias", "output_bias", "qk_norm", "attention_sinks")
+        values["architecture"] = " ".join([self.architecture, *(p for p in parts if getattr(family, p))])
         values["rope"] = _rope_text(self.rope)
         for name, default in _SHOWN_WHEN_SET.items():  # parts only some families have
             if values[name] == default:

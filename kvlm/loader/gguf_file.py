@@ -27,6 +27,8 @@ def open_gguf_model(path: str | Path) -> tuple[ModelConfig, ModelWeights, dict[s
     config = _config_of(gguf, path)
     family = config.family
     renamed = {ours: theirs for ours, theirs in family.gguf_names if theirs in gguf.tensors}
+    renamed.update({f"blk.{i}.{ours}.weight": f"blk.{i}.{theirs}.weight" for ours, theirs in family.gguf_layer_names
+                    for i in range(config.n_layer)})
     permuted = {"attn_q.weight": config.n_head, "attn_k.weight": config.n_head_kv} if family.permuted_qk else {}
     experts = _expert_parts(gguf, config)
     tensors = GGUFTensors(gguf, renamed, permuted, experts)
@@ -86,7 +88,7 @@ def config_from_metadata(
             n_ctx_train=int(key("context_length")),
             rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
             tie_word_embeddings=tied,
-            rope=rope.rope_from_gguf(metadata, arch, freq_factors),
+            rope=rope.rope_from_gguf(metadata, arch, freq_factors, yarn_truncate=family.gguf_yarn_truncate),
             **layers,
         )
     except UnsupportedModelError as exc:
@@ -99,10 +101,13 @@ def config_from_metadata(
 
 def _sliding_options(metadata: dict[str, Any], arch: str, family) -> dict[str, Any]:
     """The window and the sliding layers' RoPE as llama.cpp reads them: only when the file gives a window, with
-    the file's rope.freq_base_swa or else the 10000 llama.cpp sets for Gemma 3's local layers."""
+    the file's rope.freq_base_swa or else the 10000 llama.cpp sets for Gemma 3's local layers (for a family whose
+    sliding layers have a RoPE of their own)."""
     window = int(metadata.get(f"{arch}.attention.sliding_window") or 0)
     if not (family.sliding_period and window > 0):
         return {}
+    if not family.sliding_rope_base:
+        return {"sliding_window": window}
     theta = float(metadata.get(f"{arch}.rope.freq_base_swa") or 10000.0)
     return {"sliding_window": window, "rope_local": rope.RopeScaling(theta=theta)}
 

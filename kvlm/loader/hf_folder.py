@@ -64,7 +64,13 @@ def config_from_hf(folder: Path) -> ModelConfig:
     if not isinstance(raw, dict):
         raise ModelFileError(f"{path}: expected a JSON object, found {type(raw).__name__}")
     family = family_for_hf(raw, path)
+    quantization = (raw.get("quantization_config") or {}).get("quant_method")
+    if quantization is not None and not (quantization == "mxfp4" and family.hf_experts_interleaved):
+        raise UnsupportedModelError(f"{path}: weights quantized by {quantization!r} in a Hugging Face folder are not "
+                                    f"supported (its GGUF file is: llama.cpp's converter keeps MXFP4 experts as they are)")
     for option in _UNSUPPORTED_OPTIONS:
+        if option == "attention_bias" and family.output_bias:  # biases on all four projections: the family's own
+            continue
         if raw.get(option):
             raise UnsupportedModelError(f"{path}: {option}={raw[option]!r} is not supported for {family.name} models")
     try:
@@ -110,7 +116,9 @@ def _expert_options(raw: dict, family) -> dict:
     dense = set(raw.get("mlp_only_layers") or ())
     step = raw.get("decoder_sparse_step") or 1
     norm = family.hf_expert_weights_norm
-    return {"n_expert": n_expert, "n_expert_used": raw["num_experts_per_tok"],
+    activation = {"swiglu_alpha": float(raw.get("swiglu_alpha", 1.702)), "swiglu_limit": float(raw.get("swiglu_limit", 7.0))}
+    return {**(activation if family.activation == "swiglu_oai" else {}),
+            "n_expert": n_expert, "n_expert_used": raw["num_experts_per_tok"],
             "n_ff_exp": raw.get("moe_intermediate_size") or raw["intermediate_size"],
             "n_ff_shexp": raw.get("shared_expert_intermediate_size") or raw.get("shared_intermediate_size") or 0,
             "expert_weights_norm": bool(raw.get("norm_topk_prob", False)) if norm is None else norm,
@@ -128,7 +136,9 @@ def _granite_multipliers(raw: dict, head_dim: int) -> dict:
 def _attention_options(raw: dict, family, head_dim: int) -> dict:
     """RoPE, sliding windows, query scale and logit cap, as transformers reads them for the family."""
     activation = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
-    if _HF_ACTIVATIONS.get(activation) != family.activation:
+    # gpt-oss's config names its clamped SwiGLU's gate activation, silu
+    expected = "silu" if family.activation == "swiglu_oai" else family.activation
+    if _HF_ACTIVATIONS.get(activation) != expected:
         raise UnsupportedModelError(f"hidden activation {activation!r} is not supported for {family.name} models "
                                     f"(it uses {family.activation})")
     options = {"final_logit_softcap": float(raw.get("final_logit_softcapping") or 0.0)}
@@ -152,7 +162,7 @@ def _attention_options(raw: dict, family, head_dim: int) -> dict:
                        for kind in attention_kinds)
     else:  # older: rope_theta and rope_scaling for full layers, rope_local_base_freq for sliding ones
         full = rope.rope_from_hf_config(raw)
-        local = rope.RopeScaling(theta=raw.get("rope_local_base_freq", 10000.0))
+        local = rope.RopeScaling(theta=raw.get("rope_local_base_freq", 10000.0)) if family.sliding_rope_base else None
     return {**options, "rope": full, "rope_local": local, "sliding_window": raw.get("sliding_window") or 0}
 
 
@@ -202,7 +212,7 @@ def _layer_names(family) -> dict[str, str]:
     return _LAYER_NAMES if family is None else {**_LAYER_NAMES, **dict(family.hf_layer_names)}
 
 
-_DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+_DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "MXFP4": "MXFP4"}
 
 
 def _tensor_headers(file: Path) -> list[tuple[str, tuple[int, ...], str]]:
@@ -237,9 +247,49 @@ _STACKED = {"mlp.experts.gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"),
             "mlp.experts.down_proj": ("ffn_down_exps",), "block_sparse_moe.experts.down_proj": ("ffn_down_exps",)}
 
 
+# gpt-oss: each layer's experts as [expert, in, out] tensors, gate and up columns interleaved (gate even, up odd),
+# biases [expert, out] beside them.
+_INTERLEAVED = {"mlp.experts.gate_up_proj": (("ffn_gate_exps", "ffn_up_exps"), "weight"),
+                "mlp.experts.down_proj": (("ffn_down_exps",), "weight"),
+                "mlp.experts.gate_up_proj_bias": (("ffn_gate_exps", "ffn_up_exps"), "bias"),
+                "mlp.experts.down_proj_bias": (("ffn_down_exps",), "bias")}
+
+
+_MXFP4_PARTS = {"mlp.experts.gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"), "mlp.experts.down_proj": ("ffn_down_exps",)}
+
+
+def _mxfp4_tensors(found: dict[tuple[str, str], dict[str, tuple]]) -> dict:
+    """gpt-oss's MXFP4 experts (OpenAI's folders): `found[(layer, part)]` holds the `blocks` [expert, out, in / 32,
+    16] and `scales` [expert, out, in / 32] headers (file, name, shape) of each; as the GGUF tensors they hold, gate
+    and up rows interleaved as in the unquantized form."""
+    tensors = {}
+    for (index, part), pair in found.items():
+        if set(pair) != {"blocks", "scales"}:
+            file, name, _ = next(iter(pair.values()))
+            raise ModelFileError(f"{file}: {name} has no {({'blocks', 'scales'} - set(pair)).pop()} beside it")
+        (file, blocks, shape), scales = pair["blocks"], pair["scales"]
+        targets = _MXFP4_PARTS[part]
+        for which, target in enumerate(targets):
+            source = HFSource(((file, blocks),), which if len(targets) > 1 else None, scales=scales[:2])
+            tensors[f"blk.{index}.{target}.weight"] = (source, (shape[0], shape[1] // len(targets), shape[2] * 32),
+                                                       "MXFP4")
+    return tensors
+
+
+def _interleaved_tensors(file: Path, name: str, shape: tuple, dtype: str, index: str, part: str) -> dict:
+    """A gpt-oss experts tensor as the GGUF tensors it holds: its halves (gate, up) or itself, [expert, out, in]."""
+    targets, kind = _INTERLEAVED[part]
+    out = shape[-1] // len(targets)
+    target_shape = (shape[0], out, shape[1]) if kind == "weight" else (shape[0], out)
+    return {f"blk.{index}.{target}.{kind}": (HFSource(((file, name),), which if len(targets) > 1 else None, True),
+                                             target_shape, dtype)
+            for which, target in enumerate(targets)}
+
+
 def _expert_tensors(headers: list, family) -> dict[str, tuple[HFSource, tuple[int, ...], str]]:
     """GGUF name -> (where, shape, dtype) of the experts' tensors among the folder's (name, shape, dtype) headers."""
     per_expert: dict[str, dict[int, tuple]] = {}
+    mxfp4: dict[tuple[str, str], dict[str, tuple]] = {}
     tensors = {}
     for file, name, shape, dtype in headers:
         match = _PER_EXPERT.fullmatch(name)
@@ -248,12 +298,19 @@ def _expert_tensors(headers: list, family) -> dict[str, tuple[HFSource, tuple[in
         if match:
             target = f"blk.{index}.{_EXPERT_PARTS[match['part']]}.weight"
             per_expert.setdefault(target, {})[int(match["expert"])] = (file, name, tuple(shape), dtype)
+        elif layer == family.hf_prefix and family.hf_experts_interleaved and part in _INTERLEAVED:
+            tensors.update(_interleaved_tensors(file, name, tuple(shape), dtype, index, part))
+        elif layer == family.hf_prefix and family.hf_experts_interleaved and part.endswith(("_blocks", "_scales")):
+            stem, _, kind = part.rpartition("_")
+            if stem in _MXFP4_PARTS:
+                mxfp4.setdefault((index, stem), {})[kind] = (file, name, tuple(shape))
         elif layer == family.hf_prefix and part in _STACKED:
             halves = _STACKED[part]
             half_shape = (*shape[:-2], shape[-2] // len(halves), shape[-1])
             for which, target in enumerate(halves):
                 source = HFSource(((file, name),), which if len(halves) > 1 else None)
                 tensors[f"blk.{index}.{target}.weight"] = (source, half_shape, dtype)
+    tensors.update(_mxfp4_tensors(mxfp4))
     for target, experts in per_expert.items():
         ordered = [experts[e] for e in sorted(experts)]
         shapes = {shape for _, _, shape, _ in ordered}

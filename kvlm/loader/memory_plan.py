@@ -148,8 +148,11 @@ def weight_bytes(config: ModelConfig, weights: ModelWeights, settings: ComputeSe
         entry = weights.entry(name)
         parts = name.split(".")
         part = parts[2] if name.startswith("blk.") and len(parts) > 3 else ""
-        if part in EXPERT_PARTS:
+        if part in EXPERT_PARTS and parts[3] == "weight":
             held += _entry_bytes([entry], settings, kernels, dtype_bytes)[0]
+        elif part in EXPERT_PARTS:  # gpt-oss's experts' biases: float32 for the native experts, else dense
+            native = kernels and settings.quant is not None
+            held += math.prod(entry.shape) * (4 if native else dtype_bytes)
         elif len(entry.shape) == 1 or (part not in LINEAR_PARTS and name not in ("token_embd.weight", "output.weight")):
             float32 = (len(entry.shape) == 1 and _float32_vector(name)) or part in FLOAT32_PARTS
             held += math.prod(entry.shape) * (4 if float32 else dtype_bytes)
@@ -172,8 +175,8 @@ def weight_bytes(config: ModelConfig, weights: ModelWeights, settings: ComputeSe
 
 
 def _float32_vector(name: str) -> bool:
-    """Mamba2's A, D and time-step bias stay float32 whatever the activations."""
-    return name.endswith(("ssm_a", "ssm_d", "ssm_dt.bias"))
+    """Mamba2's A, D and time-step bias, routers' biases and attention sinks stay float32 whatever the activations."""
+    return name.endswith(("ssm_a", "ssm_d", "ssm_dt.bias", "ffn_gate_inp.bias", "attn_sinks.weight"))
 
 
 def _entry_bytes(entries: list, settings: ComputeSettings, kernels: bool, dtype_bytes: int,

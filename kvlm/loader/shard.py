@@ -8,6 +8,8 @@ embeddings are replicated. A rank reads only its part of each tensor from the fi
 
 A mixture-of-experts layer is split the same way inside each expert: every rank holds every expert, with its share
 of each expert's width (gate and up by rows, down by columns), and of the shared expert's; routers are replicated.
+gpt-oss's experts' gate and up biases split with their rows; the down projection's bias (and the attention output's)
+is held whole and added once (by rank 0, and after the all-reduce); its attention sinks go with their heads.
 Each rank then routes a token to the same experts as the others (same input, same router), each computes its share
 of them, and the partial sums are added up as the MLP's are. Splitting the experts themselves between ranks instead
 would leave a rank idle whenever a token's experts all live on the other (top-k of a few ranks is rarely even), and
@@ -90,6 +92,13 @@ class Shard:
     def part(self, name: str) -> tuple[slice | None, slice | None]:
         """(rows, columns) of a tensor this rank reads; None for all."""
         part = name.split(".")[2] if name.startswith("blk.") else ""
+        if part == "attn_sinks":  # one per query head
+            per_rank = self.whole_config.n_head // self.size
+            return slice(self.rank * per_rank, (self.rank + 1) * per_rank), None
+        if name.endswith("_exps.bias"):  # [expert, width]: gate's and up's split as their rows; down's whole
+            return (None, self._span(COLUMN_PARALLEL[part])) if part in COLUMN_PARALLEL else (None, None)
+        if part in ROW_PARALLEL and name.endswith(".bias"):  # whole: added once, after the ranks' partial sums
+            return None, None
         if part in COLUMN_PARALLEL:
             return self._span(COLUMN_PARALLEL[part]), None
         if part in ROW_PARALLEL:

@@ -201,10 +201,14 @@ def _unpermuted_rows(n_rows: int, rows: slice | None, n_head: int) -> torch.Tens
 @dataclass(frozen=True)
 class HFSource:
     """Where a tensor is in a Hugging Face folder: one stored tensor, or one per expert (stacked on read); `half` 0 or
-    1 takes the first or second half of its rows (a gate and an up projection stored as one tensor)."""
+    1 takes the first or second half of its rows (a gate and an up projection stored as one tensor). `interleaved`:
+    gpt-oss's experts, stored [expert, in, out] (read whole and transposed), whose halves are the even and the odd
+    rows (of a bias [expert, out], the even and odd values)."""
 
     parts: tuple[tuple[Path, str], ...]
     half: int | None = None
+    interleaved: bool = False
+    scales: tuple[Path, str] | None = None  # MXFP4 (gpt-oss's folders): parts[0] holds the blocks, this their scales
 
 
 class SafetensorsTensors:
@@ -223,23 +227,30 @@ class SafetensorsTensors:
     def entry(self, name: str) -> Entry | None:
         if name not in self.names:
             return None
-        shape = self.shapes[name]
-        size = {"float32": 4, "float16": 2, "bfloat16": 2}.get(self.dtypes[name], 4)
-        return Entry(shape, self.dtypes[name], int(np.prod(shape)) * size)
+        shape, stored_as = self.shapes[name], self.dtypes[name]
+        if stored_as in GGMLQuantizationType.__members__:  # MXFP4 blocks
+            weights, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[stored_as]]
+            return Entry(shape, stored_as, int(np.prod(shape)) // weights * nbytes)
+        size = {"float32": 4, "float16": 2, "bfloat16": 2}.get(stored_as, 4)
+        return Entry(shape, stored_as, int(np.prod(shape)) * size)
 
-    def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+    def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> Stored:
         source, shape = self.names[name], self.shapes[name]
+        if source.scales is not None:
+            return self._mxfp4(source, rows, cols)
         per_part = shape[1:] if len(source.parts) > 1 else shape
         try:
-            values = [self._read(file, stored, per_part, source.half, rows, cols) for file, stored in source.parts]
+            values = [self._read(file, stored, per_part, source, rows, cols) for file, stored in source.parts]
         except (SafetensorError, OSError) as exc:
             raise ModelFileError(f"{source.parts[0][0]}: not a readable safetensors file ({exc})") from exc
         value = torch.stack(values) if len(values) > 1 else values[0]
         return self.convert[name](value.float()) if name in self.convert else value
 
-    def _read(self, file: Path, stored: str, shape: tuple[int, ...], half: int | None, rows, cols) -> torch.Tensor:
+    def _read(self, file: Path, stored: str, shape: tuple[int, ...], source: HFSource, rows, cols) -> torch.Tensor:
         """One stored tensor's part of `shape` (its matrix's rows and columns as asked): only that part is read."""
-        part = self._handle(file).get_slice(stored)
+        part, half = self._handle(file).get_slice(stored), source.half
+        if source.interleaved:
+            return _interleaved_part(part[:], half, rows, cols)
         if len(part.get_shape()) != len(shape):  # a depthwise convolution [C, 1, W], GGUF's [C, W]: small, read whole
             return part[:].reshape(shape)[rows if rows is not None else slice(None)]
         if half is not None:  # rows of one half of the stored rows
@@ -251,6 +262,24 @@ class SafetensorsTensors:
         leading = (slice(None),) * (len(shape) - 2)
         return part[(*leading, rows if rows is not None else slice(None), cols if cols is not None else slice(None))]
 
+    def _mxfp4(self, source: HFSource, rows: slice | None, cols: slice | None) -> BlockMatrix:
+        """gpt-oss's MXFP4 experts ([expert, out, in / 32] blocks of 16 bytes and their scales, gate and up rows
+        interleaved) as GGUF's MXFP4 blocks: the same values, every expert's rows in turn."""
+        (file, blocks_name), (scales_file, scales_name) = source.parts[0], source.scales
+        try:
+            blocks = self._handle(file).get_slice(blocks_name)[:]
+            scales = self._handle(scales_file).get_slice(scales_name)[:]
+        except (SafetensorError, OSError) as exc:
+            raise ModelFileError(f"{file}: not a readable safetensors file ({exc})") from exc
+        if source.half is not None:
+            blocks, scales = blocks[:, source.half::2], scales[:, source.half::2]
+        if rows is not None:
+            blocks, scales = blocks[:, rows], scales[:, rows]
+        packed = gguf_mxfp4_blocks(blocks, scales)
+        matrix = BlockMatrix(packed.reshape(-1, packed.shape[-2] * packed.shape[-1]), GGMLQuantizationType.MXFP4,
+                             packed.shape[-2] * 32)
+        return matrix if cols is None else matrix.columns(cols.start, cols.stop)
+
     def close(self) -> None:
         self._files.clear()
 
@@ -258,6 +287,30 @@ class SafetensorsTensors:
         if file not in self._files:
             self._files[file] = safe_open(file, "pt")
         return self._files[file]
+
+
+def gguf_mxfp4_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """OpenAI's MXFP4 ([..., G, 16] bytes, each byte's low nibble an even weight, its high nibble the next; [..., G]
+    E8M0 scales) as GGUF's MXFP4 blocks [..., G, 17]: the scale byte (the same E8M0), then weights 0-15 in the low
+    nibbles and 16-31 in the high ones. The same values: only the nibbles move."""
+    codes = torch.stack([blocks & 15, blocks >> 4], dim=-1).reshape(*blocks.shape[:-1], 32)  # weight order
+    out = kept_memory(scales.numel() * 17).view(*scales.shape, 17)
+    out[..., 0] = scales
+    torch.bitwise_or(codes[..., :16], codes[..., 16:] << 4, out=out[..., 1:])
+    return out
+
+
+def _interleaved_part(value: torch.Tensor, half: int | None, rows, cols) -> torch.Tensor:
+    """gpt-oss's experts [expert, in, out] as [expert, out, in] (biases [expert, out]), the even (`half` 0) or odd
+    (1) rows of it, then `rows` and `cols` of those (of a bias, `cols` of its values, as of a GGUF file's 2-D
+    bias)."""
+    every = slice(None)
+    if value.dim() == 3:
+        value = value.transpose(1, 2)
+        value = value if half is None else value[:, half::2]
+        return value[:, rows if rows is not None else every, cols if cols is not None else every].contiguous()
+    value = value if half is None else value[:, half::2]
+    return value[:, cols if cols is not None else every].contiguous()
 
 
 def block_weights(stored_as: str) -> int:

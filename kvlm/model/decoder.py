@@ -30,7 +30,7 @@ from kvlm.model.linear import (
 )
 from kvlm.model.fused import DecodeLayers, LayerOps
 from kvlm.model.moe import BlockExperts, DenseExperts, MoEWeights
-from kvlm.kernels.experts import NativeExperts
+from kvlm.kernels.experts import ExpertBiases, NativeExperts
 from kvlm.model.recurrent import (
     Mamba2Weights,
     ShortConvWeights,
@@ -54,6 +54,8 @@ class LayerWeights:
     post_attention_norm: torch.Tensor | None = None  # sandwich norms (Gemma): on each output, before its add
     post_ffw_norm: torch.Tensor | None = None
     moe: MoEWeights | None = None  # experts in place of the MLP
+    output_bias: torch.Tensor | None = None  # the attention output projection's bias (gpt-oss)
+    sinks: torch.Tensor | None = None  # [n_head] float32: attention sinks' logits (gpt-oss)
 
 
 @dataclass
@@ -198,6 +200,8 @@ class Decoder:
             gate_up=None if moe else self._stacked(weights, i, ("ffn_gate", "ffn_up")),
             down=None if moe else self._stacked(weights, i, ("ffn_down",)),
             moe=self._moe(weights, i) if moe else None,
+            output_bias=vector("attn_output", "bias") if self.config.family.output_bias else None,
+            sinks=self._float(weights.layer(i, "attn_sinks")).contiguous() if self.config.family.attention_sinks else None,
             **({name: vector(name) for name in ("post_attention_norm", "post_ffw_norm")}
                if self.config.family.sandwich_norms else {}),
         )
@@ -214,13 +218,15 @@ class Decoder:
         if c.n_ff_shexp and c.family.shared_expert_gate:
             gate = self._float(weights.layer(i, "ffn_gate_inp_shexp"))
             shared["shared_gate"] = dense_linear(gate, torch.float32, batch_invariant=True)
+        if c.family.expert_biases:
+            shared["router_bias"] = self._float(weights.layer(i, "ffn_gate_inp", "bias"))
         return MoEWeights(dense_linear(router, torch.float32, batch_invariant=True), self._experts(weights, i),
                           c.n_expert_used, c.expert_weights_norm, **shared)
 
     def _experts(self, weights: ModelWeights, i: int) -> DenseExperts | BlockExperts:
         """The experts in their file's blocks (or requantized) for the native call; dense, one product per expert,
         where the settings keep matrices dense or a part's format is not one the kernels read."""
-        names = [weights.layer_name(i, f"ffn_{part}_exps") for part in ("gate", "up", "down")]
+        c, names = self.config, [weights.layer_name(i, f"ffn_{part}_exps") for part in ("gate", "up", "down")]
         storage = self.settings.matrix_storage([weights.file_type(n) for n in names])
         kernels = native_kernels()
         if storage is not None and kernels is not None:
@@ -231,13 +237,23 @@ class Decoder:
                     values = self._float(stored)
                     stored = QUANTIZERS[storage](values.reshape(-1, values.shape[-1]))
                 blocks.append(kernels.interleave(stored))
-            native = NativeExperts(kernels, blocks[0], blocks[1], blocks[2], self.config.n_expert,
-                                   self.config.family.activation == "gelu_tanh")
-            return BlockExperts(native, tuple(blocks))
-        n_expert = self.config.n_expert
-        gate, up, down = (self._expert_values(weights.read(name), n_expert) for name in names)
+            biases = self._expert_biases(weights, i, torch.float32)
+            native = NativeExperts(kernels, blocks[0], blocks[1], blocks[2], c.n_expert, c.family.activation,
+                                   biases, c.swiglu_alpha, c.swiglu_limit)
+            return BlockExperts(native, (*blocks, biases))
+        gate, up, down = (self._expert_values(weights.read(name), c.n_expert) for name in names)
         return DenseExperts([dense_linear(torch.cat([g, u]), self.dtype, self.batch_invariant) for g, u in zip(gate, up)],
-                            [dense_linear(d, self.dtype, self.batch_invariant) for d in down])
+                            [dense_linear(d, self.dtype, self.batch_invariant) for d in down],
+                            self._expert_biases(weights, i, self.dtype), (c.swiglu_alpha, c.swiglu_limit))
+
+    def _expert_biases(self, weights: ModelWeights, i: int, dtype: torch.dtype) -> ExpertBiases | None:
+        """gpt-oss's experts' biases (None for a family without them)."""
+        if not self.config.family.expert_biases:
+            return None
+        gate, up, down = (self._float(weights.layer(i, f"ffn_{part}_exps", "bias")) for part in ("gate", "up", "down"))
+        if weights.shard is not None and weights.shard.rank != 0:  # the ranks' partial sums carry it once: rank 0's
+            down = torch.zeros_like(down)
+        return ExpertBiases(torch.cat([gate, up], dim=1).to(dtype), down.to(dtype))
 
     def _expert_values(self, stored: Stored, n_expert: int) -> torch.Tensor:
         """A tensor of experts as [expert, rows, cols] in the activation dtype."""
@@ -323,6 +339,8 @@ class Decoder:
                 return x if experts_input is None else x + layer.moe(experts_input, self.ops, activation)
         eps, ops, residual = self.config.rms_norm_eps, self.ops, self.config.residual_multiplier
         h = self._summed(self._attention(index, layer, ops.norm(x, layer.attn_norm, eps), cos, sin, kv))
+        if layer.output_bias is not None:  # after the ranks' partial sums are added up: once
+            h = h + layer.output_bias
         if layer.post_attention_norm is not None:
             h = ops.norm(h, layer.post_attention_norm, eps)
         normed, x = ops.add_norm(x, h if residual == 1.0 else h * residual, layer.ffn_norm, eps)
@@ -373,7 +391,8 @@ class Decoder:
         if c.query_scale != 1.0:
             q = q * c.query_scale
         v = v.view(n_tokens, c.n_head_kv, c.head_dim)
-        return layer.attn_output(kv.attend(index, q, k, v, self.batch_invariant, self.ops.attention_kernel()))
+        return layer.attn_output(kv.attend(index, q, k, v, self.batch_invariant, self.ops.attention_kernel(),
+                                           layer.sinks))
 
 
 def _held(value, seen: set[int]) -> int:

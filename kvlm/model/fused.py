@@ -104,7 +104,7 @@ class DecodeLayers:
     @staticmethod
     def _native(kernels: NativeKernels, shape: LayerShape, dtype: torch.dtype, layer) -> NativeDecodeLayer:
         vectors = {name: getattr(layer, name) for name in ("attn_norm", "qkv_bias", "qk_norm", "post_attention_norm",
-                                                           "ffn_norm", "post_ffw_norm")}
+                                                           "ffn_norm", "post_ffw_norm", "output_bias", "sinks")}
         vectors = {name: None if v is None else v.contiguous() for name, v in vectors.items()}
         products = {"qkv": layer.qkv.native, "output": layer.attn_output.native}
         if layer.moe is None:

@@ -4,7 +4,8 @@ the family has one, adds its output for every token.
 
 Routing is computed in float32 whatever the activations (as transformers and llama.cpp do): softmax over all
 experts, the k most probable kept in descending order, their probabilities renormalised to sum to 1 where the model
-says so. The experts themselves run as one native call over the blocks their file stores them in
+says so (gpt-oss's softmax over the k chosen logits is the same thing). gpt-oss adds biases to the router's and the
+experts' products and meets gate and up in a clamped SwiGLU. The experts themselves run as one native call over the blocks their file stores them in
 (kvlm.kernels.experts), or, with dense weights (the reference mode, or no native kernels), as a loop over the experts
 that have tokens.
 """
@@ -13,8 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from kvlm.kernels.experts import NativeExperts
+from kvlm.kernels.experts import ExpertBiases, NativeExperts
 from kvlm.model.linear import Linear
 
 
@@ -27,21 +29,44 @@ def route(logits: torch.Tensor, n_used: int, normalize: bool) -> tuple[torch.Ten
     return ids, weights
 
 
+def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation: the gate clamped above at `limit`, up to [-limit, limit], (up + 1) gate sigmoid(alpha gate)."""
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 @dataclass
 class DenseExperts:
-    """Each expert's gate and up (stacked) and down projection as dense products (kvlm.model.linear)."""
+    """Each expert's gate and up (stacked) and down projection as dense products (kvlm.model.linear); gpt-oss's
+    biases and activation parameters where it has them."""
 
     gate_up: list[Linear]
     down: list[Linear]
+    biases: ExpertBiases | None = None  # in the activation dtype
+    swiglu: tuple[float, float] = (1.702, 7.0)  # swiglu_oai's alpha and limit
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ops, activation: str) -> torch.Tensor:
         """Each expert once over the tokens routed to it; a token's outputs added in the order of expert ids."""
         out = torch.zeros(x.shape, dtype=torch.float32)
         for expert in torch.unique(ids).tolist():
             tokens, slots = torch.nonzero(ids == expert, as_tuple=True)
-            y = ops.gated_mlp(x[tokens], self.gate_up[expert], self.down[expert], activation)
+            y = self._expert(expert, x[tokens], ops, activation)
             out.index_add_(0, tokens, y.float() * weights[tokens, slots, None])
         return out.to(x.dtype)
+
+    def _expert(self, e: int, x: torch.Tensor, ops, activation: str) -> torch.Tensor:
+        if self.biases is None and activation != "swiglu_oai":
+            return ops.gated_mlp(x, self.gate_up[e], self.down[e], activation)
+        both = self.gate_up[e](x)
+        if self.biases is not None:
+            both = both + self.biases.gate_up[e]
+        gate, up = both.chunk(2, dim=-1)
+        if activation == "swiglu_oai":
+            hidden = swiglu_oai(gate, up, *self.swiglu)
+        else:
+            hidden = (F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")) * up
+        y = self.down[e](hidden)
+        return y if self.biases is None else y + self.biases.down[e]
 
 
 @dataclass
@@ -64,9 +89,13 @@ class MoEWeights:
     shared_gate_up: Linear | None = None  # the shared expert, every token through it
     shared_down: Linear | None = None
     shared_gate: Linear | None = None  # [1, n_embd]: the shared expert's output times sigmoid of it (Qwen2-MoE)
+    router_bias: torch.Tensor | None = None  # [n_expert] float32 (gpt-oss)
 
     def __call__(self, x: torch.Tensor, ops, activation: str) -> torch.Tensor:
-        ids, weights = route(self.router(x.float()), self.n_used, self.normalize)
+        logits = self.router(x.float())
+        if self.router_bias is not None:
+            logits = logits + self.router_bias
+        ids, weights = route(logits, self.n_used, self.normalize)
         out = self.experts(x, ids, weights, ops, activation)
         if self.shared_gate_up is not None:
             shared = ops.gated_mlp(x, self.shared_gate_up, self.shared_down, activation)

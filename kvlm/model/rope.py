@@ -268,10 +268,13 @@ def rope_from_hf_config(raw: Mapping[str, Any]) -> RopeScaling:
     )
 
 
-def rope_from_gguf(metadata: Mapping[str, Any], arch: str, freq_factors: Sequence[float] | None) -> RopeScaling:
+def rope_from_gguf(metadata: Mapping[str, Any], arch: str, freq_factors: Sequence[float] | None,
+                   yarn_truncate: bool = True) -> RopeScaling:
     """The RoPE of a GGUF file from llama.cpp's `{arch}.rope.*` keys and its `rope_freqs.weight` values.
 
     A Llama 3.x file has no scaling type but per-frequency divisors: kind "default" with `freq_factors`.
+    `yarn_truncate`: YaRN's correction range rounded to whole dimensions (llama.cpp's rule; the file does not say,
+    the family does: gpt-oss was trained without the rounding).
     """
 
     def key(name: str, default: Any = None) -> Any:
@@ -293,10 +296,10 @@ def rope_from_gguf(metadata: Mapping[str, Any], arch: str, freq_factors: Sequenc
         return RopeScaling(theta=theta, freq_factors=factors)
     if kind == "linear":
         return RopeScaling(theta=theta, kind="linear", factor=factor, freq_factors=factors)
-    return _yarn_from_gguf(key, metadata, arch, theta, factor, attn_factor, factors)
+    return _yarn_from_gguf(key, metadata, arch, theta, factor, attn_factor, factors, yarn_truncate)
 
 
-def _yarn_from_gguf(key, metadata, arch, theta, factor, attn_factor, factors) -> RopeScaling:
+def _yarn_from_gguf(key, metadata, arch, theta, factor, attn_factor, factors, truncate: bool) -> RopeScaling:
     ext_factor = key("scaling.yarn_ext_factor", -1.0)
     if ext_factor >= 0 and ext_factor != 1.0:  # negative: unset, which llama.cpp makes 1.0 for yarn
         raise UnsupportedModelError(f"{arch}.rope.scaling.yarn_ext_factor={ext_factor} is not supported (only 1.0)")
@@ -314,6 +317,7 @@ def _yarn_from_gguf(key, metadata, arch, theta, factor, attn_factor, factors) ->
         theta=theta, kind="yarn", factor=factor, original_max_position_embeddings=original,
         beta_fast=key("scaling.yarn_beta_fast", 32.0), beta_slow=key("scaling.yarn_beta_slow", 1.0),
         attention_factor=attention, mscale=mscale, mscale_all_dim=mscale_all_dim, freq_factors=factors,
+        truncate=truncate,
     )
 
 

@@ -31,6 +31,8 @@ struct LayerSpec {
     const void* post_attention_norm;  // [n_embd] or null (sandwich norms)
     const void* ffn_norm;      // [n_embd]
     const void* post_ffw_norm; // [n_embd] or null
+    const void* output_bias;   // [n_embd] or null: the attention output projection's bias (gpt-oss)
+    const float* sinks;        // [n_head] float32 attention sinks' logits (gpt-oss), or null
     Matrix qkv, output, gate_up, down;
 };
 
@@ -200,7 +202,7 @@ inline void decode_layer(const LayerSpec& L, const StepSpec& S, int layer, void*
     const LayerPlanes planes(S, layer, int64_t(L.n_kv) * d);
     const AttentionWork attention{qkv, bf16, qkv_width, T, L.n_head, L.n_kv, d, L.attention_scale, S.cells,
                                   S.cells_stride, S.lengths, planes.read(0, L.n_kv, d), planes.read(1, L.n_kv, d),
-                                  attended, q_width};
+                                  attended, q_width, L.sinks};
     static thread_local std::vector<float> partials;
     std::vector<float>* shared_partials = &partials;
     using T_ = LayerTimes;
@@ -236,6 +238,9 @@ inline void decode_layer(const LayerSpec& L, const StepSpec& S, int layer, void*
         multiply(L.output, attended, h);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; ++t) {
+            if (L.output_bias)  // rounded to the activation dtype, as torch's add
+                for (int64_t i = 0; i < L.n_embd; ++i)
+                    store_value(h, bf16, t * L.n_embd + i, load_value(h, bf16, t * L.n_embd + i) + load_value(L.output_bias, bf16, i));
             if (L.post_attention_norm)
                 rms_norm_row(h, nullptr, bf16, t, L.n_embd, L.post_attention_norm, L.eps, h, nullptr, values);
             rms_norm_row(x, h, bf16, t, L.n_embd, L.ffn_norm, L.eps, normed, x, values);  // x += h, then the norm
