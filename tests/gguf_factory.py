@@ -82,17 +82,22 @@ def byte_level_vocab(vocab_size: int) -> tuple[list[str], list[str]]:
     return tokens, merges
 
 
-def save_hf_folder(model: LlamaForCausalLM, folder: Path) -> Path:
-    """config.json, safetensors weights and a byte-level BPE tokenizer over the model's vocabulary."""
-    model.save_pretrained(folder)
-    tokens, merges = byte_level_vocab(model.config.vocab_size)
+def byte_level_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """The byte-level BPE tokenizer of `byte_level_vocab`, as transformers holds it."""
+    tokens, merges = byte_level_vocab(vocab_size)
     backend = Backend(
         models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split(" ")) for m in merges])
     )
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     special = SPECIAL_TOKENS[BOS_ID]
-    PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=special, eos_token=special).save_pretrained(folder)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=special, eos_token=special)
+
+
+def save_hf_folder(model: LlamaForCausalLM, folder: Path) -> Path:
+    """config.json, safetensors weights and a byte-level BPE tokenizer over the model's vocabulary."""
+    model.save_pretrained(folder)
+    byte_level_tokenizer(model.config.vocab_size).save_pretrained(folder)
     return folder
 
 
