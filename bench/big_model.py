@@ -5,8 +5,8 @@ decode.
     python -m bench.big_model [--shape qwen2.5-7b] [--model GGUF] [--tokens 32] [--repeats 2]
 
 The file (unless --model names one) is made by bench/big_model_file.py: a real model's shapes and random weights,
-quantized to Q4_K_M by llama.cpp's own quantizer, cached in $KVLM_HOME/bench. Random weights say nothing of
-quality; memory, loading and speed are what a real file of that shape gets.
+quantized to Q4_K_M (gpt-oss: MXFP4_MOE) by llama.cpp's own quantizer, cached in $KVLM_HOME/bench. Random
+weights say nothing of quality; memory, loading and speed are what a real file of that shape gets.
 
 Every measurement runs in a child process of its own (llama.cpp's threads spin after a call and would slow kvlm
 beside them), engines interleaved. In a child: the engine loads the file (for "cold", after its pages were evicted
@@ -37,7 +37,6 @@ import torch  # noqa: E402
 from bench.common import machine_line, markdown_table  # noqa: E402
 from bench.multi_sequence import KvlmContext  # noqa: E402
 from kvlm import load_model  # noqa: E402
-from kvlm.home import kvlm_home  # noqa: E402
 from kvlm.loader.memory_plan import MemoryRequest, peak_resident_bytes, resident_bytes  # noqa: E402
 from kvlm.memory.kv_store import AUTO, resolve_kv_dtype  # noqa: E402
 
@@ -142,9 +141,9 @@ def run_child(label: str, path: Path, cold: bool, vocab: int, args: argparse.Nam
 def model_file(args: argparse.Namespace) -> Path:
     if args.model:
         return Path(args.model)
-    from bench.big_model_file import make_big_model
+    from bench.big_model_file import default_path, make_big_model
 
-    return make_big_model(kvlm_home() / "bench" / f"{args.shape}-shaped-q4_k_m.gguf", shape=args.shape)
+    return make_big_model(default_path(args.shape), shape=args.shape)
 
 
 def main() -> None:

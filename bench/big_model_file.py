@@ -1,5 +1,6 @@
 """A GGUF of real size with no hub: Qwen2.5-7B's (or 14B's) shapes, or a mixture of experts' (OLMoE-1B-7B's,
-Qwen3-30B-A3B's), random weights, quantized to Q4_K_M by llama.cpp.
+Qwen3-30B-A3B's, gpt-oss-20b's), random weights, quantized by llama.cpp to the mix people download (Q4_K_M; for
+gpt-oss, MXFP4_MOE).
 
 No checkpoint of 3B+ parameters is reachable from this machine (shared/MODELS.md), but memory use, load time and decode
 speed depend on the shapes and the quantization mix, not on the values. So this writes a file with exactly the
@@ -9,21 +10,36 @@ llama.cpp's own quantizer turn it into the Q4_K_M mix people download. Good for 
 text it generates is noise.
 
     python -m bench.big_model_file --out ~/.cache/kvlm/bench/qwen2.5-7b-shaped-q4_k_m.gguf [--shape qwen2.5-14b]
+    python -m bench.big_model_file --shape gpt-oss-20b --out ~/.cache/kvlm/bench/gpt-oss-20b-shaped-mxfp4.gguf
 
-or `make_big_model(path)` from Python. The F16 intermediate (15 GB for the 7B, 30 GB for the 14B) is written next
-to the output and deleted after quantization; memory stays at a few hundred MB while writing it. The experts of the
-MoE shapes are written as random Q4_K blocks instead (the F16 intermediate of a 30B would be 61 GB, and llama.cpp's
-Q4_K search takes ~300 ns a weight on one core here: hours for 29B experts): llama.cpp's quantizer then keeps the
-experts its Q4_K_M mix leaves in Q4_K as they are and requantizes the ones it gives more bits (some ffn_down_exps to
-Q6_K), so each tensor's type is still llama.cpp's choice. A finished file is
-renamed into place at the end, so an existing output is complete and is returned as is (a cache). Needs the bench
-extra (llama-cpp-python). Takes minutes: for the 7B on 2 cores, about 3 to write the F16 file and 10 to quantize it
-(4.68 GB out, 339 tensors: Q4_K 169, Q6_K 29, F32 141).
+or `make_big_model(path)` from Python. The F16 intermediate (15 GB for the 7B, 30 GB for the 14B; 14 GB for
+gpt-oss-20b, its experts already MXFP4) is written next to the output and deleted after quantization; memory stays
+at a few hundred MB while writing it. The experts of the MoE shapes are written as random Q4_K blocks instead (the
+F16 intermediate of a 30B would be 61 GB, and llama.cpp's Q4_K search takes ~300 ns a weight on one core here:
+hours for 29B experts): llama.cpp's quantizer then keeps the experts its Q4_K_M mix leaves in Q4_K as they are and
+requantizes the ones it gives more bits (some ffn_down_exps to Q6_K), so each tensor's type is still llama.cpp's
+choice.
+
+The gpt-oss-20b shape is the file llama.cpp's converter makes of openai/gpt-oss-20b, architecture "gpt-oss": biases
+on all four attention projections, a sink logit per head (attn_sinks), a 128-position window (llama.cpp slides
+every other layer), YaRN RoPE (factor 32 over 4096 positions), post_attention_norm as the pre-MLP norm's name, and
+32 experts of 2880 (4 per token) with a biased router and biased products. OpenAI releases those experts in MXFP4
+and the converter keeps them so; the experts here are written directly as random MXFP4 blocks, as the Q4_K ones
+above (19B expert weights would be 38 GB of F16 intermediate), and llama.cpp's MXFP4_MOE mix keeps them and makes
+every other matrix Q8_0 (routers, biases, sinks and norms stay F32), as in the gpt-oss files people download. Its
+vocabulary is gpt-oss's 201088 (the head alone is about a quarter of the bytes a decoded token reads): the Qwen2.5
+tokenizer's 151936 tokens padded with unused ones ([PAD151936] on, as Qwen's own file ends).
+
+A finished file is renamed into place at the end, so an existing output is complete and is returned as is (a
+cache). Needs the bench extra (llama-cpp-python). Takes minutes: for the 7B on 2 cores, about 3 to write the F16
+file and 10 to quantize it (4.68 GB out, 339 tensors: Q4_K 169, Q6_K 29, F32 141); for gpt-oss-20b, under 3 and
+1 (12.10 GB out, 459 tensors: MXFP4 72, Q8_0 98, F32 289).
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
+import math
 import os
 import time
 from collections import Counter
@@ -35,6 +51,7 @@ import numpy as np
 from tqdm import tqdm
 
 from bench.llama_cpp_driver import import_llama_cpp
+from kvlm.home import kvlm_home
 from kvlm.loader.fetch import pull
 from kvlm.startup import START_CPUS
 
@@ -43,12 +60,39 @@ SEED = 0
 MATRIX_STD = 0.02  # the usual initializer range of Qwen2 configs
 BIAS_STD = 0.01
 CHUNK_VALUES = 32 * 1024 * 1024  # values drawn at once: 128 MB of float32 plus 64 MB of float16
-Q4_K_BLOCK, Q4_K_BYTES = 256, 144  # weights per super-block; bytes (f16 d and dmin, 12 of scales, 128 of nibbles)
-# d * scale * level - dmin * min, scales and mins uniform in 0..63, levels in 0..15: a spread of about MATRIX_STD
+Q4_K, MXFP4 = gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.MXFP4
+# Q4_K super-blocks of 256 weights in 144 bytes: f16 d and dmin, 12 of scales, 128 of nibbles. d * scale * level -
+# dmin * min, scales and mins uniform in 0..63, levels in 0..15: a spread of about MATRIX_STD
 Q4_K_D = MATRIX_STD / 32 / 5
+# MXFP4 blocks of 32 weights in 17 bytes: an E8M0 exponent e, then 16 of nibbles; a weight is KVALUES[nibble] *
+# 2^(e - 128). Uniform nibbles' values spread by 5.85: e = 120 gives 0.023, about MATRIX_STD
+MXFP4_KVALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.float32)
+MXFP4_E = 128 + round(math.log2(MATRIX_STD / float(MXFP4_KVALUES.std())))
+# The leading bytes of each random block: the scales that set its spread (the rest of the block stays random)
+BLOCK_SCALES = {Q4_K: np.array([Q4_K_D, Q4_K_D], dtype=np.float16).view(np.uint8),
+                MXFP4: np.array([MXFP4_E], dtype=np.uint8)}
 MIN_BITS_PER_WEIGHT = 2  # below every llama.cpp quantization mix: a smaller file at the output path is not a model
-# What llama.cpp's Q4_K_M mix makes of these architectures' tensors (a few MoE tensors get more bits)
-Q4_K_M_TYPES = {"Q4_K", "Q5_K", "Q6_K", "Q8_0", "F32"}
+
+
+@dataclass(frozen=True)
+class Mix:
+    """What llama.cpp's quantizer makes of these architectures' tensors in one of its file types: the types that
+    must and that may appear, and the experts' (a few MoE tensors get more bits in Q4_K_M)."""
+
+    label: str  # in file names
+    required: frozenset[str]
+    allowed: frozenset[str]
+    experts: frozenset[str]
+
+
+MIXES = {
+    gguf.LlamaFileType.MOSTLY_Q4_K_M: Mix("q4_k_m", frozenset({"Q4_K"}),
+                                          frozenset({"Q4_K", "Q5_K", "Q6_K", "Q8_0", "F32"}),
+                                          frozenset({"Q4_K", "Q5_K", "Q6_K", "Q8_0"})),
+    # experts (3-D) MXFP4, every other matrix Q8_0 (embedding and head too), vectors and routers F32
+    gguf.LlamaFileType.MOSTLY_MXFP4_MOE: Mix("mxfp4", frozenset({"MXFP4", "Q8_0", "F32"}),
+                                             frozenset({"MXFP4", "Q8_0", "F32"}), frozenset({"MXFP4"})),
+}
 
 
 @dataclass(frozen=True)
@@ -73,6 +117,15 @@ class Shape:
     n_expert: int = 0  # a mixture of experts: experts per layer (in place of the MLP), used per token, their width
     n_expert_used: int = 0
     n_ff_exp: int = 0
+    experts_type: gguf.GGMLQuantizationType = Q4_K  # the random blocks the experts are written in
+    expert_biases: bool = False  # gpt-oss: biases on the router and on every expert's products
+    output_bias: bool = False  # gpt-oss: a bias on attn_output too
+    attention_sinks: bool = False  # gpt-oss: a learned sink logit per head (attn_sinks.weight)
+    ffn_norm: str = "ffn_norm"  # the pre-MLP norm's GGUF name (gpt-oss: post_attention_norm)
+    sliding_window: int = 0  # attention.sliding_window (the architecture decides which layers slide)
+    yarn_factor: float = 0.0  # rope.scaling: YaRN's factor over its original context length
+    yarn_original_context: int = 0
+    ftype: int = gguf.LlamaFileType.MOSTLY_Q4_K_M  # llama.cpp's mix (a key of MIXES)
 
     @property
     def head_dim(self) -> int:
@@ -90,6 +143,13 @@ SHAPES = {
     "qwen3-30b-a3b": Shape("30B-A3B", n_layer=48, n_embd=2048, n_ff=6144, n_head=32, n_head_kv=4, context_length=40960,
                            arch="qwen3moe", family_name="Qwen3", qkv_bias=False, qk_norm="head", key_length=128,
                            n_expert=128, n_expert_used=8, n_ff_exp=768),
+    # openai/gpt-oss-20b's config.json, as llama.cpp's converter writes it (feed_forward_length too is the experts')
+    "gpt-oss-20b": Shape("20B", n_layer=24, n_embd=2880, n_ff=2880, n_head=64, n_head_kv=8, n_vocab=201088,
+                         context_length=131072, rope_freq_base=150000.0, rms_eps=1e-5, arch="gpt-oss",
+                         family_name="gpt-oss", key_length=64, n_expert=32, n_expert_used=4, n_ff_exp=2880,
+                         experts_type=MXFP4, expert_biases=True, output_bias=True, attention_sinks=True,
+                         ffn_norm="post_attention_norm", sliding_window=128, yarn_factor=32.0,
+                         yarn_original_context=4096, ftype=gguf.LlamaFileType.MOSTLY_MXFP4_MOE),
 }
 
 
@@ -103,12 +163,13 @@ class TensorSpec:
     dtype: type
     mean: float
     std: float
-    q4_k: bool = False  # written as random Q4_K blocks (see _q4_k_to_file)
+    blocks: gguf.GGMLQuantizationType | None = None  # written as random blocks of this type (see _blocks_to_file)
 
     @property
     def nbytes(self) -> int:
-        if self.q4_k:
-            return int(np.prod(self.shape)) // Q4_K_BLOCK * Q4_K_BYTES
+        if self.blocks is not None:
+            weights, nbytes = gguf.GGML_QUANT_SIZES[self.blocks]
+            return int(np.prod(self.shape)) // weights * nbytes
         return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
 
 
@@ -120,18 +181,18 @@ def norm(name: str, size: int) -> TensorSpec:
     return TensorSpec(name, (size,), np.float32, 1.0, 0.0)  # RMSNorm weights start at one
 
 
-def bias(name: str, size: int) -> TensorSpec:
-    return TensorSpec(name, (size,), np.float32, 0.0, BIAS_STD)
+def bias(name: str, *shape: int) -> TensorSpec:
+    return TensorSpec(name, shape, np.float32, 0.0, BIAS_STD)
 
 
-def experts(name: str, n_expert: int, rows: int, cols: int) -> TensorSpec:
-    return TensorSpec(name, (n_expert, rows, cols), np.float32, 0.0, MATRIX_STD, q4_k=True)
+def experts(name: str, n_expert: int, rows: int, cols: int, blocks: gguf.GGMLQuantizationType) -> TensorSpec:
+    return TensorSpec(name, (n_expert, rows, cols), np.float32, 0.0, MATRIX_STD, blocks=blocks)
 
 
 def tensor_specs(shape: Shape) -> list[TensorSpec]:
     """Every tensor of llama.cpp's architecture for the shape: qwen2's q/k/v with biases, or the QK-norms of
-    qwen3moe (per head) and olmoe (whole projections); an MLP, or a router and experts; an output matrix of its
-    own."""
+    qwen3moe (per head) and olmoe (whole projections), or gpt-oss's biases on all four projections and its sinks; an
+    MLP, or a router and experts (gpt-oss's with biases); an output matrix of its own."""
     d, q_rows, kv_rows = shape.n_embd, shape.n_head * shape.head_dim, shape.n_head_kv * shape.head_dim
     norm_sizes = {"head": (shape.head_dim, shape.head_dim), "whole": (q_rows, kv_rows)}
     specs = [matrix("token_embd.weight", shape.n_vocab, d)]
@@ -144,13 +205,17 @@ def tensor_specs(shape: Shape) -> list[TensorSpec]:
         if shape.qk_norm:
             q_norm, k_norm = norm_sizes[shape.qk_norm]
             specs += [norm(f"{blk}.attn_q_norm.weight", q_norm), norm(f"{blk}.attn_k_norm.weight", k_norm)]
-        specs += [matrix(f"{blk}.attn_output.weight", d, q_rows), norm(f"{blk}.ffn_norm.weight", d)]
+        specs += [matrix(f"{blk}.attn_output.weight", d, q_rows)]
+        specs += [bias(f"{blk}.attn_output.bias", d)] if shape.output_bias else []
+        specs += [bias(f"{blk}.attn_sinks.weight", shape.n_head)] if shape.attention_sinks else []  # logits near 0
+        specs += [norm(f"{blk}.{shape.ffn_norm}.weight", d)]
         if shape.n_expert:
             width, n = shape.n_ff_exp, shape.n_expert
-            specs += [TensorSpec(f"{blk}.ffn_gate_inp.weight", (n, d), np.float32, 0.0, MATRIX_STD),
-                      experts(f"{blk}.ffn_gate_exps.weight", n, width, d),
-                      experts(f"{blk}.ffn_up_exps.weight", n, width, d),
-                      experts(f"{blk}.ffn_down_exps.weight", n, d, width)]
+            specs += [TensorSpec(f"{blk}.ffn_gate_inp.weight", (n, d), np.float32, 0.0, MATRIX_STD)]
+            specs += [bias(f"{blk}.ffn_gate_inp.bias", n)] if shape.expert_biases else []
+            for part, rows, cols in (("gate", width, d), ("up", width, d), ("down", d, width)):
+                specs += [experts(f"{blk}.ffn_{part}_exps.weight", n, rows, cols, shape.experts_type)]
+                specs += [bias(f"{blk}.ffn_{part}_exps.bias", n, rows)] if shape.expert_biases else []
         else:
             specs += [matrix(f"{blk}.ffn_gate.weight", shape.n_ff, d), matrix(f"{blk}.ffn_up.weight", shape.n_ff, d),
                       matrix(f"{blk}.ffn_down.weight", d, shape.n_ff)]
@@ -174,8 +239,8 @@ class RandomTensor:
 
     def tofile(self, fout) -> None:
         spec = self.spec
-        if spec.q4_k:
-            self._q4_k_to_file(fout)
+        if spec.blocks is not None:
+            self._blocks_to_file(fout)
             return
         cols = spec.shape[-1]
         rows = spec.shape[0] if len(spec.shape) == 2 else 1
@@ -191,24 +256,38 @@ class RandomTensor:
                 values = self.scratch[spec.dtype][:n]
             values.tofile(fout)
 
-
-    def _q4_k_to_file(self, fout) -> None:
-        """Super-blocks of random scales, mins and levels, all with the same d and dmin, in chunks of CHUNK_VALUES
-        weights."""
-        n_blocks = self.spec.nbytes // Q4_K_BYTES
-        steps = np.array([Q4_K_D, Q4_K_D], dtype=np.float16).view(np.uint8)
-        per_chunk = CHUNK_VALUES // Q4_K_BLOCK
+    def _blocks_to_file(self, fout) -> None:
+        """Random blocks whose leading bytes are BLOCK_SCALES' (Q4_K: the same d and dmin in every super-block,
+        random scales, mins and levels; MXFP4: the same exponent in every block, random nibbles), in chunks of
+        CHUNK_VALUES weights."""
+        weights, nbytes = gguf.GGML_QUANT_SIZES[self.spec.blocks]
+        scales = BLOCK_SCALES[self.spec.blocks]
+        n_blocks = self.spec.nbytes // nbytes
+        per_chunk = CHUNK_VALUES // weights
         for start in range(0, n_blocks, per_chunk):
             n = min(per_chunk, n_blocks - start)
-            blocks = self.rng.integers(0, 256, size=(n, Q4_K_BYTES), dtype=np.uint8)
-            blocks[:, :4] = steps
+            blocks = self.rng.integers(0, 256, size=(n, nbytes), dtype=np.uint8)
+            blocks[:, :scales.size] = scales
             blocks.tofile(fout)
 
 
-def tokenizer_fields() -> list[gguf.ReaderField]:
-    """The real Qwen2.5 tokenizer: every tokenizer.* key of the small checkpoint, chat template included."""
+def add_tokenizer(writer: gguf.GGUFWriter, n_vocab: int) -> None:
+    """The real Qwen2.5 tokenizer: every tokenizer.* key of the small checkpoint, chat template included, its
+    token list padded to n_vocab (llama.cpp wants a token per embedding row) with unused tokens named as the ones
+    Qwen's file already ends with ("[PAD151935]")."""
     reader = gguf.GGUFReader(pull(TOKENIZER_SOURCE))
-    return [field for name, field in reader.fields.items() if name.startswith("tokenizer.")]
+    n_tokens = len(reader.fields["tokenizer.ggml.tokens"].data)
+    if n_vocab < n_tokens:
+        raise ValueError(f"the tokenizer has {n_tokens} tokens, the embedding only {n_vocab} rows")
+    padding = {"tokenizer.ggml.tokens": [f"[PAD{i}]" for i in range(n_tokens, n_vocab)],
+               "tokenizer.ggml.token_type": [int(gguf.TokenType.UNUSED)] * (n_vocab - n_tokens)}
+    for name, field in reader.fields.items():
+        if not name.startswith("tokenizer."):
+            continue
+        kind = field.types[0]
+        sub_type = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        value = field.contents()
+        writer.add_key_value(name, value + padding[name] if name in padding else value, kind, sub_type=sub_type)
 
 
 def add_metadata(writer: gguf.GGUFWriter, shape: Shape) -> None:
@@ -231,12 +310,13 @@ def add_metadata(writer: gguf.GGUFWriter, shape: Shape) -> None:
         writer.add_expert_count(shape.n_expert)
         writer.add_expert_used_count(shape.n_expert_used)
         writer.add_expert_feed_forward_length(shape.n_ff_exp)
-    for field in tokenizer_fields():
-        kind = field.types[0]
-        if field.name == "tokenizer.ggml.tokens" and len(field.data) != shape.n_vocab:
-            raise ValueError(f"the tokenizer has {len(field.data)} tokens, the embedding {shape.n_vocab} rows")
-        sub_type = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, field.contents(), kind, sub_type=sub_type)
+    if shape.sliding_window:
+        writer.add_sliding_window(shape.sliding_window)
+    if shape.yarn_factor:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(shape.yarn_factor)
+        writer.add_rope_scaling_orig_ctx_len(shape.yarn_original_context)
+    add_tokenizer(writer, shape.n_vocab)
 
 
 def write_f16(path: Path, shape: Shape, progress: bool) -> None:
@@ -246,8 +326,7 @@ def write_f16(path: Path, shape: Shape, progress: bool) -> None:
     writer = gguf.GGUFWriter(path, shape.arch)
     add_metadata(writer, shape)
     for spec in specs:
-        raw = gguf.GGMLQuantizationType.Q4_K if spec.q4_k else None
-        writer.add_tensor_info(spec.name, spec.shape, np.dtype(spec.dtype), spec.nbytes, raw_dtype=raw)
+        writer.add_tensor_info(spec.name, spec.shape, np.dtype(spec.dtype), spec.nbytes, raw_dtype=spec.blocks)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
@@ -272,7 +351,7 @@ def quantize(src: Path, dst: Path, ftype: int, progress: bool) -> None:
         import_llama_cpp()
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftype
-    params.allow_requantize = True  # the experts' Q4_K blocks, where the mix gives them another type
+    params.allow_requantize = True  # the experts' blocks, where the mix gives them another type
     params.nthread = len(START_CPUS)
     os.sched_setaffinity(0, START_CPUS)  # torch's OpenMP pinned this thread to one core: llama.cpp's would inherit it
     if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) != 0:
@@ -280,8 +359,8 @@ def quantize(src: Path, dst: Path, ftype: int, progress: bool) -> None:
 
 
 def check(path: Path, shape: Shape, ftype: int) -> Counter:
-    """The file llama.cpp wrote: architecture, layers, tensors and file type as asked; every matrix quantized.
-    Returns the count of tensors per type."""
+    """The file llama.cpp wrote: architecture, layers, tensors and file type as asked; every matrix quantized
+    (routers and biases stay F32), in the types of the ftype's mix. Returns the count of tensors per type."""
     reader = gguf.GGUFReader(path)
     fields = reader.fields
     found = {
@@ -296,11 +375,15 @@ def check(path: Path, shape: Shape, ftype: int) -> Counter:
         raise RuntimeError(f"{path}: {found}, expected {wanted}")
     types = Counter(tensor.tensor_type.name for tensor in reader.tensors)
     left_float = [t.name for t in reader.tensors if len(t.shape) >= 2 and t.tensor_type.name in ("F16", "F32")
-                  and not t.name.endswith("ffn_gate_inp.weight")]  # llama.cpp keeps routers in F32
+                  and not t.name.endswith(("ffn_gate_inp.weight", ".bias"))]  # llama.cpp keeps routers, biases F32
     if left_float:
         raise RuntimeError(f"{path}: matrices left unquantized: {left_float[:5]}")
-    if ftype == gguf.LlamaFileType.MOSTLY_Q4_K_M and not ("Q4_K" in types and set(types) <= Q4_K_M_TYPES):
-        raise RuntimeError(f"{path}: tensor types {dict(types)}, not the Q4_K_M mix {sorted(Q4_K_M_TYPES)}")
+    mix = MIXES.get(ftype)
+    if mix is not None and not (mix.required <= set(types) <= mix.allowed):
+        raise RuntimeError(f"{path}: tensor types {dict(types)}, not the {mix.label} mix {sorted(mix.allowed)}")
+    experts = {t.tensor_type.name for t in reader.tensors if t.name.endswith("_exps.weight")}
+    if mix is not None and not experts <= mix.experts:
+        raise RuntimeError(f"{path}: experts in {sorted(experts)}, not the {mix.label} mix's {sorted(mix.experts)}")
     return types
 
 
@@ -309,12 +392,19 @@ def is_cached(path: Path, shape: Shape) -> bool:
     return path.is_file() and path.stat().st_size * 8 >= parameter_count(shape) * MIN_BITS_PER_WEIGHT
 
 
-def make_big_model(out_path: Path, *, shape: str = "qwen2.5-7b", ftype: int = gguf.LlamaFileType.MOSTLY_Q4_K_M,
+def default_path(shape: str) -> Path:
+    """Where the bench keeps the file of `shape` in its default mix: $KVLM_HOME/bench/{shape}-shaped-{mix}.gguf."""
+    return kvlm_home() / "bench" / f"{shape}-shaped-{MIXES[SHAPES[shape].ftype].label}.gguf"
+
+
+def make_big_model(out_path: Path, *, shape: str = "qwen2.5-7b", ftype: int | None = None,
                    progress: bool = True) -> Path:
     """Write (or find already written) a GGUF with the shapes of `shape` (a key of SHAPES), random weights and the
-    Qwen2.5 tokenizer, quantized by llama.cpp to `ftype` (a llama_ftype; 15 = Q4_K_M). Returns out_path."""
+    Qwen2.5 tokenizer, quantized by llama.cpp to `ftype` (a llama_ftype; 15 = Q4_K_M, 38 = MXFP4_MOE; by default
+    the shape's). Returns out_path."""
     out_path = Path(out_path).expanduser()
     dims = SHAPES[shape]
+    ftype = dims.ftype if ftype is None else ftype
     if is_cached(out_path, dims):
         return out_path
     out_path.parent.mkdir(parents=True, exist_ok=True)
