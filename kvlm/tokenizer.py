@@ -36,6 +36,12 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# o200k's (gpt-oss's tokenizer.json; llama.cpp's "gpt-4o"): a word keeps its case run and its contraction together
+_O200K_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 def _gpt2() -> pre_tokenizers.PreTokenizer:
@@ -75,6 +81,7 @@ _PRE_TOKENIZERS: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
     "llama3": _split_then_bytes(_LLAMA3_SPLIT),
     "llama-v3": _split_then_bytes(_LLAMA3_SPLIT),
     "qwen2": _split_then_bytes(_QWEN2_SPLIT),
+    "gpt-4o": _split_then_bytes(_O200K_SPLIT),
 }
 
 _NAMED_TOKEN_KEYS = {
@@ -87,9 +94,13 @@ _END_OF_TURN_KEYS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id
 # llama.cpp ends generation at these tokens too, whatever the metadata says (llama-vocab.cpp): a Qwen base
 # model, say, finishes with <|endoftext|> while its eos is <|im_end|>. The last three end fill-in-the-middle.
 _END_OF_GENERATION_TEXTS = frozenset({
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>",
-    "<|end_of_text|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
+    "<EOT>", "_<EOT>", "<|end_of_text|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
 })
+# OpenAI's harmony vocabulary (gpt-oss): <|end|> closes one message of a turn (the analysis before the answer), the
+# turn ends at <|return|> (answered) or <|call|> (a tool call). llama.cpp drops <|end|> from the stop tokens when both
+# of those are among them; kvlm does the same.
+_HARMONY_TURN_ENDS, _HARMONY_MESSAGE_END = frozenset({"<|return|>", "<|call|>"}), "<|end|>"
 
 # Names a message's reasoning may come under; transformers copies it to the ones templates read.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -145,7 +156,7 @@ class Tokenizer:
             backend,
             bos_id=ids["bos_token"],
             eos_id=ids["eos_token"],
-            stop_ids=frozenset(i for i in stop_ids if i is not None),
+            stop_ids=_without_harmony_message_end({i for i in stop_ids if i is not None}, tokens),
             chat_template=_gguf_chat_template(metadata),
             named_tokens=named_tokens,
             spelled_bytes=kind.spelled_bytes,
@@ -394,6 +405,14 @@ def _add_gguf_special_tokens(
     added = {*control, *user_defined}
     named = [t for t in named_tokens.values() if t not in added and t in vocab]
     backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in named])
+
+
+def _without_harmony_message_end(stop_ids: set[int], tokens: list[str]) -> frozenset[int]:
+    """The stop tokens less <|end|> when <|return|> and <|call|> are among them (see _HARMONY_TURN_ENDS)."""
+    stop_texts = {tokens[i] for i in stop_ids if 0 <= i < len(tokens)}
+    if _HARMONY_TURN_ENDS <= stop_texts:
+        stop_ids = {i for i in stop_ids if not (0 <= i < len(tokens) and tokens[i] == _HARMONY_MESSAGE_END)}
+    return frozenset(stop_ids)
 
 
 def _wanted(flag: bool | None, token: str | None, token_id: int | None) -> tuple[str, int] | None:
