@@ -86,8 +86,9 @@ class LLM:
 
         As in vLLM, `tools` (OpenAI function specs) and `chat_template_kwargs` (e.g. {"enable_thinking": False})
         reach the template. With `tools` (tool_choice "auto" by default, "none", "required", or a function's name
-        or {"type": "function", "function": {"name": ...}}) or a template that reasons in <think> blocks, each
-        output also carries `message`: content, tool_calls and reasoning_content as OpenAI's API returns them.
+        or {"type": "function", "function": {"name": ...}}) or a template that reasons (<think> blocks, gpt-oss's
+        harmony channels), each output also carries `message`: content, tool_calls and reasoning_content as OpenAI's
+        API returns them. A harmony output's text keeps its special tokens (<|channel|>...), which are read.
         """
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
@@ -95,15 +96,17 @@ class LLM:
         texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt, tools, **kwargs) for c in conversations]
         plan = plan_tools(self.tokenizer.chat_template, tools or [], _tool_choice_name(tools, tool_choice),
                           parallel_tool_calls, self.engine.grammars.special_tokens)
-        params = _per_prompt(params, len(texts))
-        if plan.forcing_grammar is not None:
-            params = [_forcing(p, plan.forcing_grammar) for p in params]
-        prompts = [self.tokenizer.encode(text, add_special_tokens=False) for text in texts]
         specs = [ChatOutputSpec(reasoning_for_template(self.tokenizer.chat_template, text), plan.format,
                                 tuple(tools or ()), named_tool=plan.named, parallel=parallel_tool_calls)
                  for text in texts]
-        outputs = self._run(prompts, params, use_tqdm, [s.reasoning.reasoning_ended if s.reasoning else None
-                                                         for s in specs])
+        params = _per_prompt(params, len(texts))
+        if plan.forcing_grammar is not None:
+            params = [_forcing(p, plan.forcing_grammar) for p in params]
+        # the readers' markers are special tokens (gpt-oss): the output text keeps them, so output.text shows them
+        params = [dataclasses.replace(p, skip_special_tokens=False) if spec.keeps_special_tokens else p
+                  for p, spec in zip(params, specs)]
+        prompts = [self.tokenizer.encode(text, add_special_tokens=False) for text in texts]
+        outputs = self._run(prompts, params, use_tqdm, [plan.constraint_start(s.reasoning) for s in specs])
         for output, spec in zip(outputs, specs):
             if spec.reasoning is not None or spec.tool_format is not None:
                 output.message, output.finish_reason = spec.message(output.text, output.finish_reason)

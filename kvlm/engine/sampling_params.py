@@ -52,6 +52,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's: the output text leaves out special tokens. A chat whose output is read by its markers sets it False
+    # where those markers are special tokens (gpt-oss's harmony channels); a stop token's text is never emitted.
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         def set_(name: str, value: Any) -> None:  # frozen: normalised values go past __setattr__
@@ -87,8 +90,9 @@ class SamplingParams:
                 raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
         set_("stop", _stop_strings(self.stop))
         set_("stop_token_ids", _stop_token_ids(self.stop_token_ids))
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.logprobs is not None:
             set_("logprobs", _integer("logprobs", self.logprobs))
             if self.logprobs < 0:

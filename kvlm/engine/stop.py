@@ -6,7 +6,8 @@
   anything after it is emitted. Of several stop strings in the text, the one starting first wins.
 - Text that could still be the start of a stop string is held back until the next tokens show whether it
   is; only the part that could be is held, not a fixed number of characters.
-- Text comes from `StreamDecoder(skip_special_tokens=True)`, so no piece ends in half a UTF-8 character.
+- Text comes from `StreamDecoder` (special tokens left out unless `params.skip_special_tokens` is False), so no
+  piece ends in half a UTF-8 character.
   The decoder holds a token's whole text while it ends in an unfinished character, so a stop string
   followed in the same token by the first bytes of a character is found when that character completes
   (vLLM's detokenizer does the same); the text is cut at the same place.
@@ -42,7 +43,7 @@ class StopChecker:
     """Per request: feed each generated token to `add`; `text` is the output so far."""
 
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams, eos_ids: frozenset[int]) -> None:
-        self._decoder = StreamDecoder(tokenizer, skip_special_tokens=True)
+        self._decoder = StreamDecoder(tokenizer, skip_special_tokens=params.skip_special_tokens)
         self._stop_strings = params.stop
         self._stop_token_ids = frozenset(params.stop_token_ids)
         self._ending_ids = self._stop_token_ids | (frozenset() if params.ignore_eos else frozenset(eos_ids))

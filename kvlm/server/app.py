@@ -116,7 +116,9 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = checked_max_tokens(body.requested_max_tokens(), len(ids), engine.n_ctx, field, "messages")
         logprobs = body.logprobs_count()
-        choices = [Choice(i, ids, sampling_checked(body.sampling_params(max_tokens, logprobs, i, turn.constraint)),
+        skip_special_tokens = not turn.output.keeps_special_tokens
+        choices = [Choice(i, ids, sampling_checked(body.sampling_params(max_tokens, logprobs, i, turn.constraint,
+                                                                        skip_special_tokens)),
                           turn.reasoning_ended)
                    for i in range(body.n_choices())]
         reply = Reply("chat.completion", model_name)

@@ -28,13 +28,8 @@ class ChatTurn:
     prompt_token_ids: list[int]
     constraint: StructuredOutputsParams | None
     output: ChatOutputSpec
-
-    @property
-    def reasoning_ended(self) -> Callable[[str], int | None] | None:
-        """For the engine: where the answer starts, when a constraint must wait for the reasoning to end."""
-        if self.constraint is None or self.output.reasoning is None:
-            return None
-        return self.output.reasoning.reasoning_ended
+    # for the engine: where the constraint starts, when it must wait for the reasoning to end (ToolPlan)
+    reasoning_ended: Callable[[str], int | None] | None = None
 
 
 def chat_prompt(tokenizer: Tokenizer, body: ChatCompletionRequest | TokenizeRequest,
@@ -66,7 +61,8 @@ async def chat_turn(tokenizer: Tokenizer, grammars: GrammarCompiler, body: ChatC
     output = ChatOutputSpec(reasoning_for_template(tokenizer.chat_template, prompt), plan.format, tuple(tools),
                             named_tool=plan.named, include_reasoning=body.include_reasoning,
                             parallel=body.parallel_tool_calls)
-    return ChatTurn(tokenizer.encode(prompt, add_special_tokens=False), constraint, output)
+    return ChatTurn(tokenizer.encode(prompt, add_special_tokens=False), constraint, output,
+                    plan.constraint_start(output.reasoning) if constraint is not None else None)
 
 
 async def compiled(grammars: GrammarCompiler, constraint: StructuredOutputsParams | None, field: str) -> None:

@@ -3,7 +3,8 @@
 Unknown fields are refused (400) rather than ignored, so a client never believes a setting took effect
 when it did not. Besides OpenAI's fields, vLLM's extras are accepted: top_k, min_p, repetition_penalty,
 ignore_eos, stop_token_ids, structured_outputs (and its older guided_* spellings), and for chat
-chat_template_kwargs and include_reasoning; llama.cpp's json_schema and grammar on completions. OpenAI fields that
+chat_template_kwargs and include_reasoning (OpenAI's reasoning_effort reaches the template as vLLM passes it, a
+template variable); llama.cpp's json_schema and grammar on completions. OpenAI fields that
 change nothing here are accepted so that SDKs work: `store`, `metadata`, `user`, and in messages sent back the
 fields kvlm itself returns (`reasoning_content`, `refusal`, `annotations`, `audio`, `function_call`).
 """
@@ -21,6 +22,7 @@ from kvlm.tokenizer import checked_template_kwargs
 MAX_N = 16  # choices per request
 MAX_STOP_STRINGS, MAX_STOP_LENGTH = 4, 256  # OpenAI takes up to 4 stop sequences
 MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default max_logprobs
+REASONING_EFFORTS = ("low", "medium", "high")  # vLLM's (and the gpt-oss template's) values
 
 
 class BadRequest(ValueError):
@@ -103,14 +105,16 @@ class SamplingFields(BaseModel):
         return self.n
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, choice: int,
-                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
-        """The engine's params for choice `choice` of n: with a seed, choice i samples with seed + i."""
+                        structured_outputs: StructuredOutputsParams | None = None,
+                        skip_special_tokens: bool = True) -> SamplingParams:
+        """The engine's params for choice `choice` of n: with a seed, choice i samples with seed + i.
+        `skip_special_tokens` False keeps them in the output text, for a chat output read by special-token markers."""
         self._check_limits(logprobs)
         names = ("temperature", "top_p", "frequency_penalty", "presence_penalty", "logit_bias", "stop", "top_k",
                  "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids")
         values: dict[str, Any] = {name: getattr(self, name) for name in names}
         values.update(max_tokens=max_tokens, logprobs=logprobs, structured_outputs=structured_outputs,
-                      seed=None if self.seed is None else self.seed + choice)
+                      seed=None if self.seed is None else self.seed + choice, skip_special_tokens=skip_special_tokens)
         try:
             return SamplingParams.from_dict(values)
         except ValueError as exc:
@@ -298,6 +302,8 @@ class ChatTemplateFields(BaseModel):
 
 class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    # OpenAI's; passed to the template as vLLM passes it (gpt-oss's writes "Reasoning: high" in its system message)
+    reasoning_effort: str | None = None
     max_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
@@ -306,6 +312,20 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool = True
     include_reasoning: StrictBool = True  # vLLM's: False drops reasoning_content from the response
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """chat_template_kwargs, with reasoning_effort (which may also come in them, but not with another value)."""
+        kwargs = super().template_kwargs()
+        effort = self.reasoning_effort
+        if effort is None:
+            return kwargs
+        if effort not in REASONING_EFFORTS:
+            raise BadRequest(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
+                             "reasoning_effort")
+        if kwargs.get("reasoning_effort", effort) != effort:
+            raise BadRequest(f"reasoning_effort is {effort!r} but chat_template_kwargs gives "
+                             f"{kwargs['reasoning_effort']!r}; give one of them", "reasoning_effort")
+        return {**kwargs, "reasoning_effort": effort}
 
     def tool_dicts(self) -> list[dict[str, Any]]:
         return [tool.model_dump(exclude_none=True) for tool in self.tools or []]

@@ -5,4 +5,5 @@ pythonic lists); `formats.format_for_template` picks the format from the chat te
 finished text (`parse`), partial text while streaming (`parse_partial`), and writes the Lark grammar that
 forces calls in that format (`forcing_grammar`). `streaming.ToolCallStream` turns successive partial parses
 into OpenAI deltas; `reasoning` splits `<think>...</think>` off first, since calls are parsed from content only.
+gpt-oss's harmony output (`harmony`) is read by its messages' channels instead: reasoning, answer and calls at once.
 """

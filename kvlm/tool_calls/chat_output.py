@@ -1,5 +1,6 @@
 """One chat choice's generated text as OpenAI returns it: reasoning split off, then tool calls parsed from the
-content, whole (`message`) or as stream deltas (`deltas`, `last_deltas`).
+content, whole (`message`) or as stream deltas (`deltas`, `last_deltas`). A format whose calls are channels beside
+the reasoning (harmony) reads calls and content from the whole output instead.
 
 finish_reason follows vLLM and OpenAI: "tool_calls" when calls were made under tool_choice auto or required,
 "stop" under a named function, and "length" whenever max_tokens cut the output, calls or not. With
@@ -12,7 +13,7 @@ from typing import Any
 
 from kvlm.tool_calls.calls import ParsedOutput
 from kvlm.tool_calls.format import ToolCallFormat
-from kvlm.tool_calls.reasoning import ReasoningParser, ReasoningStream
+from kvlm.tool_calls.reasoning import Reasoning, ReasoningStream
 from kvlm.tool_calls.streaming import ContentDelta, ToolCallStream
 
 
@@ -20,19 +21,30 @@ from kvlm.tool_calls.streaming import ContentDelta, ToolCallStream
 class ChatOutputSpec:
     """How a response reads its output; shared by its choices."""
 
-    reasoning: ReasoningParser | None = None
+    reasoning: Reasoning | None = None
     tool_format: ToolCallFormat | None = None  # None: no tool calls are looked for
     tools: tuple[dict[str, Any], ...] = ()
     named_tool: bool = False  # tool_choice named one function: finish_reason stays "stop"
     include_reasoning: bool = True
     parallel: bool = True  # parallel_tool_calls
 
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Whether the output text must keep its special tokens: the markers read in it are special tokens."""
+        return self.reasoning is not None and self.reasoning.reads_special_tokens
+
+    def calls_source(self, text: str, content: str | None) -> str | None:
+        """What tool calls are read from: the content after the reasoning, or the whole output for a format whose
+        calls are channels of it."""
+        return text if self.tool_format is not None and self.tool_format.reads_channels else content
+
     def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         """The whole assistant message and the finish_reason to report."""
         reasoning, content = self.reasoning.split(text) if self.reasoning else (None, text)
         parsed = ParsedOutput(content, [])
-        if self.tool_format is not None and content is not None:
-            parsed = self.tool_format.parse(content, self.tools)
+        source = self.calls_source(text, content)
+        if self.tool_format is not None and source is not None:
+            parsed = self.tool_format.parse(source, self.tools)
             if not self.parallel:
                 parsed = ParsedOutput(parsed.content, parsed.calls[:1])
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
@@ -77,7 +89,8 @@ class ChatOutputStream:
             if content_delta:
                 out.append({"content": content_delta})
             return out
-        for delta in self._calls.finish(self._content) if final else self._calls.update(self._content):
+        source = self._spec.calls_source(text, self._content)
+        for delta in self._calls.finish(source) if final else self._calls.update(source):
             if isinstance(delta, ContentDelta):
                 out.append({"content": delta.text})
             elif delta.index > 0 and not self._spec.parallel:

@@ -3,7 +3,8 @@
 Formats come in two shapes. Block formats wrap each call (or list of calls) in markers, and text outside the
 blocks is content (hermes `<tool_call>`, Qwen3-Coder XML, LFM2 `<|tool_call_start|>`). Whole-output formats
 (Llama 3 JSON, pythonic lists, the JSON fallback) have no markers to find, so the output is calls only when
-all of it is; otherwise it is content.
+all of it is; otherwise it is content. Harmony (gpt-oss, kvlm.tool_calls.harmony) is neither: its calls are
+messages beside the reasoning and the answer, told apart by their headers.
 
 One reader serves finished and partial text: `parse_partial(text, final=False)` gives what is certain so
 far (content held back while it may still become a call, arguments as a prefix of their final text), and
@@ -36,6 +37,13 @@ class ToolCallFormat(ABC):
     def markers(self) -> tuple[str, ...]:
         """Texts that are single special tokens in the models of this format (see `forcing_grammar`)."""
         return ()
+
+    @property
+    def reads_channels(self) -> bool:
+        """Whether calls sit beside the reasoning as channels of one output (harmony) rather than in the content
+        after it: the format then reads the whole output, and its forcing grammar writes the reasoning too, so it
+        constrains the output from the first token."""
+        return False
 
     def parse(self, text: str, tools: Tools = ()) -> ParsedOutput:
         """Content and calls (with new ids) of a finished output."""

@@ -6,7 +6,7 @@ format; such a model can still be made to call a tool with the JSON fallback, un
 """
 from __future__ import annotations
 
-from kvlm.tool_calls import hermes, json_fallback, llama3_json, pythonic, qwen3_xml
+from kvlm.tool_calls import harmony, hermes, json_fallback, llama3_json, pythonic, qwen3_xml
 from kvlm.tool_calls.format import ToolCallFormat
 
 HERMES = hermes.FORMAT
@@ -15,8 +15,9 @@ LLAMA3_JSON = llama3_json.FORMAT
 PYTHONIC = pythonic.PYTHONIC
 LFM2 = pythonic.LFM2
 JSON_FALLBACK = json_fallback.FORMAT
+HARMONY = harmony.FORMAT
 FORMATS: dict[str, ToolCallFormat] = {
-    fmt.name: fmt for fmt in (HERMES, QWEN3_XML, LLAMA3_JSON, PYTHONIC, LFM2, JSON_FALLBACK)
+    fmt.name: fmt for fmt in (HERMES, QWEN3_XML, LLAMA3_JSON, PYTHONIC, LFM2, JSON_FALLBACK, HARMONY)
 }
 # The instruction Meta's pythonic tool prompt (Llama 3.2 small models, and templates modelled on it) gives.
 _PYTHONIC_PROMPT = "[func_name1("
@@ -25,6 +26,8 @@ _PYTHONIC_PROMPT = "[func_name1("
 def format_for_template(chat_template: str | None) -> ToolCallFormat | None:
     """The format the template writes tool calls in; None when it shows none."""
     template = chat_template or ""
+    if harmony.is_harmony_template(template):
+        return HARMONY
     if "<tool_call>" in template:
         return QWEN3_XML if "<function=" in template else HERMES
     if "<|tool_call_start|>" in template or "<|tool_list_start|>" in template:

@@ -1,36 +1,56 @@
-"""Reasoning output: the `<think>...</think>` part of an output, returned as `reasoning_content`.
+"""Reasoning output: the part of an output returned as `reasoning_content`, `<think>...</think>` or the analysis
+channel of gpt-oss's harmony messages.
 
 Qwen3 writes `<think>` itself; DeepSeek-R1-style templates (and Qwen3's thinking-only models) open it in the
 prompt, so the output starts inside the reasoning and only `</think>` is generated. Reasoning cut off before
 `</think>` (max_tokens) is all reasoning, with no content. A prompt that already closed an empty think block
-(Qwen3 with enable_thinking=false) gets no parser: all of the output is content.
+(Qwen3 with enable_thinking=false) gets no parser: all of the output is content. Think-block reasoning is returned
+without its surrounding whitespace, content without its leading whitespace.
 
 Tool calls and structured output concern the content only; `reasoning_ended` tells the engine where it
-starts. Reasoning is returned without its surrounding whitespace, content without its leading whitespace.
+starts. Harmony's channels are read as vLLM reads them (kvlm.tool_calls.harmony): text as the model wrote it.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
+from kvlm.tool_calls import harmony
 from kvlm.tool_calls.format import held_back
 
 THINK, END_THINK = "<think>", "</think>"
 
 
-@dataclass(frozen=True)
-class ReasoningParser:
-    start: str = THINK
-    end: str = END_THINK
-    starts_open: bool = False  # the prompt opened the reasoning: the output begins inside it
+class Reasoning(ABC):
+    """Splits an output into reasoning and content, whole or as certain prefixes while streaming."""
+
+    # The markers it reads are special tokens, which the output text must then keep (harmony's are).
+    reads_special_tokens: ClassVar[bool] = False
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of a finished output; None for a part that is empty."""
         reasoning, content = self.split_partial(text, final=True)
         return reasoning or None, content if content.strip() else None
 
+    @abstractmethod
     def split_partial(self, text: str, final: bool = False) -> tuple[str, str]:
-        """The certain prefixes of the reasoning and the content so far (all of them when `final`): text that
-        may still be a marker is held back, and so is whitespace that may end the reasoning."""
+        """The certain prefixes of the reasoning and the content so far (all of them when `final`)."""
+
+    @abstractmethod
+    def reasoning_ended(self, text: str) -> int | None:
+        """Where the content starts in the output so far (0 when it has no reasoning); None while it may
+        still be reasoning."""
+
+
+@dataclass(frozen=True)
+class ReasoningParser(Reasoning):
+    start: str = THINK
+    end: str = END_THINK
+    starts_open: bool = False  # the prompt opened the reasoning: the output begins inside it
+
+    def split_partial(self, text: str, final: bool = False) -> tuple[str, str]:
+        """Text that may still be a marker is held back, and so is whitespace that may end the reasoning."""
         opened = self._reasoning_start(text, final)
         if opened is None:
             return "", ""
@@ -44,8 +64,6 @@ class ReasoningParser:
         return text[opened:close].strip(), text[close + len(self.end):].lstrip()
 
     def reasoning_ended(self, text: str) -> int | None:
-        """Where the content starts in the output so far (0 when it has no reasoning); None while it may
-        still be reasoning."""
         opened = self._reasoning_start(text, final=False)
         if opened is None:
             return None
@@ -66,8 +84,26 @@ class ReasoningParser:
         return 0 if self.starts_open else -1
 
 
-def reasoning_for_template(chat_template: str | None, prompt_text: str) -> ReasoningParser | None:
-    """A parser when the template reasons in `<think>` blocks, unless the prompt closed the block already."""
+@dataclass(frozen=True)
+class HarmonyReasoning(Reasoning):
+    """gpt-oss's analysis channel is the reasoning; its final channel (and preambles) the content. A response format
+    constrains the final message's body."""
+
+    reads_special_tokens: ClassVar[bool] = True
+
+    def split_partial(self, text: str, final: bool = False) -> tuple[str, str]:
+        output = harmony.read_output(text, final)
+        return output.reasoning, output.content
+
+    def reasoning_ended(self, text: str) -> int | None:
+        return harmony.answer_start(text)
+
+
+def reasoning_for_template(chat_template: str | None, prompt_text: str) -> Reasoning | None:
+    """A parser when the template reasons in `<think>` blocks, unless the prompt closed the block already, or in
+    harmony's analysis channel."""
+    if harmony.is_harmony_template(chat_template):
+        return HarmonyReasoning()
     if not chat_template or THINK not in chat_template:
         return None
     tail = prompt_text.rstrip()
@@ -80,7 +116,7 @@ class ReasoningStream:
     """Reasoning and content deltas, from the whole output so far after every token (`update`), then once
     more at the end (`finish`); each call gives (reasoning delta, content delta), either possibly empty."""
 
-    def __init__(self, parser: ReasoningParser) -> None:
+    def __init__(self, parser: Reasoning) -> None:
         self._parser = parser
         self.reasoning, self.content = "", ""  # sent so far
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from kvlm.tool_calls.format import ToolCallFormat
 from kvlm.tool_calls.formats import JSON_FALLBACK, format_for_template
+from kvlm.tool_calls.reasoning import Reasoning
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,14 @@ class ToolPlan:
     format: ToolCallFormat | None  # None: no calls are read
     forcing_grammar: str | None  # Lark, for a call the request forces
     named: bool  # a named function: finish_reason stays "stop"
+
+    def constraint_start(self, reasoning: Reasoning | None) -> Callable[[str], int | None] | None:
+        """For the engine (Engine.add_request): where a constraint on the output starts. After the reasoning, so a
+        model thinks freely; from the first token (None) when it has none, or when the forced call's grammar
+        writes the reasoning itself (harmony's analysis messages come before the call, in the grammar)."""
+        if reasoning is None or (self.forcing_grammar is not None and self.format.reads_channels):
+            return None
+        return reasoning.reasoning_ended
 
 
 def plan_tools(chat_template: str | None, tools: list[dict[str, Any]], tool_choice: str, parallel: bool,
