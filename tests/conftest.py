@@ -5,6 +5,7 @@ from __future__ import annotations
 import kvlm  # noqa: F401  (first: it sets up OpenMP before torch loads)
 import pytest
 import torch
+import transformers
 
 from kvlm import Batch, Context, DecodeStatus
 from kvlm.loader.fetch import DEFAULT_MODEL, pull
@@ -179,6 +180,25 @@ def reference_logits(hf_model, ids: list[int]) -> torch.Tensor:
     """transformers' logits of every token of `ids` in one causal forward: [len(ids), vocab]."""
     with torch.no_grad():
         return hf_model(torch.tensor([ids])).logits[0].float()
+
+
+def assert_greedy_generate_equals_transformers(path, reference, prompts: list[list[int]], n_tokens: int,
+                                               n_ctx: int) -> None:
+    """kvlm's greedy LLM.generate of the prompts (several requests at once) from the model at `path` equals
+    transformers' greedy `generate` of each. EOS is switched off on both sides: a random model may well pick it (and
+    a model's own generation_config would otherwise fill in the None)."""
+    from kvlm import LLM, SamplingParams
+
+    llm = LLM(model=str(path), dtype="float32", n_ctx=n_ctx, max_num_seqs=4)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=n_tokens, temperature=0, ignore_eos=True),
+                           use_tqdm=False)
+    settings = transformers.GenerationConfig(max_new_tokens=n_tokens, do_sample=False, eos_token_id=None,
+                                             pad_token_id=None)
+    reference.generation_config.eos_token_id = None
+    for prompt, output in zip(prompts, outputs):
+        with torch.no_grad():
+            expected = reference.generate(torch.tensor([prompt]), generation_config=settings)[0, len(prompt):]
+        assert output.token_ids == expected.tolist()
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:

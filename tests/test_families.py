@@ -14,11 +14,12 @@ import torch
 import transformers
 
 from conftest import (
+    assert_greedy_generate_equals_transformers,
     ModelZoo, decode_ok, full_sequence_logits, max_diff, memory_state, one_batch, prefill_then_decode_logits,
     reference_logits,
 )
 from family_factory import ORIGINAL_POSITIONS, SOURCES, SPECS, head_dim_of, random_model, save_model
-from kvlm import LLM, Batch, Context, DecodeStatus, SamplingParams, load_model
+from kvlm import Batch, Context, DecodeStatus, load_model
 from kvlm.model.rope import Rope
 from test_random_models import token_ids
 
@@ -110,16 +111,7 @@ def test_logits_match_transformers(ours, reference, length):
 
 def test_greedy_llm_generate_equals_transformers_generate(zoo, name, source, reference):
     prompts = [token_ids(reference.config.vocab_size, n, seed=n + 1) for n in (8, 100)]
-    llm = LLM(model=str(zoo.path(name, source)), dtype="float32", n_ctx=256, max_num_seqs=4)
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=N_GREEDY, temperature=0, ignore_eos=True),
-                           use_tqdm=False)
-    # EOS is switched off on both sides: a random model may well pick it.
-    settings = transformers.GenerationConfig(max_new_tokens=N_GREEDY, do_sample=False, eos_token_id=None,
-                                             pad_token_id=None)
-    for prompt, output in zip(prompts, outputs):
-        with torch.no_grad():
-            expected = reference.generate(torch.tensor([prompt]), generation_config=settings)[0, len(prompt) :]
-        assert output.token_ids == expected.tolist()
+    assert_greedy_generate_equals_transformers(zoo.path(name, source), reference, prompts, N_GREEDY, n_ctx=256)
 
 
 # --- Context: several sequences, cache dtypes, shift, rollback ---

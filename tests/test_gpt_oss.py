@@ -14,7 +14,14 @@ import torch
 import transformers
 from gguf import GGMLQuantizationType
 
-from conftest import decode_ok, full_sequence_logits, max_diff, prefill_then_decode_logits, reference_logits
+from conftest import (
+    assert_greedy_generate_equals_transformers,
+    decode_ok,
+    full_sequence_logits,
+    max_diff,
+    prefill_then_decode_logits,
+    reference_logits,
+)
 from gptoss_factory import (
     WINDOW,
     load_gguf_experts_into,
@@ -23,7 +30,7 @@ from gptoss_factory import (
     save_mxfp4_folder,
     write_gpt_oss_gguf,
 )
-from kvlm import LLM, Batch, Context, SamplingParams, load_model
+from kvlm import Batch, Context, load_model
 from kvlm.families import ATTENTION, SLIDING
 from kvlm.kernels import BlockMatrix, native_kernels
 from kvlm.model.moe import BlockExperts
@@ -82,16 +89,7 @@ def test_logits_match_transformers(models, source, reference):
 
 def test_greedy_llm_generate_equals_transformers_generate(paths, source, reference):
     prompts = [token_ids(reference.config.vocab_size, n, seed=n + 1) for n in (5, 40, 17)]
-    llm = LLM(model=str(paths[source]), dtype="float32", n_ctx=128, max_num_seqs=4)
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=N_GREEDY, temperature=0, ignore_eos=True),
-                           use_tqdm=False)
-    settings = transformers.GenerationConfig(max_new_tokens=N_GREEDY, do_sample=False, eos_token_id=None,
-                                             pad_token_id=None)
-    reference.generation_config.eos_token_id = None
-    for prompt, output in zip(prompts, outputs):
-        with torch.no_grad():
-            expected = reference.generate(torch.tensor([prompt]), generation_config=settings)[0, len(prompt):]
-        assert output.token_ids == expected.tolist()
+    assert_greedy_generate_equals_transformers(paths[source], reference, prompts, N_GREEDY, n_ctx=128)
 
 
 def new_context(model, **kwargs) -> Context:

@@ -10,11 +10,18 @@ from dataclasses import replace
 
 import pytest
 import torch
-import transformers
 from gguf import GGMLQuantizationType
 
-from conftest import ModelZoo, decode_ok, full_sequence_logits, max_diff, prefill_then_decode_logits, reference_logits
-from kvlm import LLM, Batch, Context, SamplingParams, load_model
+from conftest import (
+    ModelZoo,
+    assert_greedy_generate_equals_transformers,
+    decode_ok,
+    full_sequence_logits,
+    max_diff,
+    prefill_then_decode_logits,
+    reference_logits,
+)
+from kvlm import Batch, Context, load_model
 from kvlm.kernels import native_kernels
 from kvlm.model.moe import BlockExperts, DenseExperts
 from moe_factory import SPECS, random_moe, save_moe_folder, write_moe_gguf
@@ -77,18 +84,7 @@ def test_logits_match_transformers(ours, reference):
 
 def test_greedy_llm_generate_equals_transformers_generate(zoo, name, source, reference):
     prompts = [token_ids(reference.config.vocab_size, n, seed=n + 1) for n in (5, 40, 17)]
-    llm = LLM(model=str(zoo.path(name, source)), dtype="float32", n_ctx=128, max_num_seqs=4)
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=N_GREEDY, temperature=0, ignore_eos=True),
-                           use_tqdm=False)
-    # EOS is switched off on both sides (a random model may well pick it): a model's own generation_config would
-    # otherwise fill in the None.
-    settings = transformers.GenerationConfig(max_new_tokens=N_GREEDY, do_sample=False, eos_token_id=None,
-                                             pad_token_id=None)
-    reference.generation_config.eos_token_id = None
-    for prompt, output in zip(prompts, outputs):
-        with torch.no_grad():
-            expected = reference.generate(torch.tensor([prompt]), generation_config=settings)[0, len(prompt):]
-        assert output.token_ids == expected.tolist()
+    assert_greedy_generate_equals_transformers(zoo.path(name, source), reference, prompts, N_GREEDY, n_ctx=128)
 
 
 def new_context(model, **kwargs) -> Context:
