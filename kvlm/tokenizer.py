@@ -36,6 +36,11 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen3.5's (its tokenizer.json; llama.cpp's "qwen35"): Qwen2's, with combining marks (\p{M}) kept in their words
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # o200k's (gpt-oss's tokenizer.json; llama.cpp's "gpt-4o"): a word keeps its case run and its contraction together
 _O200K_SPLIT = (
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
@@ -81,6 +86,7 @@ _PRE_TOKENIZERS: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
     "llama3": _split_then_bytes(_LLAMA3_SPLIT),
     "llama-v3": _split_then_bytes(_LLAMA3_SPLIT),
     "qwen2": _split_then_bytes(_QWEN2_SPLIT),
+    "qwen35": _split_then_bytes(_QWEN35_SPLIT),
     "gpt-4o": _split_then_bytes(_O200K_SPLIT),
 }
 
