@@ -302,7 +302,7 @@ def test_bad_compute_settings_fail_before_the_model_is_looked_up():
             load_model("no-such-model", **settings)  # a lookup would raise ModelFetchError instead
 
 
-def test_partial_rotary_embeddings_are_refused(gguf_path, metadata, tensors):
+def test_partial_rotary_embeddings_of_llama_files_are_refused(gguf_path, metadata, tensors):
     metadata["llama.rope.dimension_count"] = 8
     with pytest.raises(UnsupportedModelError, match="dimension_count=8 rotates part of each 16-dim head"):
         read_gguf_config(write_gguf(gguf_path, metadata, tensors))

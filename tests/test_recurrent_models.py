@@ -1,6 +1,7 @@
 """Recurrent models against transformers on random-weight models it builds: LFM2 (short-convolution layers, i.e.
-recurrent state slots, interleaved with GQA attention layers, a KV cache: the hybrid memory) and Mamba2 (every
-layer a Mamba2 mixer: the recurrent memory alone). Each from a transformers folder and from a GGUF written as
+recurrent state slots, interleaved with GQA attention layers, a KV cache: the hybrid memory), Qwen3.5 (Gated
+DeltaNet layers, three for every gated attention layer: the hybrid memory too; tests/qwen35_factory.py) and Mamba2
+(every layer a Mamba2 mixer: the recurrent memory alone). Each from a transformers folder and from a GGUF written as
 llama.cpp's converter writes it (tensor names from the gguf package's own map)."""
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from kvlm import LLM, Batch, Context, DecodeStatus, SamplingParams, load_model
 from kvlm.errors import CacheError
 from kvlm.memory.hybrid import HybridMemory
 from kvlm.memory.recurrent import RecurrentMemory
+from qwen35_factory import random_qwen35, write_qwen35_gguf
 from test_random_models import token_ids
 
 TOLERANCE = 1e-4
@@ -121,7 +123,8 @@ def lfm2_gguf(model: Lfm2ForCausalLM, path, quant=gguf.GGMLQuantizationType.F32,
                       keep_f32=("shortconv.conv.weight",))  # llama.cpp's ssm_conv reads F32 weights only
 
 
-FAMILIES = {"lfm2": (random_lfm2, lfm2_gguf, HybridMemory), "mamba2": (random_mamba2, mamba2_gguf, RecurrentMemory)}
+FAMILIES = {"lfm2": (random_lfm2, lfm2_gguf, HybridMemory), "mamba2": (random_mamba2, mamba2_gguf, RecurrentMemory),
+            "qwen35": (random_qwen35, lambda model, path: write_qwen35_gguf(model, path / "model.gguf"), HybridMemory)}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -147,6 +150,8 @@ def test_config_reads_the_layer_kinds(ours, family):
     if family == "lfm2":
         assert ours.config.layer_kinds == ("conv", "conv", "attention", "conv", "attention", "conv")
         assert ours.config.conv_kernel == 3 and ours.config.n_head_kv == 2
+    elif family == "qwen35":
+        assert ours.config.layer_kinds == (("gated_delta",) * 3 + ("attention",)) * 2
     else:
         assert ours.config.layer_kinds == ("mamba",) * 3
         assert (ours.config.n_head, ours.config.head_dim, ours.config.ssm_state, ours.config.ssm_groups) == (8, 16, 16, 2)
@@ -278,8 +283,8 @@ def test_a_saved_state_restores_into_another_sequence(ours, reference):
 
 
 def test_engine_preempts_and_recomputes_and_needs_no_prefix_cache(ours, family, caplog):
-    """Five requests, three at a time, in 96 cells: LFM2's KV cells run out and a request is preempted, then
-    recomputed; Mamba2 needs one state slot per running request whatever its length, so nothing is preempted.
+    """Five requests, three at a time, in 96 cells: LFM2's and Qwen3.5's KV cells run out and a request is
+    preempted, then recomputed; Mamba2 needs one state slot per running request whatever its length, so nothing is preempted.
     Either way each output equals its request run alone."""
     prompts = [token_ids(1000, 20 + 5 * i, seed=400 + i) for i in range(5)]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -287,7 +292,7 @@ def test_engine_preempts_and_recomputes_and_needs_no_prefix_cache(ours, family, 
         llm = LLM(ours, n_ctx=96, max_num_seqs=3, max_num_batched_tokens=16)
     assert "prefix caching is off" in caplog.text and llm.engine.prefix_cache is None
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert (llm.engine.scheduler.n_preemptions > 0) == (family == "lfm2")
+    assert (llm.engine.scheduler.n_preemptions > 0) == (family in ("lfm2", "qwen35"))
     for prompt, output in zip(prompts, outputs):
         alone = LLM(ours, n_ctx=96, max_num_seqs=1).generate([prompt], params, use_tqdm=False)[0]
         assert output.token_ids == alone.token_ids

@@ -10,7 +10,7 @@ import torch
 from family_factory import llama3_rope_factors
 from kvlm.errors import UnsupportedModelError
 from kvlm.model.ops import apply_rope
-from kvlm.model.rope import KINDS, Rope, RopeScaling, rope_from_gguf, rope_from_hf_config
+from kvlm.model.rope import KINDS, Rope, RopeScaling, hf_rotary_dims, rope_from_gguf, rope_from_hf_config
 
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig, Qwen3Config  # noqa: E402
@@ -223,12 +223,39 @@ def test_top_level_original_max_position_embeddings_wins_as_in_transformers():
      ValueError, ["high_freq_factor"]),
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, ValueError, ["max_position_embeddings"]),
     ({"rope_scaling": {"type": "linear", "factor": 0}}, ValueError, ["factor", "0"]),
-    ({"partial_rotary_factor": 0.5}, UnsupportedModelError, ["partial_rotary_factor=0.5"]),
 ])
 def test_bad_configs(raw, error, words):
     with pytest.raises(error) as caught:
         rope_from_hf_config(raw)
     assert all(word in str(caught.value) for word in words), str(caught.value)
+
+
+@pytest.mark.parametrize("raw, dims", [({}, 0), ({"partial_rotary_factor": 1.0}, 0), ({"partial_rotary_factor": 0.25}, 64),
+                                       ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5},
+                                         "partial_rotary_factor": 0.25}, 128)])
+def test_partial_rotary_factor_gives_the_rotated_dimensions(raw, dims):
+    """transformers rotates int(head_dim x factor) dimensions, the dict's factor over the top-level one."""
+    assert hf_rotary_dims(raw, 256) == dims
+    rope_from_hf_config(raw)  # the frequencies themselves are the same kind's
+
+
+@pytest.mark.parametrize("factor", [0, 1.5, "half"])
+def test_a_bad_partial_rotary_factor_is_refused(factor):
+    with pytest.raises(ValueError, match=f"partial_rotary_factor must be a number in \\(0, 1\\], got {factor!r}"):
+        hf_rotary_dims({"partial_rotary_factor": factor}, 128)
+
+
+def test_partial_rope_rotates_the_first_dimensions_as_transformers_does():
+    from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
+    torch.manual_seed(0)
+    x = torch.randn(5, 3, 32)  # [tokens, heads, head_dim]
+    rope = Rope(RopeScaling(theta=10000.0), 8)
+    cos, sin = rope.cos_sin(torch.arange(10, 15), torch.float32)
+    heads_first = x.transpose(0, 1)[None]  # [batch, heads, tokens, head_dim]
+    theirs, _ = apply_rotary_pos_emb(heads_first, heads_first, cos[None, :, 0], sin[None, :, 0])
+    ours = apply_rope(x, cos, sin)
+    assert (ours - theirs[0].transpose(0, 1)).abs().max() <= 1e-6
+    assert torch.equal(ours[..., 8:], x[..., 8:])
 
 
 # --- GGUF ---

@@ -22,6 +22,7 @@ from kvlm.engine.engine import Engine
 from kvlm.kernels import native_kernels
 from test_gemma3 import gguf_of as gemma3_gguf
 from test_gemma3 import random_gemma3
+from qwen35_factory import random_qwen35, write_qwen35_gguf
 from test_recurrent_models import lfm2_gguf, mamba2_gguf, random_lfm2, random_mamba2
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -39,7 +40,8 @@ def _random_gguf(family: str, folder, perturbed: bool = False):
         write = lambda m, f: write_family_gguf(m, spec, f / "model.gguf")  # noqa: E731
     else:
         make, write = {"gemma3": (random_gemma3, gemma3_gguf), "lfm2": (random_lfm2, lfm2_gguf),
-                       "mamba2": (random_mamba2, mamba2_gguf)}[family]
+                       "mamba2": (random_mamba2, mamba2_gguf),
+                       "qwen35": (random_qwen35, lambda m, f: write_qwen35_gguf(m, f / "model.gguf"))}[family]
         model = make()
     if perturbed:
         generator = torch.Generator().manual_seed(5)
@@ -58,7 +60,9 @@ def exact_model(path, default: bool = False):
     return load_model(str(path), progress=False) if default else load_model(str(path), quant="int8", progress=False)
 
 
-FAMILIES = ["llama-llama3", "qwen2", "qwen3", "gemma3", "lfm2", "mamba2"]  # unified x3, iSWA, hybrid, recurrent
+# unified x3, iSWA, hybrid (short convolutions; delta rule), recurrent
+FAMILIES = ["llama-llama3", "qwen2", "qwen3", "gemma3", "lfm2", "qwen35", "mamba2"]
+RECURRENT = ("lfm2", "qwen35", "mamba2")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -172,7 +176,7 @@ def test_memory_after_every_step_is_that_of_the_committed_tokens(target, family)
         reference.decode(Batch(tokens=REPEATING, seq_ids=[0] * len(REPEATING)))
         for position in range(len(REPEATING), len(committed)):
             reference.decode(Batch(tokens=[committed[position]], pos=[position], seq_ids=[0]))
-        _assert_same_sequence(memory, request.seq_id, reference.memory, 0, exact=family not in ("lfm2", "mamba2"))
+        _assert_same_sequence(memory, request.seq_id, reference.memory, 0, exact=family not in RECURRENT)
         checked += 1
     assert checked > 5
 

@@ -8,8 +8,10 @@ ATTENTION = "attention"  # the layer kinds the decoder knows
 SLIDING = "sliding_attention"  # attention over only the last `sliding_window` positions (Gemma 3's local layers)
 CONV = "conv"  # a gated short convolution whose last inputs are its state (LFM2): a recurrent layer
 MAMBA = "mamba"  # a Mamba2 mixer: a convolution state and an SSM state per sequence
-LAYER_KINDS = (ATTENTION, SLIDING, CONV, MAMBA)
-RECURRENT_KINDS = (CONV, MAMBA)
+# Qwen3.5's linear attention (Gated DeltaNet): a convolution state and a delta-rule state per sequence
+GATED_DELTA = "gated_delta"
+LAYER_KINDS = (ATTENTION, SLIDING, CONV, MAMBA, GATED_DELTA)
+RECURRENT_KINDS = (CONV, MAMBA, GATED_DELTA)
 ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")  # swiglu_oai: gpt-oss's clamped SwiGLU (its experts only)
 
 
@@ -66,6 +68,9 @@ class Family:
     sliding_rope_base: bool = True  # sliding layers' RoPE has a base of its own (Gemma 3's); else the full layers'
     gguf_yarn_truncate: bool = True  # YaRN's correction range rounded to whole dimensions (llama.cpp's rule)
     gguf_layer_names: tuple[tuple[str, str], ...] = ()  # (kvlm's, the file's) name of a layer tensor, where not Llama's
+    # Qwen3.5: the Q projection gives each head its query and then as many gate values; the attention's output is
+    # multiplied by sigmoid(gate) before the output projection
+    attention_output_gate: bool = False
 
     def layer_kinds(self, n_layer: int, sliding: bool = False) -> tuple[str, ...]:
         """llama.cpp's pattern: with a window, layer i slides unless i % period == period - 1."""
@@ -82,14 +87,16 @@ class Family:
         n_embd, n_ff, n_head, n_head_kv, head_dim = c.n_embd, c.n_ff, c.n_head, c.n_head_kv, c.head_dim
         if kind == MAMBA:
             return mamba2_shapes(c)
-        shapes = {"attn_norm.weight": (n_embd,), "ffn_norm.weight": (n_embd,),
-                  **(self.expert_shapes(c) if moe else {"ffn_gate.weight": (n_ff, n_embd), "ffn_up.weight": (n_ff, n_embd),
-                                                        "ffn_down.weight": (n_embd, n_ff)})}
+        mlp = self.expert_shapes(c) if moe else {"ffn_gate.weight": (n_ff, n_embd), "ffn_up.weight": (n_ff, n_embd),
+                                                 "ffn_down.weight": (n_embd, n_ff)}
+        if kind == GATED_DELTA:
+            return {"attn_norm.weight": (n_embd,), "ffn_norm.weight": (n_embd,), **mlp, **gated_delta_shapes(c)}
+        shapes = {"attn_norm.weight": (n_embd,), "ffn_norm.weight": (n_embd,), **mlp}
         if kind == CONV:
             return {**shapes, "shortconv.in_proj.weight": (3 * n_embd, n_embd),
                     "shortconv.conv.weight": (n_embd, c.conv_kernel), "shortconv.out_proj.weight": (n_embd, n_embd)}
         q_rows, kv_rows = n_head * head_dim, n_head_kv * head_dim
-        shapes.update({"attn_q.weight": (q_rows, n_embd), "attn_k.weight": (kv_rows, n_embd),
+        shapes.update({"attn_q.weight": (q_rows * (2 if self.attention_output_gate else 1), n_embd), "attn_k.weight": (kv_rows, n_embd),
                        "attn_v.weight": (kv_rows, n_embd), "attn_output.weight": (n_embd, q_rows)})
         if self.qkv_bias:
             shapes.update({"attn_q.bias": (q_rows,), "attn_k.bias": (kv_rows,), "attn_v.bias": (kv_rows,)})
@@ -127,3 +134,15 @@ def mamba2_shapes(c) -> dict[str, tuple]:
     return {"attn_norm.weight": (c.n_embd,), "ssm_in.weight": (inner + conv_dim + heads, c.n_embd),
             "ssm_conv1d.weight": (conv_dim, c.conv_kernel), "ssm_conv1d.bias": (conv_dim,), "ssm_dt.bias": (heads,),
             "ssm_a": (heads,), "ssm_d": (heads,), "ssm_norm.weight": (inner,), "ssm_out.weight": (c.n_embd, inner)}
+
+
+def gated_delta_shapes(c) -> dict[str, tuple]:
+    """A Gated DeltaNet layer's own tensors in GGUF naming (llama.cpp's qwen35): the Q/K/V projection, the output
+    gate's (attn_gate), beta's and the decay's (ssm_beta, ssm_alpha), the convolution, A (= -exp(A_log)), the
+    time-step bias, the gated norm (over one value head) and the output projection."""
+    n_embd, k_dim, v_heads = c.n_embd, c.ssm_groups * c.ssm_state, c.ssm_heads
+    conv_dim = 2 * k_dim + c.ssm_inner
+    return {"attn_qkv.weight": (conv_dim, n_embd), "attn_gate.weight": (c.ssm_inner, n_embd),
+            "ssm_beta.weight": (v_heads, n_embd), "ssm_alpha.weight": (v_heads, n_embd),
+            "ssm_conv1d.weight": (conv_dim, c.conv_kernel), "ssm_a": (v_heads,), "ssm_dt.bias": (v_heads,),
+            "ssm_norm.weight": (c.ssm_inner // v_heads,), "ssm_out.weight": (n_embd, c.ssm_inner)}

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from itertools import groupby
 
-from kvlm.families import CONV, LAYER_KINDS, MAMBA, SLIDING, family_named
+from kvlm.families import CONV, GATED_DELTA, LAYER_KINDS, MAMBA, RECURRENT_KINDS, SLIDING, family_named
 from kvlm.model.rope import RopeScaling
 
 
@@ -12,7 +12,8 @@ _SHOWN_WHEN_SET = {"sliding_window": 0, "rope_local": None, "query_scale": 1.0, 
                    "conv_kernel": 0, "ssm_inner": 0, "ssm_state": 0, "ssm_groups": 0,
                    "ssm_dt_limit": (0.0, float("inf")), "n_expert": 0, "n_expert_used": 0, "n_ff_exp": 0,
                    "n_ff_shexp": 0, "expert_weights_norm": False, "moe_layers": (), "embedding_multiplier": 1.0,
-                   "residual_multiplier": 1.0, "logit_scale": 1.0, "swiglu_alpha": 1.702, "swiglu_limit": 7.0}
+                   "residual_multiplier": 1.0, "logit_scale": 1.0, "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
+                   "rope_dims": 0, "ssm_heads": 0, "ssm_heads_tiled": False}
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,13 @@ class ModelConfig:
     logit_scale: float = 1.0  # Granite: logits divided by it
     swiglu_alpha: float = 1.702  # gpt-oss's clamped SwiGLU: its sigmoid's gain ...
     swiglu_limit: float = 7.0  # ... and the clamp of its gate (above) and up (both sides)
+    rope_dims: int = 0  # RoPE rotates the first rope_dims of each head (Qwen3.5's quarter); 0: the whole head
+    # Gated DeltaNet layers (Qwen3.5) read ssm_state as the key head size, ssm_groups as the key heads and ssm_inner as
+    # all value heads' width; ssm_heads is the number of value heads, a multiple of the key heads. Hugging Face
+    # weights group the value heads by key head (value head j reads key head j // (ssm_heads / ssm_groups)); GGUF
+    # files tile them (j reads key head j % ssm_groups): llama.cpp's converter reorders them for its broadcasts.
+    ssm_heads: int = 0
+    ssm_heads_tiled: bool = False
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "vocab_size", "n_ctx_train"):
@@ -85,7 +93,7 @@ class ModelConfig:
         if SLIDING in self.layer_kinds and (not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
             raise ValueError(f"ModelConfig.sliding_window must be a positive integer for {SLIDING} layers, "
                              f"got {self.sliding_window!r}")
-        recurrent = sorted(set(self.layer_kinds) & {CONV, MAMBA})
+        recurrent = sorted(set(self.layer_kinds) & set(RECURRENT_KINDS))
         if recurrent and (not isinstance(self.conv_kernel, int) or self.conv_kernel < 2):
             raise ValueError(f"ModelConfig.conv_kernel must be an integer >= 2 for {recurrent[0]} layers, "
                              f"got {self.conv_kernel!r}")
@@ -95,6 +103,18 @@ class ModelConfig:
         if MAMBA in self.layer_kinds and (self.ssm_state < 1 or self.ssm_groups < 1 or self.n_head % self.ssm_groups):
             raise ValueError(f"ModelConfig.ssm_state ({self.ssm_state}) and ssm_groups ({self.ssm_groups}) must be "
                              f"positive, and n_head ({self.n_head}) a multiple of ssm_groups, for {MAMBA} layers")
+        if GATED_DELTA in self.layer_kinds:
+            self._check_gated_delta()
+        if not (isinstance(self.rope_dims, int) and 0 <= self.rope_dims <= self.head_dim and self.rope_dims % 2 == 0):
+            raise ValueError(f"ModelConfig.rope_dims must be an even integer in 0..head_dim ({self.head_dim}), "
+                             f"got {self.rope_dims!r}")
+
+    def _check_gated_delta(self) -> None:
+        heads, groups = self.ssm_heads, self.ssm_groups
+        if min(heads, groups, self.ssm_state, self.ssm_inner) < 1 or heads % groups or self.ssm_inner % heads:
+            raise ValueError(f"ModelConfig.ssm_heads ({heads}), ssm_groups ({groups}), ssm_state ({self.ssm_state}) "
+                             f"and ssm_inner ({self.ssm_inner}) must be positive, ssm_heads a multiple of ssm_groups "
+                             f"and ssm_inner of ssm_heads, for {GATED_DELTA} layers")
 
     def _check_experts(self) -> None:
         if len(self.moe_layers) != self.n_layer:
@@ -106,9 +126,15 @@ class ModelConfig:
                              f"got {self.n_expert_used}")
         if self.n_ff_exp <= 0:
             raise ValueError(f"ModelConfig.n_ff_exp must be a positive integer for MoE layers, got {self.n_ff_exp}")
+        # Qwen3.5-MoE's delta-rule layers have experts after their mixer, as its attention layers do
         recurrent = [kind for kind, moe in zip(self.layer_kinds, self.moe_layers) if moe and kind in (CONV, MAMBA)]
         if recurrent:
             raise ValueError(f"ModelConfig.moe_layers: experts on {recurrent[0]} layers are not supported")
+
+    @property
+    def rotary_dims(self) -> int:
+        """The dimensions of each head RoPE rotates, from the first."""
+        return self.rope_dims or self.head_dim
 
     @property
     def n_moe_layers(self) -> int:
@@ -128,7 +154,7 @@ class ModelConfig:
         """The config for people: RoPE by what differs from the plain form, layer kinds as runs."""
         values = dict(self.__dict__)
         family = self.family
-        parts = ("qkv_bias", "output_bias", "qk_norm", "attention_sinks")
+        parts = ("qkv_bias", "output_bias", "qk_norm", "attention_sinks", "attention_output_gate")
         values["architecture"] = " ".join([self.architecture, *(p for p in parts if getattr(family, p))])
         values["rope"] = _rope_text(self.rope)
         for name, default in _SHOWN_WHEN_SET.items():  # parts only some families have

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from kvlm.errors import ModelFileError, UnsupportedModelError
-from kvlm.families import ATTENTION, CONV, family_named
+from kvlm.families import ATTENTION, CONV, GATED_DELTA, family_named
 from kvlm.loader.config import ModelConfig
 from kvlm.loader.gguf_reader import GGUFFile, TensorInfo
 from kvlm.loader.tensors import ExpertParts, GGUFTensors
@@ -95,7 +95,9 @@ def config_from_metadata(
         raise UnsupportedModelError(f"{path}: {exc}") from None
     except (TypeError, ValueError) as exc:  # values of the wrong type, or ones ModelConfig rejects
         raise ModelFileError(f"{path}: the metadata describes an invalid model: {exc}") from exc
-    _check_full_rotary(metadata, config, path)
+    if config.rope_dims and family.permuted_qk:
+        raise UnsupportedModelError(f"{path}: {arch}.rope.dimension_count={config.rope_dims} rotates part of each "
+                                    f"{config.head_dim}-dim head; {arch} files rotate whole heads")
     return config
 
 
@@ -118,10 +120,14 @@ def _attention_layers(metadata: dict[str, Any], key, family) -> dict[str, Any]:
     n_embd, n_head, n_layer = int(key("embedding_length")), int(key("attention.head_count")), int(key("block_count"))
     head_dim = int(key("attention.key_length", n_embd // max(n_head, 1)))
     query_scale = family.gguf_query_scale(n_layer, n_embd, n_head, head_dim) if family.gguf_query_scale else 1.0
-    return {"n_ff": int(key("feed_forward_length")), "n_head": n_head, "head_dim": head_dim,
+    # a model with experts on every layer (Qwen3.5-MoE) may have no plain MLP width
+    experts = bool(metadata.get(f"{arch}.expert_count"))
+    n_ff = int(metadata.get(f"{arch}.feed_forward_length") or 0) if experts else int(key("feed_forward_length"))
+    return {"n_ff": n_ff, "n_head": n_head, "head_dim": head_dim,
             "n_head_kv": _kv_heads(key("attention.head_count_kv", n_head)), "query_scale": query_scale,
             "final_logit_softcap": float(metadata.get(f"{arch}.final_logit_softcapping") or 0.0),
             **_sliding_options(metadata, arch, family), **_conv_options(metadata, arch),
+            **_gated_delta_options(metadata, key, arch, n_layer), "rope_dims": _rope_dims(metadata, arch, head_dim),
             **(_granite_multipliers(metadata, arch, head_dim) if family.granite_multipliers else {})}
 
 
@@ -145,9 +151,9 @@ def _expert_options(metadata: dict[str, Any], key, family, tensor_names: frozens
     if biased:
         raise UnsupportedModelError(f"expert selection biases ({biased[0]}) are not supported")
     n_layer = int(key("block_count"))
-    n_ff = int(key("feed_forward_length"))
+    n_ff = int(metadata.get(f"{arch}.feed_forward_length") or 0)
     return {"n_expert": n_expert, "n_expert_used": int(key("expert_used_count")),
-            "n_ff_exp": int(metadata.get(f"{arch}.expert_feed_forward_length") or n_ff),
+            "n_ff_exp": int(metadata.get(f"{arch}.expert_feed_forward_length") or n_ff or key("feed_forward_length")),
             "n_ff_shexp": int(metadata.get(f"{arch}.expert_shared_feed_forward_length") or 0),
             "expert_weights_norm": bool(metadata.get(f"{arch}.expert_weights_norm", family.gguf_expert_weights_norm)),
             "moe_layers": tuple(f"blk.{i}.ffn_gate_inp.weight" in tensor_names for i in range(n_layer))}
@@ -175,14 +181,24 @@ def _conv_options(metadata: dict[str, Any], arch: str) -> dict[str, Any]:
     return {"conv_kernel": int(kernel), "layer_kinds": tuple(CONV if n == 0 else ATTENTION for n in heads)}
 
 
-def _check_full_rotary(metadata: dict[str, Any], config: ModelConfig, path) -> None:
-    """RoPE over only part of each head (rope.dimension_count < head_dim) is not implemented."""
-    dims = metadata.get(f"{config.architecture}.rope.dimension_count", config.head_dim)
-    if dims != config.head_dim:
-        raise UnsupportedModelError(
-            f"{path}: {config.architecture}.rope.dimension_count={dims} rotates part of each "
-            f"{config.head_dim}-dim head; only full-head RoPE is supported"
-        )
+def _gated_delta_options(metadata: dict[str, Any], key, arch: str, n_layer: int) -> dict[str, Any]:
+    """Qwen3.5's layer kinds and linear-attention sizes as llama.cpp reads them: every full_attention_interval-th
+    layer attends, the others are Gated DeltaNet layers; its value heads tiled (see ModelConfig.ssm_heads)."""
+    interval = metadata.get(f"{arch}.full_attention_interval")
+    heads = metadata.get(f"{arch}.ssm.time_step_rank")
+    if interval is None or heads is None:
+        return {}
+    return {"layer_kinds": tuple(ATTENTION if (i + 1) % int(interval) == 0 else GATED_DELTA for i in range(n_layer)),
+            "conv_kernel": int(key("ssm.conv_kernel")), "ssm_state": int(key("ssm.state_size")),
+            "ssm_groups": int(key("ssm.group_count")), "ssm_heads": int(heads), "ssm_inner": int(key("ssm.inner_size")),
+            "ssm_heads_tiled": True}
+
+
+def _rope_dims(metadata: dict[str, Any], arch: str, head_dim: int) -> int:
+    """The dimensions RoPE rotates (rope.dimension_count), 0 for the whole head. (A family whose Q/K rows llama.cpp
+    permutes for its own RoPE layout, Llama's, rotates whole heads: config_from_metadata refuses others.)"""
+    dims = int(metadata.get(f"{arch}.rope.dimension_count", head_dim))
+    return 0 if dims == head_dim else dims
 
 
 def _expert_parts(gguf: GGUFFile, config: ModelConfig) -> dict[str, ExpertParts]:

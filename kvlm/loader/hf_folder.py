@@ -8,7 +8,9 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 
 from kvlm.errors import ModelFileError, UnsupportedModelError
-from kvlm.families import ATTENTION, CONV, SLIDING, family_for_hf
+import logging
+
+from kvlm.families import ATTENTION, CONV, GATED_DELTA, SLIDING, family_for_hf
 from kvlm.loader.config import ModelConfig
 from kvlm.loader.tensors import HFSource, SafetensorsTensors
 from kvlm.loader.weights import ModelWeights, expected_shapes
@@ -23,7 +25,12 @@ _LAYER_NAMES = {
 # Options of config.json that change the architecture in ways kvlm does not implement: refused, not ignored.
 _UNSUPPORTED_OPTIONS = ("attention_bias", "mlp_bias", "use_sliding_window", "attn_logit_softcapping",
                         "use_bidirectional_attention", "conv_bias")
-_HF_LAYER_KINDS = {"full_attention": ATTENTION, "sliding_attention": SLIDING, "conv": CONV}
+_HF_LAYER_KINDS = {"full_attention": ATTENTION, "sliding_attention": SLIDING, "conv": CONV,
+                   "linear_attention": GATED_DELTA}
+# A multimodal folder's language model: its config under text_config, its tensors under model.language_model
+_TEXT_PREFIX = "model.language_model."
+_TOWERS = ("vision_config", "audio_config")
+log = logging.getLogger(__name__)
 _HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 _GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
@@ -44,8 +51,8 @@ def open_hf_folder(folder: str | Path) -> tuple[ModelConfig, ModelWeights]:
         _check_shape(folder, found.get(name), name, shape, family)
     convert = {}
     for name in shapes:
-        if family.hf_norm_offset and name.endswith("norm.weight"):
-            # stored as w - offset, multiplied as offset + w: GGUF files store the sum
+        if family.hf_norm_offset and name.endswith("norm.weight") and not name.endswith("ssm_norm.weight"):
+            # stored as w - offset, multiplied as offset + w: GGUF files store the sum (a gated norm is a plain weight)
             convert[name] = lambda w, offset=family.hf_norm_offset: w + offset
         for suffix, function in family.hf_values:
             if name.endswith(suffix):
@@ -64,6 +71,7 @@ def config_from_hf(folder: Path) -> ModelConfig:
     if not isinstance(raw, dict):
         raise ModelFileError(f"{path}: expected a JSON object, found {type(raw).__name__}")
     family = family_for_hf(raw, path)
+    raw = _text_config(raw, path)
     quantization = (raw.get("quantization_config") or {}).get("quant_method")
     if quantization is not None and not (quantization == "mxfp4" and family.hf_experts_interleaved):
         raise UnsupportedModelError(f"{path}: weights quantized by {quantization!r} in a Hugging Face folder are not "
@@ -93,11 +101,26 @@ def config_from_hf(folder: Path) -> ModelConfig:
         raise ModelFileError(f"{path}: the config describes an invalid model: {exc}") from exc
 
 
+def _text_config(raw: dict, path: Path) -> dict:
+    """A multimodal folder's language model config (its text_config, with the folder's architectures); the vision
+    or audio towers beside it are not loaded: kvlm reads text only, and says so."""
+    if not isinstance(raw.get("text_config"), dict):
+        return raw
+    towers = [name.removesuffix("_config") for name in _TOWERS if raw.get(name)]
+    if towers:
+        log.warning("%s: not loaded: this multimodal model's %s (kvlm runs its language model on text only)", path,
+                    " and ".join(f"{tower} tower" for tower in towers))
+    return {**raw["text_config"], "architectures": raw.get("architectures"),
+            **({"quantization_config": raw["quantization_config"]} if "quantization_config" in raw else {})}
+
+
 def _attention_layers(raw: dict, family) -> dict:
     """The ModelConfig fields of a decoder of attention (and conv) layers with MLPs."""
     n_head = raw["num_attention_heads"]
     head_dim = raw.get("head_dim") or family.default_head_dim or raw["hidden_size"] // max(n_head, 1)
-    return {"n_ff": family.hf_ff_size(raw) if family.hf_ff_size else raw["intermediate_size"], "n_head": n_head,
+    # a model with experts on every layer (Qwen3.5-MoE) may have no plain MLP width
+    n_ff = raw.get("intermediate_size", 0) if raw.get("num_experts") else raw["intermediate_size"]
+    return {"n_ff": family.hf_ff_size(raw) if family.hf_ff_size else n_ff, "n_head": n_head,
             "n_head_kv": raw.get("num_key_value_heads") or n_head, "head_dim": head_dim,
             "rms_norm_eps": float(raw.get("rms_norm_eps", raw.get("norm_eps", 1e-6))),
             **_attention_options(raw, family, head_dim), **_expert_options(raw, family),
@@ -144,7 +167,7 @@ def _attention_options(raw: dict, family, head_dim: int) -> dict:
     options = {"final_logit_softcap": float(raw.get("final_logit_softcapping") or 0.0)}
     if raw.get("query_pre_attn_scalar") is not None:
         options["query_scale"] = (head_dim / raw["query_pre_attn_scalar"]) ** 0.5
-    layer_types = raw.get("layer_types") or []
+    layer_types = raw.get("layer_types") or _interval_layer_types(raw)
     unknown = sorted(set(layer_types) - _HF_LAYER_KINDS.keys())
     if unknown:
         raise UnsupportedModelError(
@@ -153,6 +176,9 @@ def _attention_options(raw: dict, family, head_dim: int) -> dict:
         options["layer_kinds"] = tuple(_HF_LAYER_KINDS[kind] for kind in layer_types)
     if "conv" in layer_types:
         options["conv_kernel"] = raw["conv_L_cache"]
+    if "linear_attention" in layer_types:
+        options.update(_gated_delta_options(raw))
+    options["rope_dims"] = rope.hf_rotary_dims(raw, head_dim)
     if "sliding_attention" not in layer_types:  # Qwen's configs list their layers too, all full
         return {**options, "rope": rope.rope_from_hf_config(raw)}
     per_kind = raw.get("rope_parameters") or {}
@@ -166,7 +192,31 @@ def _attention_options(raw: dict, family, head_dim: int) -> dict:
     return {**options, "rope": full, "rope_local": local, "sliding_window": raw.get("sliding_window") or 0}
 
 
+def _interval_layer_types(raw: dict) -> list[str]:
+    """Qwen3.5's layer kinds when config.json does not list them: every full_attention_interval-th layer attends
+    fully, the others are linear (transformers' default interval: 4)."""
+    if "linear_num_value_heads" not in raw:
+        return []
+    interval = raw.get("full_attention_interval", 4)
+    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            for i in range(raw["num_hidden_layers"])]
+
+
+def _gated_delta_options(raw: dict) -> dict:
+    """Qwen3.5's linear-attention sizes as ModelConfig reads them (see ModelConfig.ssm_heads)."""
+    heads = raw["linear_num_value_heads"]
+    return {"conv_kernel": raw.get("linear_conv_kernel_dim", 4), "ssm_state": raw["linear_key_head_dim"],
+            "ssm_groups": raw["linear_num_key_heads"], "ssm_heads": heads,
+            "ssm_inner": heads * raw["linear_value_head_dim"]}
+
+
+def text_model_name(hf_name: str) -> str:
+    """A multimodal folder's language-model tensor under the name a text-only folder gives it."""
+    return "model." + hf_name.removeprefix(_TEXT_PREFIX) if hf_name.startswith(_TEXT_PREFIX) else hf_name
+
+
 def gguf_name(hf_name: str, family=None) -> str:
+    hf_name = text_model_name(hf_name)
     stem, _, kind = hf_name.rpartition(".")
     global_names = _global_names(family)
     if stem in global_names:
@@ -292,8 +342,8 @@ def _expert_tensors(headers: list, family) -> dict[str, tuple[HFSource, tuple[in
     mxfp4: dict[tuple[str, str], dict[str, tuple]] = {}
     tensors = {}
     for file, name, shape, dtype in headers:
-        match = _PER_EXPERT.fullmatch(name)
-        layer, _, rest = name.partition(".layers.")
+        match = _PER_EXPERT.fullmatch(text_model_name(name))
+        layer, _, rest = text_model_name(name).partition(".layers.")
         index, _, part = rest.partition(".")
         if match:
             target = f"blk.{index}.{_EXPERT_PARTS[match['part']]}.weight"

@@ -43,9 +43,10 @@ CTX_STEP = 256  # a fitted n_ctx is a multiple of this
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_CGROUP = Path("/proc/self/cgroup")
 STACKED = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gate_up", "ffn_up": "gate_up",
-           "ffn_gate_shexp": "shared_gate_up", "ffn_up_shexp": "shared_gate_up"}
+           "ffn_gate_shexp": "shared_gate_up", "ffn_up_shexp": "shared_gate_up",
+           "attn_qkv": "delta_in", "attn_gate": "delta_in", "ssm_beta": "delta_in", "ssm_alpha": "delta_in"}
 LINEAR_PARTS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "ffn_gate_shexp",
-                "ffn_up_shexp", "ffn_down_shexp"}
+                "ffn_up_shexp", "ffn_down_shexp", "attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "ssm_out"}
 EXPERT_PARTS = {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"}  # in their blocks (or dense): never a dense copy
 FLOAT32_PARTS = {"ffn_gate_inp", "ffn_gate_inp_shexp"}  # routers: float32 whatever the activations
 
@@ -175,7 +176,8 @@ def weight_bytes(config: ModelConfig, weights: ModelWeights, settings: ComputeSe
 
 
 def _float32_vector(name: str) -> bool:
-    """Mamba2's A, D and time-step bias, routers' biases and attention sinks stay float32 whatever the activations."""
+    """Mamba2's and Gated DeltaNet's A, D and time-step bias, routers' biases and attention sinks stay float32
+    whatever the activations."""
     return name.endswith(("ssm_a", "ssm_d", "ssm_dt.bias", "ffn_gate_inp.bias", "attn_sinks.weight"))
 
 
@@ -196,8 +198,8 @@ def compute_bytes(config: ModelConfig, request: MemoryRequest) -> int:
     """Working buffers: a micro-batch's logits (float32, every token an output at worst, as in perplexity), its
     activations (float32 at worst), and the slice a product of many rows dequantizes at once."""
     tokens = request.n_ubatch
-    widest = max(config.n_ff * 2, config.n_head * config.head_dim + 2 * config.n_head_kv * config.head_dim,
-                 config.ssm_inner * 2 + 2 * config.ssm_groups * config.ssm_state + config.n_head)
+    widest = max(config.n_ff * 2, config.n_head * config.head_dim * 2 + 2 * config.n_head_kv * config.head_dim,
+                 config.ssm_inner * 2 + 2 * config.ssm_groups * config.ssm_state + config.n_head + 2 * config.ssm_heads)
     return tokens * config.vocab_size * 4 + tokens * (widest + 4 * config.n_embd) * 4 + TRANSIENT_BYTES
 
 

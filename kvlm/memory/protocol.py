@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from kvlm.families import CONV, MAMBA, RECURRENT_KINDS, SLIDING
+from kvlm.families import CONV, GATED_DELTA, MAMBA, RECURRENT_KINDS, SLIDING
 from kvlm.loader.config import ModelConfig
 from kvlm.memory.hybrid import HybridMemory
 from kvlm.memory.iswa import ISWAMemory
@@ -108,4 +108,8 @@ def recurrent_state_shapes(config: ModelConfig, kind: str) -> list[tuple[int, ..
     if kind == MAMBA:
         conv_dim = config.ssm_inner + 2 * config.ssm_groups * config.ssm_state
         return [(conv_dim, config.conv_kernel - 1), (config.n_head, config.head_dim, config.ssm_state)]
+    if kind == GATED_DELTA:  # the convolution's last Q/K/V inputs; per value head, a key-size x value-size state
+        conv_dim = 2 * config.ssm_groups * config.ssm_state + config.ssm_inner
+        return [(conv_dim, config.conv_kernel - 1),
+                (config.ssm_heads, config.ssm_state, config.ssm_inner // config.ssm_heads)]
     raise AssertionError(f"no state shapes for layer kind {kind!r}")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlm.families import ATTENTION, CONV, MAMBA, SLIDING
+from kvlm.families import ATTENTION, CONV, GATED_DELTA, MAMBA, SLIDING
 from kvlm.kernels import BlockMatrix, dequantize, native_kernels
 from kvlm.kernels.quantize import QUANTIZERS
 from kvlm.loader.config import ModelConfig
@@ -32,8 +32,10 @@ from kvlm.model.fused import DecodeLayers, LayerOps
 from kvlm.model.moe import BlockExperts, DenseExperts, MoEWeights
 from kvlm.kernels.experts import ExpertBiases, NativeExperts
 from kvlm.model.recurrent import (
+    DeltaNetWeights,
     Mamba2Weights,
     ShortConvWeights,
+    gated_delta_net,
     mamba2_mixer,
     short_conv,
 )
@@ -77,6 +79,23 @@ class MambaLayerWeights:
     mixer: Mamba2Weights
 
 
+@dataclass
+class DeltaLayerWeights:
+    """A Gated DeltaNet layer (Qwen3.5): its norm; the mixer's input projections (Q/K/V, the output gate z, beta's and
+    the decay's) stacked in one matrix, split by `in_sizes`; the delta rule's own weights and the output projection;
+    then the MLP, or experts, as an attention layer's."""
+
+    attn_norm: torch.Tensor
+    in_proj: Linear
+    in_sizes: tuple[int, int, int, int]
+    mixer: DeltaNetWeights
+    out_proj: Linear
+    ffn_norm: torch.Tensor
+    gate_up: Linear | None
+    down: Linear | None
+    moe: MoEWeights | None = None
+
+
 class Decoder:
     """`settings` say the activation dtype and how each matrix is stored (see kvlm.model.settings).
 
@@ -110,8 +129,8 @@ class Decoder:
             table = native_kernels().interleave(table)
         self.token_embd = Embedding(table if self._keeps_blocks(table) else self._dense(table), self.dtype)
         self.output = self._head(weights, table if tied else weights.output())
-        self.rope = Rope(config.rope, config.head_dim)
-        self.rope_local = Rope(config.rope_local, config.head_dim) if config.rope_local else self.rope
+        self.rope = Rope(config.rope, config.rotary_dims)
+        self.rope_local = Rope(config.rope_local, config.rotary_dims) if config.rope_local else self.rope
         scale = (config.n_embd ** 0.5 if config.family.scaled_embedding else 1.0) * config.embedding_multiplier
         self.embedding_scale = torch.tensor(scale).to(self.dtype) if scale != 1.0 else None
         # Tensor parallelism: this rank holds a share of each layer's heads and MLP width; the attention output
@@ -120,7 +139,7 @@ class Decoder:
         # ... and a share of the vocabulary: its logits go to rank 0 (which gets them all) through gather_logits.
         self.gather_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._blocks = {ATTENTION: self._attention_block, SLIDING: self._attention_block,  # by layer kind
-                        CONV: self._conv_block, MAMBA: self._mamba_block}
+                        CONV: self._conv_block, MAMBA: self._mamba_block, GATED_DELTA: self._delta_block}
 
     @property
     def quantized(self) -> bool:
@@ -187,6 +206,8 @@ class Decoder:
             return self._conv_layer(weights, i)
         if self.config.layer_kinds[i] == MAMBA:
             return self._mamba_layer(weights, i)
+        if self.config.layer_kinds[i] == GATED_DELTA:
+            return self._delta_layer(weights, i)
         qkv = ("attn_q", "attn_k", "attn_v")
         vector = lambda part, kind="weight": self._vector(weights.layer(i, part, kind))  # noqa: E731
         moe = self.config.moe_layers[i]
@@ -279,6 +300,26 @@ class Decoder:
             d_state=c.ssm_state, n_groups=c.ssm_groups, eps=c.rms_norm_eps, time_step_limit=c.ssm_dt_limit)
         return MambaLayerWeights(attn_norm=layer("attn_norm"), mixer=mixer)
 
+    def _delta_layer(self, weights: ModelWeights, i: int) -> DeltaLayerWeights:
+        """A and the time-step bias in float32 (as the delta rule runs, and as Mamba2's), the convolution and the
+        gated norm's weight in the activation dtype, the projections as any matrix."""
+        c, moe = self.config, self.config.moe_layers[i]
+        vector = lambda name: self._float(weights.read(f"blk.{i}.{name}")).contiguous()  # noqa: E731
+        mixer = DeltaNetWeights(
+            conv=self._dense(weights.layer(i, "ssm_conv1d")), dt_bias=vector("ssm_dt.bias"), A=vector("ssm_a"),
+            norm=self._vector(weights.layer(i, "ssm_norm")), n_k_heads=c.ssm_groups, n_v_heads=c.ssm_heads,
+            k_head_dim=c.ssm_state, v_head_dim=c.ssm_inner // c.ssm_heads, eps=c.rms_norm_eps,
+            v_heads_tiled=c.ssm_heads_tiled)
+        return DeltaLayerWeights(
+            attn_norm=self._vector(weights.layer(i, "attn_norm")),
+            in_proj=self._stacked(weights, i, ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha")),
+            in_sizes=(2 * c.ssm_groups * c.ssm_state + c.ssm_inner, c.ssm_inner, c.ssm_heads, c.ssm_heads),
+            mixer=mixer, out_proj=self._stacked(weights, i, ("ssm_out",)),
+            ffn_norm=self._vector(weights.layer(i, "ffn_norm")),
+            gate_up=None if moe else self._stacked(weights, i, ("ffn_gate", "ffn_up")),
+            down=None if moe else self._stacked(weights, i, ("ffn_down",)),
+            moe=self._moe(weights, i) if moe else None)
+
     def _qk_norm(self, q_norm: torch.Tensor, k_norm: torch.Tensor) -> torch.Tensor:
         c = self.config
         if c.family.qk_norm_whole:  # [n_head * head_dim] then [n_head_kv * head_dim]
@@ -344,10 +385,15 @@ class Decoder:
         if layer.post_attention_norm is not None:
             h = ops.norm(h, layer.post_attention_norm, eps)
         normed, x = ops.add_norm(x, h if residual == 1.0 else h * residual, layer.ffn_norm, eps)
-        h = self._summed(layer.moe(normed, ops, activation) if layer.moe is not None else
-                         ops.gated_mlp(normed, layer.gate_up, layer.down, activation))
+        h = self._mlp(layer, normed)
         h = h if layer.post_ffw_norm is None else ops.norm(h, layer.post_ffw_norm, eps)
         return x + (h if residual == 1.0 else h * residual)
+
+    def _mlp(self, layer: LayerWeights | DeltaLayerWeights, normed: torch.Tensor) -> torch.Tensor:
+        """The layer's gated MLP, or its experts, summed over the tensor-parallel ranks."""
+        activation = self.config.family.activation
+        return self._summed(layer.moe(normed, self.ops, activation) if layer.moe is not None else
+                            self.ops.gated_mlp(normed, layer.gate_up, layer.down, activation))
 
     def _summed(self, partial: torch.Tensor) -> torch.Tensor:
         """A row-parallel product's partial sum, added up over the tensor-parallel ranks (if any)."""
@@ -366,6 +412,17 @@ class Decoder:
         normed, x = self.ops.add_norm(x, y.reshape(x.shape), layer.ffn_norm, eps)
         return x + self.ops.gated_mlp(normed, layer.gate_up, layer.down, self.config.family.activation)
 
+    def _delta_block(self, index: int, layer: DeltaLayerWeights, x, cos, sin, kv) -> torch.Tensor:
+        """Qwen3.5's linear attention over each sequence's tokens (as [n_seqs, n_tokens], see _conv_block) from and
+        to its convolution and delta-rule states; then the MLP."""
+        eps, state = self.config.rms_norm_eps, kv.recurrent(index)
+        projected = layer.in_proj(self.ops.norm(x, layer.attn_norm, eps)).view(*state.shape, -1)
+        y, conv_state, delta_state = gated_delta_net(layer.mixer, *projected.split(layer.in_sizes, dim=-1),
+                                                     *state.read())
+        state.write([conv_state, delta_state])
+        normed, x = self.ops.add_norm(x, layer.out_proj(y.reshape(x.shape[0], -1)), layer.ffn_norm, eps)
+        return x + self._mlp(layer, normed)
+
     def _mamba_block(self, index: int, layer: MambaLayerWeights, x, cos, sin, kv) -> torch.Tensor:
         state = kv.recurrent(index)
         h = self.ops.norm(x, layer.attn_norm, self.config.rms_norm_eps).view(*state.shape, -1)
@@ -380,7 +437,13 @@ class Decoder:
         qkv = layer.qkv(h)
         if layer.qkv_bias is not None:
             qkv = qkv + layer.qkv_bias
-        qk, v = qkv.split((q_size + kv_size, kv_size), dim=-1)
+        gate = None
+        if c.family.attention_output_gate:  # each head's query, then its gate: Q and K heads put side by side
+            q_gate, k, v = qkv.split((2 * q_size, kv_size, kv_size), dim=-1)
+            q, gate = q_gate.view(n_tokens, c.n_head, 2, c.head_dim).unbind(2)
+            qk = torch.cat([q, k.view(n_tokens, c.n_head_kv, c.head_dim)], dim=1)
+        else:
+            qk, v = qkv.split((q_size + kv_size, kv_size), dim=-1)
         # Q and K heads side by side take their norm and rotation in one go.
         qk = qk.view(n_tokens, c.n_head + c.n_head_kv, c.head_dim)
         if layer.qk_norm is not None and c.family.qk_norm_whole:  # over each token's whole Q, then whole K
@@ -391,8 +454,10 @@ class Decoder:
         if c.query_scale != 1.0:
             q = q * c.query_scale
         v = v.view(n_tokens, c.n_head_kv, c.head_dim)
-        return layer.attn_output(kv.attend(index, q, k, v, self.batch_invariant, self.ops.attention_kernel(),
-                                           layer.sinks))
+        out = kv.attend(index, q, k, v, self.batch_invariant, self.ops.attention_kernel(), layer.sinks)
+        if gate is not None:
+            out = out * torch.sigmoid(gate.reshape(n_tokens, -1))
+        return layer.attn_output(out)
 
 
 def _held(value, seen: set[int]) -> int:

@@ -56,7 +56,7 @@ class LayerOps:
 
     def rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """qk [T, heads, d] rotated by float32 cos, sin [T, 1, d] (in place where native)."""
-        if self._use_native() and qk.stride(2) == 1 and qk.stride(1) == qk.shape[2]:
+        if self._use_native() and qk.stride(2) == 1 and qk.stride(1) == qk.shape[2] and cos.shape[-1] == qk.shape[2]:
             return self.native.rope_(qk, cos, sin)
         return apply_rope(qk, cos.to(qk.dtype), sin.to(qk.dtype))
 
@@ -77,7 +77,8 @@ class DecodeLayers:
     few enough that the products stay native (with a dense copy, prompt-sized batches go through it instead). A
     layer of experts runs its attention so (up to its experts' input), its experts after. `run` returns None for
     anything else, and the decoder runs the layer op by op. Not for what the native call does not compute:
-    Granite's residual multiplier, a whole-projection QK-norm after Q/K/V biases."""
+    Granite's residual multiplier, a whole-projection QK-norm after Q/K/V biases, Qwen3.5's output gate, RoPE over
+    part of each head."""
 
     def __init__(self, kernels: NativeKernels, config: ModelConfig, layers: list, dtype: torch.dtype) -> None:
         family = config.family
@@ -85,7 +86,8 @@ class DecodeLayers:
                              config.rms_norm_eps, config.query_scale, family.activation == "gelu_tanh",
                              family.qk_norm_whole)
                   for moe in config.moe_layers]
-        computed = not (family.qk_norm_whole and family.qkv_bias) and config.residual_multiplier == 1.0
+        computed = (not (family.qk_norm_whole and family.qkv_bias) and config.residual_multiplier == 1.0
+                    and not family.attention_output_gate and config.rotary_dims == config.head_dim)
         self.layers = {i: self._native(kernels, shapes[i], dtype, layer) for i, layer in enumerate(layers)
                        if computed and self._eligible(layer) and config.head_dim % HEAD_DIM_STEP == 0}
         self._steps: list[tuple[KVView, torch.Tensor, DecodeStep]] = []  # of the forward pass under way

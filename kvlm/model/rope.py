@@ -238,9 +238,6 @@ def rope_from_hf_config(raw: Mapping[str, Any]) -> RopeScaling:
     kind = params.get("rope_type") or params.get("type") or "default"
     if kind not in KINDS:
         raise UnsupportedModelError(f"RoPE type {kind!r} is not supported (supported: {', '.join(KINDS)})")
-    partial = _first(params.get("partial_rotary_factor"), raw.get("partial_rotary_factor"), 1.0)
-    if partial != 1:
-        raise UnsupportedModelError(f"partial_rotary_factor={partial!r} is not supported (only 1.0: whole heads)")
     theta = _first(params.get("rope_theta"), raw.get("rope_theta"), 10000.0)
     if kind == "default":
         return RopeScaling(theta=theta)
@@ -266,6 +263,18 @@ def rope_from_hf_config(raw: Mapping[str, Any]) -> RopeScaling:
         attention_factor=params.get("attention_factor"), mscale=params.get("mscale"),
         mscale_all_dim=params.get("mscale_all_dim"), truncate=params.get("truncate", True),
     )
+
+
+def hf_rotary_dims(raw: Mapping[str, Any], head_dim: int) -> int:
+    """The dimensions of each head a config.json's RoPE rotates: head_dim x partial_rotary_factor (transformers'
+    rule, the dict's factor over the top-level one), 0 for the whole head."""
+    params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    params = params if isinstance(params, Mapping) else {}  # rope_from_hf_config names that error
+    partial = _first(params.get("partial_rotary_factor"), raw.get("partial_rotary_factor"), 1.0)
+    if not _is_number(partial) or not 0 < partial <= 1:
+        raise ValueError(f"partial_rotary_factor must be a number in (0, 1], got {partial!r}")
+    dims = int(head_dim * partial)
+    return 0 if dims == head_dim else dims
 
 
 def rope_from_gguf(metadata: Mapping[str, Any], arch: str, freq_factors: Sequence[float] | None,
