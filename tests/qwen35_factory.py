@@ -225,6 +225,7 @@ def qwen35_gguf_metadata(model, arch: str = "qwen35") -> dict[str, Any]:
                            vocab_size=c.vocab_size)
     metadata = gguf_metadata(shim, arch)
     metadata["general.name"] = f"tiny-random-{arch}"
+    metadata["tokenizer.ggml.pre"] = "qwen35"  # what Qwen3.5's files carry (llama.cpp refuses gpt2's for qwen35)
     if moe:  # Qwen3_5MoeTextConfig has no intermediate_size: the converter writes no feed_forward_length
         del metadata[f"{arch}.feed_forward_length"]
         metadata.update({f"{arch}.expert_count": c.num_experts, f"{arch}.expert_used_count": c.num_experts_per_tok,

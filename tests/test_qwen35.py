@@ -171,3 +171,27 @@ def test_moe_logits_equal_transformers(moe_reference, source, tmp_path):
     assert max_diff(full_sequence_logits(model, ids), expected) <= TOLERANCE
     stepped = prefill_then_decode_logits(model, ids, 80)
     assert max_diff(stepped, expected[-stepped.shape[0]:]) <= TOLERANCE
+
+
+def test_llama_cpp_reads_the_gguf_file_alike(files):
+    """llama.cpp (llama-cpp-python) on the same F32 file: kvlm's logits are llama.cpp's within its f16 KV cache's
+    rounding, which checks the file's reading (value heads tiled, A, the norms' +1, the gate, the quarter RoPE its
+    multimodal sections give for text) against the engine the format is made for."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    ids = token_ids(1000, 40, seed=37)
+    llm = llama_cpp.Llama(str(files["gguf"]), n_ctx=64, logits_all=True, verbose=False, n_threads=1)
+    llm.eval(ids)
+    theirs = torch.tensor(llm.scores[:len(ids)])
+    del llm
+    ours = full_sequence_logits(load_model(str(files["gguf"]), "float32"), ids)
+    assert max_diff(ours, theirs) <= 0.005  # 5e-4 here
+
+
+def test_tensor_parallelism_is_refused_by_name(files):
+    """The recurrent states are not split between ranks (as for LFM2 and Mamba2): refused before any weight is read."""
+    from kvlm.loader.hf_folder import open_hf_folder
+    from kvlm.loader.shard import check_tensor_parallel
+
+    config = open_hf_folder(files["hf"])[0]
+    with pytest.raises(ValueError, match="tensor parallelism is not supported for models with gated_delta layers"):
+        check_tensor_parallel(config, 2)
