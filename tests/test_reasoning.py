@@ -10,8 +10,10 @@ from kvlm.tool_calls.reasoning import ReasoningParser, ReasoningStream, reasonin
 
 QWEN3 = ReasoningParser()
 R1 = ReasoningParser(starts_open=True)
+QWEN35 = ReasoningParser(starts_open=True, call_ends_reasoning=True)  # a call opened in the think block ends it
 THINKING_TEMPLATE = ("{%- if enable_thinking is defined and enable_thinking is false %}"
                      "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}")
+CALL = "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>"
 
 
 @pytest.mark.parametrize("parser, text, expected", [
@@ -28,6 +30,20 @@ THINKING_TEMPLATE = ("{%- if enable_thinking is defined and enable_thinking is f
     (R1, "<think>\nRepeated opening.</think>Yes", ("Repeated opening.", "Yes")),
     (R1, "Cut off", ("Cut off", None)),
     (R1, "a</think>b</think>c", ("a", "b</think>c")),
+    (R1, "Look it up.\n\n" + CALL, ("Look it up.\n\n" + CALL, None)),  # not in other formats
+    # vLLM's Qwen3 reasoning parser: <tool_call>, then (after whitespace) <function= or <function followed by
+    # whitespace, ends the reasoning; a <tool_call> without it does not
+    (QWEN35, "Look it up.\n\n" + CALL, ("Look it up.", CALL)),
+    (QWEN35, CALL, (None, CALL)),
+    (QWEN35, 'Look.<tool_call> <function name="f">', ("Look.", '<tool_call> <function name="f">')),
+    (QWEN35, "Write <tool_call> then.\n</think>\n\nOK", ("Write <tool_call> then.", "OK")),
+    (QWEN35, "a <tool_call>x\n" + CALL, ("a <tool_call>x", CALL)),  # the first call that opens
+    (QWEN35, "a\n</think>\n\nb\n" + CALL, ("a", "b\n" + CALL)),
+    (QWEN35, "a\n" + CALL + "</think>b", ("a", CALL + "</think>b")),  # the first of the two ends it
+    (QWEN35, "Cut <tool_call>\n<function", ("Cut <tool_call>\n<function", None)),
+    (QWEN35, "Cut <tool_call>\n<functions", ("Cut <tool_call>\n<functions", None)),
+    (ReasoningParser(call_ends_reasoning=True), "<think>a\n" + CALL, ("a", CALL)),
+    (ReasoningParser(call_ends_reasoning=True), "a\n" + CALL, (None, "a\n" + CALL)),  # no reasoning at all
 ])
 def test_split(parser, text, expected):
     assert parser.split(text) == expected
@@ -40,6 +56,11 @@ def test_reasoning_for_template():
     opened = reasoning_for_template(THINKING_TEMPLATE, "<|im_start|>assistant\n<think>\n")
     assert opened == ReasoningParser(starts_open=True)
     assert reasoning_for_template(THINKING_TEMPLATE, "<|im_start|>assistant\n<think>\n\n</think>\n\n") is None
+    # templates writing calls as Qwen3-Coder's XML (Qwen3.5) end the reasoning at a call; hermes JSON ones do not
+    xml = THINKING_TEMPLATE + "<tool_call>\n<function={{ tool_call.name }}>"
+    assert reasoning_for_template(xml, "<|im_start|>assistant\n<think>\n") == QWEN35
+    hermes = THINKING_TEMPLATE + '<tool_call>\n{"name": "{{ tool_call.name }}"}'
+    assert reasoning_for_template(hermes, "<|im_start|>assistant\n<think>\n") == R1
 
 
 @pytest.mark.parametrize("parser, text, expected", [
@@ -47,6 +68,9 @@ def test_reasoning_for_template():
     (QWEN3, "<think>abc</think>", len("<think>abc</think>")), (QWEN3, "<think>a</think>\n{", len("<think>a</think>")),
     (QWEN3, "{", 0), (QWEN3, " x", 0),
     (R1, "abc", None), (R1, "ab</think>c", len("ab</think>")),
+    # the engine's constraint cannot take over a call begun in the think block: it never starts then
+    (QWEN35, "a " + CALL, None), (QWEN35, "a " + CALL + "</think>{", None), (QWEN35, "a</think>{", len("a</think>")),
+    (QWEN35, "a <tool_call> b</think>{", len("a <tool_call> b</think>")),
 ])
 def test_reasoning_ended(parser, text, expected):
     assert parser.reasoning_ended(text) == expected
@@ -71,12 +95,24 @@ def test_stream_holds_back_a_possible_end_marker_and_trailing_whitespace():
     assert reasoning_stream.update("<think>\nStep one. </think>\n\nDone") == ("", "Done")
 
 
-texts = st.lists(st.sampled_from(["<think>", "</think>", "<th", "</", "\n", " ", "step", "é🙂", "ok."]), max_size=12)
+def test_stream_holds_back_a_possible_call_opening():
+    reasoning_stream = ReasoningStream(QWEN35)
+    assert reasoning_stream.update("Step.\n<tool_") == ("Step.", "")
+    assert reasoning_stream.update("Step.\n<tool_call>\n<func") == ("", "")
+    assert reasoning_stream.update("Step.\n<tool_call>\n<function=") == ("", "<tool_call>\n<function=")
+    reasoning_stream = ReasoningStream(QWEN35)
+    assert reasoning_stream.update("Step.\n<tool_call>\n<func") == ("Step.", "")
+    assert reasoning_stream.update("Step.\n<tool_call>\nno") == ("\n<tool_call>\nno", "")  # not a call after all
+
+
+texts = st.lists(st.sampled_from(["<think>", "</think>", "<th", "</", "\n", " ", "step", "é🙂", "ok.", "<tool_call>",
+                                  "<tool_", "<function=f>", "<func", "tion", "="]), max_size=12)
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(parts=texts, cuts=st.lists(st.integers(0, 10**6), max_size=20), starts_open=st.booleans())
-def test_streamed_equals_split(parts, cuts, starts_open):
-    parser, text = ReasoningParser(starts_open=starts_open), "".join(parts)
+@given(parts=texts, cuts=st.lists(st.integers(0, 10**6), max_size=20), starts_open=st.booleans(),
+       call_ends_reasoning=st.booleans())
+def test_streamed_equals_split(parts, cuts, starts_open, call_ends_reasoning):
+    parser, text = ReasoningParser(starts_open=starts_open, call_ends_reasoning=call_ends_reasoning), "".join(parts)
     points = sorted({0, len(text), *(cut % (len(text) + 1) for cut in cuts)})
     assert stream(parser, [text[a:b] for a, b in zip(points, points[1:])]) == parser.split(text)

@@ -116,6 +116,31 @@ def test_qwen3_xml_values_not_of_the_declared_type_and_unknown_parameters_stay_t
                                 ("unknown_tool", '{"n": "5"}')]
 
 
+@pytest.mark.parametrize("schema, text, value", [
+    # vLLM's qwen3_coder rules (Qwen3CoderToolParser._convert_param_value), which read the Python literals
+    # Qwen3.5's template writes past arguments with
+    ({"type": "boolean"}, "True", True), ({"type": "boolean"}, "FALSE", False), ({"type": "boolean"}, "yes", "yes"),
+    ({"type": "integer"}, "07", 7), ({"type": "integer"}, "-12", -12), ({"type": "integer"}, "3.0", "3.0"),
+    ({"type": "number"}, "3.0", 3), ({"type": "number"}, "1e3", 1000), ({"type": "number"}, "21.5", 21.5),
+    ({"type": "number"}, "-2", -2), ({"type": "number"}, "inf", "inf"), ({"type": "number"}, "NaN", "NaN"),
+    # "null"/"None" is null for a parameter that may be null or is of no string type
+    ({"type": "integer"}, "None", None), ({"type": "boolean"}, "null", None), ({"type": "object"}, "NULL", None),
+    ({"type": ["string", "null"]}, "None", None), ({"type": ["string", "null"]}, "Oslo", "Oslo"),
+    ({"type": ["string", "null"]}, '"Oslo"', "Oslo"), ({"type": "string"}, "None", "None"), ({}, "null", "null"),
+    ({"type": ["string", "integer"]}, "None", "None"),
+    # a union: the first type in vLLM's order that the text reads as
+    ({"type": ["integer", "string"]}, "7", 7), ({"type": ["boolean", "string"]}, "True", True),
+    ({"type": ["integer", "number"]}, "2.5", 2.5),
+    ({"type": "array"}, '{"a": 1}', '{"a": 1}'), ({"type": "object"}, '{"a": 1}', {"a": 1}),
+])
+def test_qwen3_xml_reads_values_as_vllm(schema, text, value):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                          "properties": {"x": schema}}}}
+    [call] = QWEN3_XML.parse(xml_call("f", x=text), [tool]).calls
+    got = json.loads(call.arguments)["x"]
+    assert got == value and type(got) is type(value)
+
+
 def test_qwen3_xml_multiline_text_value_keeps_inner_newlines():
     text = xml_call("write", body='line 1\n\n  "quoted"\nlast')
     assert calls_of(QWEN3_XML.parse(text)) == [("write", '{"body": "line 1\\n\\n  \\"quoted\\"\\nlast"}')]

@@ -130,7 +130,8 @@ XML_TYPES = {"integer": st.integers(-10**6, 10**6), "number": st.floats(-1e6, 1e
 
 @st.composite
 def xml_calls(draw):
-    """A tool with typed parameters, and a call with values of those types, written as Qwen3-Coder writes it."""
+    """A tool with typed parameters, the arguments of a call with values of those types as read, and the call written
+    as Qwen3-Coder writes it."""
     name = draw(names)
     kinds = draw(st.dictionaries(names, st.sampled_from(sorted(XML_TYPES)), min_size=0, max_size=4))
     args = {key: draw(XML_TYPES[kind]) for key, kind in kinds.items()}
@@ -138,7 +139,9 @@ def xml_calls(draw):
         "type": "object", "properties": {key: {"type": kind} for key, kind in kinds.items()}}}}
     body = "".join(f"<parameter={key}>\n{value if isinstance(value, str) else json.dumps(value)}\n</parameter>\n"
                    for key, value in args.items())
-    return tool, args, f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+    # as vLLM reads a number: an integral one as an int ("2.0" is 2)
+    read = {key: int(value) if kinds[key] == "number" and value.is_integer() else value for key, value in args.items()}
+    return tool, read, f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
 
 
 @SETTINGS

@@ -2,13 +2,15 @@
 `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n...</function>\n</tool_call>`.
 
 Values are bare text, so their JSON type comes from the tool's parameters schema: a parameter declared
-integer, number, boolean, object, array or null is read as JSON (text that does not read as one of the
-declared types stays a string); any other is the text itself, less the newline after `<parameter=KEY>` and
-the one before `</parameter>`. Text values stream as they come; typed ones when they end.
+integer, number, boolean, object, array or null is read as that type, as vLLM's qwen3_coder parser reads it (see
+`convert`; text that does not read as one of the declared types stays a string); any other is the text itself,
+less the newline after `<parameter=KEY>` and the one before `</parameter>`. Text values stream as they come; typed
+ones when they end.
 """
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Collection
 from typing import Any
 
@@ -37,16 +39,60 @@ def is_text(schema: dict[str, Any]) -> bool:
 
 
 def convert(value: str, schema: dict[str, Any]) -> Any:
-    """A parameter's text as the JSON type its schema declares; the text itself when it is not one."""
+    """A parameter's text as the JSON type its schema declares; the text itself when it is not one.
+
+    vLLM's rules (Qwen3CoderToolParser._convert_param_value, vllm/tool_parsers/qwen3coder_tool_parser.py at
+    vllm-project/vllm 00d0a333ba9b8e40eb35fc0b54b4ae96114f30b3), which also read the Python literals Qwen3.5's
+    template writes past arguments with (`| string`: True, False, None):
+    - "null" or "None", in any case, is null when the schema allows null or declares no string type;
+    - integer: Python's int() of the text ("07" is 7, "3.0" is no integer);
+    - number: float(), then an int when integral ("3.0" is 3, "21.5" stays 21.5; so past 2**53 an integer is
+      rounded, as in vLLM); kvlm keeps inf and nan as text (no JSON number; vLLM keeps nan as text, and fails on inf);
+    - boolean: "true" or "false" in any case ("True" is true). Where vLLM reads any other text as false, kvlm keeps
+      it as text, as it does for the other types;
+    - object, array (and a JSON-quoted string, as a forcing grammar writes it): JSON of that type (where JSON fails,
+      vLLM also tries ast.literal_eval; kvlm does not: the template writes objects and arrays as JSON).
+    A union of types (kvlm's rule: vLLM reads a parameter with a list of types by ast.literal_eval) takes the
+    first of these types, in this order, that the text reads as.
+    """
     if is_text(schema):
         return value
+    types = declared_types(schema)
+    if value.lower() in ("null", "none") and ("null" in types or "string" not in types):
+        return None
+    for kind in _READ_ORDER:
+        if kind in types and (read := _read_as(kind, value)) is not _NOT_READ:
+            return read
+    return value
+
+
+_READ_ORDER = ("integer", "number", "boolean", "object", "array", "string")
+_NOT_READ = object()
+
+
+def _read_as(kind: str, value: str) -> Any:
+    """`value` read as the JSON type `kind` by the rules above; _NOT_READ when it is not one."""
+    if kind == "integer":
+        try:
+            return int(value)
+        except ValueError:
+            return _NOT_READ
+    if kind == "number":
+        try:
+            number = float(value)
+        except ValueError:
+            return _NOT_READ
+        if not math.isfinite(number):
+            return _NOT_READ
+        return int(number) if number.is_integer() else number
+    if kind == "boolean":
+        lowered = value.lower()
+        return lowered == "true" if lowered in ("true", "false") else _NOT_READ
     try:
         parsed = json.loads(value)
     except ValueError:
-        return value
-    types = declared_types(schema)
-    kind = _JSON_TYPES.get(type(parsed))
-    return parsed if kind in types or (kind == "integer" and "number" in types) else value
+        return _NOT_READ
+    return parsed if _JSON_TYPES.get(type(parsed)) == kind else _NOT_READ
 
 
 def _name(body: str, pos: int) -> tuple[str | None, int]:
