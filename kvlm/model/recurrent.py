@@ -52,8 +52,15 @@ def causal_conv(u: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
     """Depthwise causal convolution of u [n_seq, channels, T] by weight [channels, K] after the K-1 inputs in
     state [n_seq, channels, K-1]. Returns the T outputs (in u's dtype) and the last K-1 inputs (in state's)."""
     inputs = torch.cat([state.to(u.dtype), u], dim=-1)
-    out = F.conv1d(inputs.to(weight.dtype), weight.unsqueeze(1), bias, groups=weight.shape[0])
-    return out.to(u.dtype), inputs[..., u.shape[-1]:].to(state.dtype)
+    n_tokens, taps = u.shape[-1], inputs.to(weight.dtype)
+    # One multiply-add per filter tap: torch's grouped conv1d (oneDNN) took ~0.3 ms for one token of 6144 channels,
+    # these K passes over [n_seq, channels, T] a few microseconds
+    out = taps[..., :n_tokens] * weight[:, :1]
+    for k in range(1, weight.shape[1]):
+        out.addcmul_(taps[..., k:k + n_tokens], weight[:, k:k + 1])
+    if bias is not None:
+        out += bias[:, None]
+    return out.to(u.dtype), inputs[..., n_tokens:].to(state.dtype)
 
 
 @dataclass
@@ -218,6 +225,8 @@ class DeltaNetWeights:
     def to_value_heads(self, t: torch.Tensor) -> torch.Tensor:
         """[n, T, Hk, Dk] -> [n, T, Hv, Dk]: each value head's key (or query) head."""
         per_k_head = self.n_v_heads // self.n_k_heads
+        if per_k_head == 1:
+            return t
         if self.v_heads_tiled:
             return t.repeat(1, 1, per_k_head, 1)
         return t.repeat_interleave(per_k_head, dim=2)
@@ -280,13 +289,16 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 
 def _delta_step(q, k, v, g, beta, state):
     """gated_delta_rule for one token: q, k [n, H, Dk], v [n, H, Dv], g, beta [n, H]."""
-    q, k, v = q[:, :, None], k[:, :, None], v[:, :, None]  # rows: [n, H, 1, D]
-    state = state * torch.exp(g)[..., None, None]
-    # Row times state: unlike Mamba2's state times column, these matrix products read the state row by row, and
-    # on CPU they took a third of the time of the same as a product and a sum.
-    delta = (v - k @ state) * beta[..., None, None]
-    state = state.addcmul_(k.transpose(-1, -2), delta)
-    return (q @ state).transpose(1, 2), state
+    k_q = torch.stack([k, q], dim=2)  # rows: [n, H, 2, Dk]
+    decay = torch.exp(g)[..., None, None]
+    # With S_t = decay S + k delta^T: S^T k and S^T q from one read of the old state (row times state: unlike
+    # Mamba2's state times column, these products read the state row by row, a third of the time of a product and
+    # a sum on CPU); the output o = decay S^T q + (k . q) delta needs no second read of the new state.
+    k_read, q_read = (k_q @ state).unbind(2)
+    delta = (v - decay[..., 0] * k_read) * beta[..., None]
+    out = decay[..., 0] * q_read + (k * q).sum(-1, keepdim=True) * delta
+    state = torch.mul(state, decay).addcmul_(k[..., None], delta[..., None, :])
+    return out[:, None], state
 
 
 def _delta_block(q, k, v, g, beta, state):
