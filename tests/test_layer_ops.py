@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from kvlm.memory.kv_store import Q8Plane
 from kvlm.model.fused import LayerOps
 from kvlm.model.ops import apply_rope, grouped_attention, rms_norm
+from kvlm.model.recurrent import delta_step
 from test_kernels import kernels  # noqa: F401  - the library built for each -march
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -167,6 +168,54 @@ def test_gated_activation(kernels, dtype, activation, rows, width):  # noqa: F81
     torch.testing.assert_close(out.double(), (act * up).to(dtype).double(), **tolerance(dtype))
 
 
+def delta_inputs(n_seq: int, n_heads: int, k_dim: int, v_dim: int, decay: str, seed: int) -> tuple:
+    """One token's q, k, v, g, beta and a state as Qwen3.5's delta rule sees them: k normalized, q normalized and
+    scaled, log decays near 0 ("weak") or far below it ("strong")."""
+    g = torch.Generator().manual_seed(seed)
+    q, k = (F.normalize(torch.randn(n_seq, n_heads, k_dim, generator=g), dim=-1) for _ in range(2))
+    v = torch.randn(n_seq, n_heads, v_dim, generator=g)
+    scale = 0.05 if decay == "weak" else 5.0
+    log_decay = -scale * torch.rand(n_seq, n_heads, generator=g)
+    beta = torch.rand(n_seq, n_heads, generator=g)
+    state = torch.randn(n_seq, n_heads, k_dim, v_dim, generator=g)
+    return q * k_dim ** -0.5, k, v, log_decay, beta, state
+
+
+@pytest.mark.parametrize("decay", ["weak", "strong"])
+@pytest.mark.parametrize("k_dim,v_dim", [(128, 128), (64, 32)])
+@pytest.mark.parametrize("n_heads", [4, 16])
+@pytest.mark.parametrize("n_seq", [1, 3])
+def test_delta_step_matches_torch(kernels, n_seq, n_heads, k_dim, v_dim, decay):  # noqa: F811
+    """The gated delta rule's one-token step natively: torch's output and new state up to float32 summation
+    order, and the state passed in untouched (it may be a view of the committed state)."""
+    q, k, v, g, beta, state = delta_inputs(n_seq, n_heads, k_dim, v_dim, decay, seed=n_seq * n_heads + k_dim)
+    before = state.clone()
+    out, new_state = kernels.layer_ops.delta_step(q, k, v, g, beta, state)
+    expected_out, expected_state = delta_step(q, k, v, g, beta, state.clone())
+    assert out.shape == expected_out.shape == (n_seq, 1, n_heads, v_dim)
+    assert new_state.shape == state.shape and new_state.data_ptr() != state.data_ptr()
+    torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(new_state, expected_state, rtol=1e-5, atol=1e-6)
+    assert torch.equal(state, before)
+
+
+def test_delta_step_takes_views_and_leaves_them(kernels):  # noqa: F811
+    """Non-contiguous inputs (q, k, v as slices of one projection, the state a slice of a larger store) give what
+    their contiguous copies give; the store is untouched."""
+    q, k, v, g, beta, _ = delta_inputs(2, 4, 64, 32, "weak", seed=1)
+    store = torch.randn(3, 4, 64, 32)
+    before = store.clone()
+    qkv = torch.cat([q, k, torch.nn.functional.pad(v, (0, 32))], dim=-1)  # [2, 4, 192]: views at a stride
+    out, new_state = kernels.layer_ops.delta_step(qkv[..., :64], qkv[..., 64:128], qkv[..., 128:160], g, beta,
+                                                  store[1:])
+    expected_out, expected_state = delta_step(q, k, v, g, beta, store[1:].clone())
+    torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(new_state, expected_state, rtol=1e-5, atol=1e-6)
+    assert torch.equal(store, before)
+    ops = LayerOps(kernels.layer_ops)
+    torch.testing.assert_close(ops.delta_step(q, k, v, g, beta, store[1:])[0], expected_out, rtol=1e-5, atol=1e-6)
+
+
 def test_layer_ops_fall_back_to_torch_without_the_library():
     """LayerOps(None): the torch ops, as in the reference mode and where no compiler built the library."""
     ops = LayerOps(None)
@@ -181,6 +230,9 @@ def test_layer_ops_fall_back_to_torch_without_the_library():
     gate, value = up(x).chunk(2, dim=-1)
     with torch.no_grad():
         torch.testing.assert_close(ops.gated_mlp(x, up, down), down(F.silu(gate) * value), rtol=0, atol=0)
+    q, k, v, g, beta, state = delta_inputs(2, 3, 16, 8, "weak", seed=0)
+    for got, expected in zip(ops.delta_step(q, k, v, g, beta, state), delta_step(q, k, v, g, beta, state)):
+        assert torch.equal(got, expected)
 
 
 def prompt_then_steps(model, prompt: list[int], n_prompt: int, kv_dtype: str) -> torch.Tensor:
@@ -218,5 +270,34 @@ def test_decoder_with_native_ops_matches_torch_ops(smollm2):
         native = prompt_then_steps(smollm2, prompt, 8, "f32")
     finally:
         smollm2.decoder.ops = LayerOps(None)
+    torch.testing.assert_close(native, torch_ops, atol=1e-4, rtol=0)
+    assert torch.equal(native.argmax(-1), torch_ops.argmax(-1))
+
+
+def test_qwen35_decoder_with_the_native_delta_step_matches_torch(tmp_path, monkeypatch):
+    """A random Qwen3.5 (float32) decoding one and two sequences a token at a time with the native layer ops, the
+    delta rule's step among them, against the torch ops: float32 summation order only."""
+    from kvlm import load_model
+    from kvlm.kernels import native_kernels
+    from qwen35_factory import random_qwen35, write_qwen35_gguf
+    from test_random_models import token_ids
+
+    kernels = native_kernels()
+    if kernels is None:
+        pytest.skip("the native kernels are not built here")
+    model = load_model(str(write_qwen35_gguf(random_qwen35(), tmp_path / "model.gguf")), "float32")
+    assert model.decoder.ops.native is None
+    prompt = token_ids(1000, 16, seed=3)
+    torch_ops = prompt_then_steps(model, prompt, 8, "f32")
+    calls = []
+    native_step = type(kernels.layer_ops).delta_step
+    monkeypatch.setattr(type(kernels.layer_ops), "delta_step",
+                        lambda self, *args: calls.append(1) or native_step(self, *args))
+    model.decoder.ops = LayerOps(kernels.layer_ops)
+    try:
+        native = prompt_then_steps(model, prompt, 8, "f32")
+    finally:
+        model.decoder.ops = LayerOps(None)
+    assert calls  # the decode steps went through it
     torch.testing.assert_close(native, torch_ops, atol=1e-4, rtol=0)
     assert torch.equal(native.argmax(-1), torch_ops.argmax(-1))

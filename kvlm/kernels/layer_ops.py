@@ -27,6 +27,8 @@ class NativeLayerOps:
         self._head_norm.argtypes = [ptr, i32, i64, i64, i32, i32, ptr, f32, i32]
         self._gated = lib.kvlm_gated
         self._gated.argtypes = [ptr, i32, i64, i64, i32, ptr, i32]
+        self._delta_step = lib.kvlm_delta_step
+        self._delta_step.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i32, i32, i32]
 
     def decode_attention(self, q: torch.Tensor, k_plane: tuple, v_plane: tuple, cells: torch.Tensor,
                          lengths: torch.Tensor, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -87,3 +89,24 @@ class NativeLayerOps:
         self._gated(gate_up.data_ptr(), gate_up.dtype == torch.bfloat16, rows, width // 2, gelu, out.data_ptr(),
                     torch.get_num_threads())
         return out
+
+    def delta_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gated delta rule for one token (kvlm.model.recurrent.delta_step): q, k [n, H, Dk], v [n, H, Dv],
+        g (log decays) and beta [n, H], state [n, H, Dk, Dv]; computed in float32. Returns out [n, 1, H, Dv] and
+        the new state in a new tensor: `state` is left as it was (it may be a view of the committed state)."""
+        n_seq, n_heads, k_dim = q.shape
+        v_dim = v.shape[-1]
+        if (k.shape != q.shape or v.shape != (n_seq, n_heads, v_dim) or g.shape != (n_seq, n_heads)
+                or beta.shape != g.shape or state.shape != (n_seq, n_heads, k_dim, v_dim)):
+            raise ValueError(f"delta_step got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                             f"g {tuple(g.shape)}, beta {tuple(beta.shape)}, state {tuple(state.shape)}")
+        q, k, v, g, beta, state = (t.to(torch.float32).contiguous() for t in (q, k, v, g, beta, state))
+        new_state = torch.empty(state.shape, dtype=torch.float32)
+        out = torch.empty(n_seq, 1, n_heads, v_dim, dtype=torch.float32)
+        status = self._delta_step(state.data_ptr(), new_state.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                  g.data_ptr(), beta.data_ptr(), out.data_ptr(), n_seq * n_heads, k_dim, v_dim,
+                                  torch.get_num_threads())
+        if status:
+            raise ValueError(f"delta_step cannot take Dk {k_dim}, Dv {v_dim}")
+        return out, new_state

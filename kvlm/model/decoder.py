@@ -418,7 +418,7 @@ class Decoder:
         eps, state = self.config.rms_norm_eps, kv.recurrent(index)
         projected = layer.in_proj(self.ops.norm(x, layer.attn_norm, eps)).view(*state.shape, -1)
         y, conv_state, delta_state = gated_delta_net(layer.mixer, *projected.split(layer.in_sizes, dim=-1),
-                                                     *state.read())
+                                                     *state.read(), step=self.ops.delta_step)
         state.write([conv_state, delta_state])
         normed, x = self.ops.add_norm(x, layer.out_proj(y.reshape(x.shape[0], -1)), layer.ffn_norm, eps)
         return x + self._mlp(layer, normed)

@@ -19,6 +19,7 @@ from kvlm.loader.config import ModelConfig
 from kvlm.memory.view import KVView
 from kvlm.model.linear import QuantizedLinear
 from kvlm.model.ops import apply_rope, rms_norm
+from kvlm.model.recurrent import delta_step
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 
@@ -69,6 +70,14 @@ class LayerOps:
         gate = torch.nn.functional.silu(gate) if activation == "silu" else \
             torch.nn.functional.gelu(gate, approximate="tanh")
         return down(gate * up)
+
+    def delta_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gated delta rule for one token (recurrent.delta_step): (out [n, 1, H, Dv], new state); the state
+        passed in is left as it was."""
+        if self._use_native():
+            return self.native.delta_step(q, k, v, g, beta, state)
+        return delta_step(q, k, v, g, beta, state)
 
 
 class DecodeLayers:

@@ -233,14 +233,14 @@ class DeltaNetWeights:
 
 
 def gated_delta_net(w: DeltaNetWeights, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
-                    conv_state: torch.Tensor,
-                    state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    conv_state: torch.Tensor, state: torch.Tensor,
+                    step=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Qwen3.5's linear attention between its projections: causal conv + SiLU, the gated delta rule, gated RMS norm.
 
     qkv [n_seq, T, conv_dim] (in_proj_qkv's output: the rows of q, then k, then v), z [n_seq, T, Hv*Dv],
     b and a [n_seq, T, Hv]; conv_state [n_seq, conv_dim, K-1] holds the last K-1 inputs of the convolution,
     state [n_seq, Hv, Dk, Dv] the delta rule's (float32). Returns y [n_seq, T, Hv*Dv] in qkv's dtype (out_proj's
-    input) and both new states.
+    input) and both new states. `step`: gated_delta_rule's one-token step (default: delta_step, in torch).
     """
     mixed, conv_state = causal_conv(qkv.transpose(1, 2), conv_state, w.conv, None)
     q, k, v = F.silu(mixed.float()).transpose(1, 2).split([w.key_dim, w.key_dim, w.value_dim], dim=-1)
@@ -249,7 +249,7 @@ def gated_delta_net(w: DeltaNetWeights, qkv: torch.Tensor, z: torch.Tensor, b: t
     v = v.unflatten(-1, (w.n_v_heads, w.v_head_dim))
     beta = torch.sigmoid(b.float())
     g = w.A.float() * F.softplus(a.float() + w.dt_bias.float())  # the log of each step's decay, <= 0
-    core, state = gated_delta_rule(q * w.k_head_dim ** -0.5, k, v, g, beta, state)
+    core, state = gated_delta_rule(q * w.k_head_dim ** -0.5, k, v, g, beta, state, step)
     y = _norm_then_gate(core, z.unflatten(-1, (w.n_v_heads, w.v_head_dim)), w.norm, w.eps)
     return y.flatten(-2).to(qkv.dtype), conv_state, state
 
@@ -268,16 +268,17 @@ def _norm_then_gate(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps:
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                     state: torch.Tensor, step=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per head: S_t = exp(g_t) S_{t-1} + k_t u_t^T with u_t = beta_t (v_t - exp(g_t) S_{t-1}^T k_t); o_t = S_t^T q_t.
 
     q and k [n, T, H, Dk] (already one per value head, normalized, q scaled), v [n, T, H, Dv], g (log decays,
     <= 0) and beta [n, T, H], state [n, H, Dk, Dv] = S_0. In float32. Runs DELTA_CHUNK tokens at a time: memory is
-    linear in T. Returns o [n, T, H, Dv] and S_T.
+    linear in T. Returns o [n, T, H, Dv] and S_T. A single token goes through `step` (default: delta_step, in
+    torch; the native one takes and returns the same), which must leave `state` as it was.
     """
     q, k, v, g, beta, state = (t.float() for t in (q, k, v, g, beta, state))
     if q.shape[1] == 1:  # decode: the recurrence itself is far cheaper than a block of one token
-        return _delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
+        return (step or delta_step)(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
     outs = []
     for start in range(0, q.shape[1], DELTA_CHUNK):
         block = slice(start, start + DELTA_CHUNK)  # the last one may be shorter: nothing assumes a length
@@ -287,8 +288,9 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     return torch.cat(outs, dim=1), state
 
 
-def _delta_step(q, k, v, g, beta, state):
-    """gated_delta_rule for one token: q, k [n, H, Dk], v [n, H, Dv], g, beta [n, H]."""
+def delta_step(q, k, v, g, beta, state):
+    """gated_delta_rule for one token: q, k [n, H, Dk], v [n, H, Dv], g, beta [n, H]. Returns o [n, 1, H, Dv]
+    and the new state (a new tensor)."""
     k_q = torch.stack([k, q], dim=2)  # rows: [n, H, 2, Dk]
     decay = torch.exp(g)[..., None, None]
     # With S_t = decay S + k delta^T: S^T k and S^T q from one read of the old state (row times state: unlike

@@ -13,6 +13,7 @@
 
 #include "attention.h"
 #include "decode_layer.h"
+#include "delta_rule.h"
 #include "experts.h"
 #include "layer_ops.h"
 #include "products.h"
@@ -171,6 +172,23 @@ int kvlm_head_norm(void* x, int bf16, int64_t n_tokens, int64_t token_stride, in
 // out [rows][n] = act(gate) * up for gate_up [rows][2n]; gelu: the tanh approximation, else SiLU.
 int kvlm_gated(const void* gate_up, int bf16, int64_t rows, int64_t n, int gelu, void* out, int n_threads) {
     for_rows(rows, rows * n, n_threads, [&](int64_t r) { gated_row(gate_up, bf16, r, n, gelu, out); });
+    return OK;
+}
+
+// Qwen3.5's gated delta rule for one token (delta_rule.h) over n_heads_total independent heads (n_seq * H), all
+// float32 and contiguous: state and new_state [n_heads_total][dk][dv], q and k [n_heads_total][dk], v and out
+// [n_heads_total][dv], g (log decays) and beta [n_heads_total].
+int kvlm_delta_step(const float* state, float* new_state, const float* q, const float* k, const float* v,
+                    const float* g, const float* beta, float* out, int64_t n_heads_total, int dk, int dv,
+                    int n_threads) {
+    if (n_heads_total < 0 || dk <= 0 || dv <= 0) return BAD_SHAPE;
+    const int64_t head = int64_t(dk) * dv;
+    for_rows(n_heads_total, n_heads_total * head, n_threads, [&](int64_t h) {
+        static thread_local std::vector<float> reads;
+        reads.resize(size_t(2 * dv));
+        delta_step_head(state + h * head, new_state + h * head, q + h * dk, k + h * dk, v + h * dv, g[h], beta[h],
+                        out + h * dv, dk, dv, reads.data());
+    });
     return OK;
 }
 
