@@ -41,7 +41,9 @@ def _random_gguf(family: str, folder, perturbed: bool = False):
     else:
         make, write = {"gemma3": (random_gemma3, gemma3_gguf), "lfm2": (random_lfm2, lfm2_gguf),
                        "mamba2": (random_mamba2, mamba2_gguf),
-                       "qwen35": (random_qwen35, lambda m, f: write_qwen35_gguf(m, f / "model.gguf"))}[family]
+                       # 3 delta-rule layers and an attention layer: the pattern once (the suite's time)
+                       "qwen35": (lambda: random_qwen35(num_hidden_layers=4),
+                                  lambda m, f: write_qwen35_gguf(m, f / "model.gguf"))}[family]
         model = make()
     if perturbed:
         generator = torch.Generator().manual_seed(5)
