@@ -1,6 +1,6 @@
 """A GGUF of real size with no hub: Qwen2.5-7B's (or 14B's) shapes, or a mixture of experts' (OLMoE-1B-7B's,
-Qwen3-30B-A3B's, gpt-oss-20b's), random weights, quantized by llama.cpp to the mix people download (Q4_K_M; for
-gpt-oss, MXFP4_MOE).
+Qwen3-30B-A3B's, gpt-oss-20b's), or Qwen3.5-0.8B's (linear attention), random weights, quantized by llama.cpp to the
+mix people download (Q4_K_M; for gpt-oss, MXFP4_MOE).
 
 No checkpoint of 3B+ parameters is reachable from this machine (shared/MODELS.md), but memory use, load time and decode
 speed depend on the shapes and the quantization mix, not on the values. So this writes a file with exactly the
@@ -34,6 +34,22 @@ A finished file is renamed into place at the end, so an existing output is compl
 cache). Needs the bench extra (llama-cpp-python). Takes minutes: for the 7B on 2 cores, about 3 to write the F16
 file and 10 to quantize it (4.68 GB out, 339 tensors: Q4_K 169, Q6_K 29, F32 141); for gpt-oss-20b, under 3 and
 1 (12.10 GB out, 459 tensors: MXFP4 72, Q8_0 98, F32 289).
+
+The qwen3.5-0.8b shape is the text part of what llama.cpp's converter (Qwen3_5TextModel) makes of Qwen/Qwen3.5-0.8B,
+architecture "qwen35": 24 layers, every 4th full attention (8 heads of 256 over 2 KV heads; attn_q holds each head's
+query and output gate, QK-norm, RoPE over 64 of the 256 dimensions with MRoPE sections [11, 11, 10, 0] that text
+positions make a plain RoPE), the 18 others Gated DeltaNet layers (16 key heads of 128, 16 value heads of 128, a
+causal convolution of 4 kept F32, A = -exp(A_log) stored as ssm_a, a gated norm per value head), an MLP of 3584 on
+every layer behind post_attention_norm, the head tied to the 248320-row embedding (no output.weight). Its norms are
+stored as llama.cpp's converter writes them: multipliers near 1 (it adds 1 to Hugging Face's w; the gated norm is
+stored as is, also near 1). Converters since the MTP support also append the multi-token-prediction block (block 24,
+nextn_predict_layers 1) unless run with --no-mtp; plain decoding never runs it, and this file, like the first
+conversions of the model, has none. The vocabulary is Qwen2.5's tokenizer padded to 248320 (Qwen3.5's own is not
+reachable here): speed is the same, the text is noise either way. About 2 minutes to write and 1 to quantize (526.5 MB
+out, 320 tensors: Q4_K 162, Q6_K 25 (the tied embedding, 10 of the 18 attn_qkv, half the ffn_down, 2 of the 6
+attn_v), F32 133 (norms, ssm_a, ssm_dt.bias, ssm_conv1d)).
+
+    python -m bench.big_model_file --shape qwen3.5-0.8b --out ~/.cache/kvlm/bench/qwen3.5-0.8b-shaped-q4_k_m.gguf
 """
 from __future__ import annotations
 
@@ -125,11 +141,27 @@ class Shape:
     sliding_window: int = 0  # attention.sliding_window (the architecture decides which layers slide)
     yarn_factor: float = 0.0  # rope.scaling: YaRN's factor over its original context length
     yarn_original_context: int = 0
+    tied: bool = False  # no output.weight: llama.cpp (and kvlm) use the embedding as the head
+    attention_output_gate: bool = False  # Qwen3.5: attn_q gives each head a query and a gate (twice the rows)
+    rope_dims: int = 0  # rope.dimension_count when RoPE rotates part of each head
+    rope_sections: tuple[int, ...] = ()  # rope.dimension_sections (MRoPE; text positions read the same in all)
+    # Qwen3.5's Gated DeltaNet: every full_attention_interval-th layer attends, the others are linear attention with
+    # ssm_groups key heads and ssm_heads value heads (of ssm_state and ssm_head_dim), a convolution of ssm_conv_kernel
+    full_attention_interval: int = 0
+    ssm_conv_kernel: int = 0
+    ssm_state: int = 0
+    ssm_groups: int = 0
+    ssm_heads: int = 0
+    ssm_head_dim: int = 0
     ftype: int = gguf.LlamaFileType.MOSTLY_Q4_K_M  # llama.cpp's mix (a key of MIXES)
 
     @property
     def head_dim(self) -> int:
         return self.key_length or self.n_embd // self.n_head  # llama.cpp's default when the file has no key_length
+
+    def attends(self, layer: int) -> bool:
+        """Whether the layer is attention (else Gated DeltaNet): llama.cpp's qwen35 rule."""
+        return not self.full_attention_interval or (layer + 1) % self.full_attention_interval == 0
 
 
 SHAPES = {
@@ -150,6 +182,22 @@ SHAPES = {
                          experts_type=MXFP4, expert_biases=True, output_bias=True, attention_sinks=True,
                          ffn_norm="post_attention_norm", sliding_window=128, yarn_factor=32.0,
                          yarn_original_context=4096, ftype=gguf.LlamaFileType.MOSTLY_MXFP4_MOE),
+    # Qwen/Qwen3.5-0.8B's text_config as llama.cpp's converter (Qwen3_5TextModel) writes it. Sources (public copies):
+    # zhils/Qwen3.5_0.8B_Deploy docs/implementation/qwen3_5_0_8b_architecture.md (made from the model's config.json:
+    # 24 layers, hidden 1024, MLP 3584, 8 heads / 2 KV heads of 256, linear heads 16 K / 16 V of 128, conv 4,
+    # rms eps 1e-6, 262144 positions, vocab 248320, tied, full_attention_interval 4, partial_rotary_factor 0.25,
+    # rope_theta 1e7, mrope_interleaved), a test's mirror of that config.json (mrope_section [11, 11, 10]); llama.cpp's
+    # converter (conversion/qwen.py: Qwen3NextModel.set_gguf_parameters writes ssm.conv_kernel, state_size = key head
+    # dim, group_count = key heads, time_step_rank = value heads, inner_size = value heads x dim,
+    # full_attention_interval, rope.dimension_count = head_dim x 0.25; modify_tensors: A_log -> -exp, dt_bias ->
+    # ssm_dt.bias, conv1d squeezed, norms + 1 except linear_attn.norm; _Qwen35MRopeMixin: dimension_sections
+    # [11, 11, 10, 0]; TextModel: key_length/value_length from head_dim, SSM_CONV1D and 1-D tensors kept F32).
+    "qwen3.5-0.8b": Shape("0.8B", n_layer=24, n_embd=1024, n_ff=3584, n_head=8, n_head_kv=2, n_vocab=248320,
+                          context_length=262144, rope_freq_base=1e7, arch="qwen35", family_name="Qwen3.5",
+                          qkv_bias=False, qk_norm="head", key_length=256, ffn_norm="post_attention_norm", tied=True,
+                          attention_output_gate=True, rope_dims=64, rope_sections=(11, 11, 10, 0),
+                          full_attention_interval=4, ssm_conv_kernel=4, ssm_state=128, ssm_groups=16, ssm_heads=16,
+                          ssm_head_dim=128),
 }
 
 
@@ -164,6 +212,7 @@ class TensorSpec:
     mean: float
     std: float
     blocks: gguf.GGMLQuantizationType | None = None  # written as random blocks of this type (see _blocks_to_file)
+    uniform: tuple[float, float] | None = None  # values uniform in [low, high) instead (ssm_a: sane decays)
 
     @property
     def nbytes(self) -> int:
@@ -189,17 +238,42 @@ def experts(name: str, n_expert: int, rows: int, cols: int, blocks: gguf.GGMLQua
     return TensorSpec(name, (n_expert, rows, cols), np.float32, 0.0, MATRIX_STD, blocks=blocks)
 
 
+def gated_delta_specs(blk: str, shape: Shape) -> list[TensorSpec]:
+    """A Gated DeltaNet layer's tensors as llama.cpp's converter writes them (qwen35): Q, K and V in one projection
+    (attn_qkv), the output gate's (attn_gate), beta's and the decay's (ssm_beta, ssm_alpha), the depthwise
+    convolution over Q, K and V (F32), A = -exp(A_log) (negative: decays exp(A softplus(.)) well inside (0, 1)), the
+    time-step bias, the gated norm over one value head (a multiplier near 1) and the output projection."""
+    d, v_dim = shape.n_embd, shape.ssm_heads * shape.ssm_head_dim
+    conv_dim = 2 * shape.ssm_groups * shape.ssm_state + v_dim
+    heads = shape.ssm_heads
+    return [matrix(f"{blk}.attn_qkv.weight", conv_dim, d), matrix(f"{blk}.attn_gate.weight", v_dim, d),
+            matrix(f"{blk}.ssm_beta.weight", heads, d), matrix(f"{blk}.ssm_alpha.weight", heads, d),
+            # PyTorch's Conv1d init, U(+-1/sqrt(fan_in)) with fan_in the kernel: its std
+            TensorSpec(f"{blk}.ssm_conv1d.weight", (conv_dim, shape.ssm_conv_kernel), np.float32, 0.0,
+                       1 / math.sqrt(3 * shape.ssm_conv_kernel)),
+            TensorSpec(f"{blk}.ssm_a", (heads,), np.float32, 0.0, 0.0, uniform=(-3.0, -0.5)),
+            bias(f"{blk}.ssm_dt.bias", heads), norm(f"{blk}.ssm_norm.weight", shape.ssm_head_dim),
+            matrix(f"{blk}.ssm_out.weight", d, v_dim)]
+
+
 def tensor_specs(shape: Shape) -> list[TensorSpec]:
     """Every tensor of llama.cpp's architecture for the shape: qwen2's q/k/v with biases, or the QK-norms of
-    qwen3moe (per head) and olmoe (whole projections), or gpt-oss's biases on all four projections and its sinks; an
-    MLP, or a router and experts (gpt-oss's with biases); an output matrix of its own."""
+    qwen3moe and qwen35 (per head) and olmoe (whole projections), or gpt-oss's biases on all four projections and its
+    sinks, or qwen35's Gated DeltaNet layers between its attention layers (whose attn_q carries a gate per head); an
+    MLP, or a router and experts (gpt-oss's with biases); an output matrix of its own unless tied."""
     d, q_rows, kv_rows = shape.n_embd, shape.n_head * shape.head_dim, shape.n_head_kv * shape.head_dim
     norm_sizes = {"head": (shape.head_dim, shape.head_dim), "whole": (q_rows, kv_rows)}
     specs = [matrix("token_embd.weight", shape.n_vocab, d)]
     for i in range(shape.n_layer):
         blk = f"blk.{i}"
         specs += [norm(f"{blk}.attn_norm.weight", d)]
-        for part, rows in (("attn_q", q_rows), ("attn_k", kv_rows), ("attn_v", kv_rows)):
+        if not shape.attends(i):
+            specs += gated_delta_specs(blk, shape)
+            specs += [norm(f"{blk}.{shape.ffn_norm}.weight", d), matrix(f"{blk}.ffn_gate.weight", shape.n_ff, d),
+                      matrix(f"{blk}.ffn_up.weight", shape.n_ff, d), matrix(f"{blk}.ffn_down.weight", d, shape.n_ff)]
+            continue
+        q_out = q_rows * (2 if shape.attention_output_gate else 1)
+        for part, rows in (("attn_q", q_out), ("attn_k", kv_rows), ("attn_v", kv_rows)):
             specs += [matrix(f"{blk}.{part}.weight", rows, d)] + ([bias(f"{blk}.{part}.bias", rows)] if shape.qkv_bias
                                                                    else [])
         if shape.qk_norm:
@@ -219,7 +293,7 @@ def tensor_specs(shape: Shape) -> list[TensorSpec]:
         else:
             specs += [matrix(f"{blk}.ffn_gate.weight", shape.n_ff, d), matrix(f"{blk}.ffn_up.weight", shape.n_ff, d),
                       matrix(f"{blk}.ffn_down.weight", d, shape.n_ff)]
-    return specs + [norm("output_norm.weight", d), matrix("output.weight", shape.n_vocab, d)]
+    return specs + [norm("output_norm.weight", d)] + ([] if shape.tied else [matrix("output.weight", shape.n_vocab, d)])
 
 
 def parameter_count(shape: Shape) -> int:
@@ -248,9 +322,12 @@ class RandomTensor:
         for start in range(0, rows, step):
             n = min(step, rows - start) * cols
             values = self.scratch[np.float32][:n]
-            self.rng.standard_normal(dtype=np.float32, out=values)
-            values *= spec.std
-            values += spec.mean
+            if spec.uniform is not None:
+                values[:] = self.rng.uniform(*spec.uniform, size=n)
+            else:
+                self.rng.standard_normal(dtype=np.float32, out=values)
+                values *= spec.std
+                values += spec.mean
             if spec.dtype is not np.float32:
                 np.copyto(self.scratch[spec.dtype][:n], values)
                 values = self.scratch[spec.dtype][:n]
@@ -316,6 +393,17 @@ def add_metadata(writer: gguf.GGUFWriter, shape: Shape) -> None:
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(shape.yarn_factor)
         writer.add_rope_scaling_orig_ctx_len(shape.yarn_original_context)
+    if shape.rope_dims:
+        writer.add_rope_dimension_count(shape.rope_dims)
+    if shape.rope_sections:
+        writer.add_rope_dimension_sections(list(shape.rope_sections))
+    if shape.full_attention_interval:  # the keys of llama.cpp's Qwen3NextModel.set_gguf_parameters
+        writer.add_ssm_conv_kernel(shape.ssm_conv_kernel)
+        writer.add_ssm_state_size(shape.ssm_state)
+        writer.add_ssm_group_count(shape.ssm_groups)
+        writer.add_ssm_time_step_rank(shape.ssm_heads)
+        writer.add_ssm_inner_size(shape.ssm_heads * shape.ssm_head_dim)
+        writer.add_full_attention_interval(shape.full_attention_interval)
     add_tokenizer(writer, shape.n_vocab)
 
 
@@ -375,7 +463,8 @@ def check(path: Path, shape: Shape, ftype: int) -> Counter:
         raise RuntimeError(f"{path}: {found}, expected {wanted}")
     types = Counter(tensor.tensor_type.name for tensor in reader.tensors)
     left_float = [t.name for t in reader.tensors if len(t.shape) >= 2 and t.tensor_type.name in ("F16", "F32")
-                  and not t.name.endswith(("ffn_gate_inp.weight", ".bias"))]  # llama.cpp keeps routers, biases F32
+                  and not t.name.endswith(("ffn_gate_inp.weight", ".bias", "ssm_conv1d.weight"))]
+    # llama.cpp keeps routers, biases and convolutions F32
     if left_float:
         raise RuntimeError(f"{path}: matrices left unquantized: {left_float[:5]}")
     mix = MIXES.get(ftype)
