@@ -201,6 +201,17 @@ def assert_greedy_generate_equals_transformers(path, reference, prompts: list[li
         assert output.token_ids == expected.tolist()
 
 
+def llama_cpp_logits(path, ids: list[int]) -> torch.Tensor:
+    """llama.cpp's (llama-cpp-python's) logits of every token of `ids` from the GGUF file at `path`, one thread, its
+    default f16 KV cache; the test is skipped where llama-cpp-python is not installed (it is a bench extra)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    llm = llama_cpp.Llama(str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=1)
+    llm.eval(ids)
+    logits = torch.tensor(llm.scores[:len(ids)])
+    del llm
+    return logits
+
+
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 

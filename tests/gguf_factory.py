@@ -94,6 +94,16 @@ def byte_level_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=special, eos_token=special)
 
 
+def template_folder_tokenizers(folder: Path, template: bytes):
+    """A Hugging Face folder of the byte-level tokenizer with `template` as its chat_template.jinja (as recent models
+    ship it), read by kvlm and by transformers: (kvlm's Tokenizer, transformers' tokenizer)."""
+    from kvlm.tokenizer import Tokenizer
+
+    byte_level_tokenizer(1000).save_pretrained(folder)
+    (folder / "chat_template.jinja").write_bytes(template)
+    return Tokenizer.from_hf_folder(folder), PreTrainedTokenizerFast.from_pretrained(folder)
+
+
 def save_hf_folder(model: LlamaForCausalLM, folder: Path) -> Path:
     """config.json, safetensors weights and a byte-level BPE tokenizer over the model's vocabulary."""
     model.save_pretrained(folder)

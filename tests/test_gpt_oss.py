@@ -11,13 +11,13 @@ from dataclasses import replace
 
 import pytest
 import torch
-import transformers
 from gguf import GGMLQuantizationType
 
 from conftest import (
     assert_greedy_generate_equals_transformers,
     decode_ok,
     full_sequence_logits,
+    llama_cpp_logits,
     max_diff,
     prefill_then_decode_logits,
     reference_logits,
@@ -182,12 +182,8 @@ def test_llama_cpp_reads_the_gguf_file_alike_but_for_yarn_rounding(paths, models
     windows, biases, clamp, router) against the engine the format is made for; kvlm's default does not round, as
     OpenAI's reference and transformers (the test above): on this model's short original context that moves the
     logits by whole units."""
-    llama_cpp = pytest.importorskip("llama_cpp")
     ids = token_ids(1000, 20, seed=3)
-    llm = llama_cpp.Llama(str(paths["gguf"]), n_ctx=64, logits_all=True, verbose=False, n_threads=1)
-    llm.eval(ids)
-    theirs = torch.tensor(llm.scores[:len(ids)])
-    del llm
+    theirs = llama_cpp_logits(paths["gguf"], ids)
     model = load_model(str(paths["gguf"]), "float32", progress=False)
     assert max_diff(full_sequence_logits(model, ids), theirs) > 1.0
     _rounded_yarn(model)

@@ -28,7 +28,8 @@ import transformers.utils.chat_template_utils
 
 import kvlm.tokenizer
 from gguf_factory import (
-    BOS_ID, SPECIAL_TOKENS, byte_level_tokenizer, gguf_metadata, gguf_tensors, llama_config, random_llama, write_gguf,
+    BOS_ID, SPECIAL_TOKENS, byte_level_tokenizer, gguf_metadata, gguf_tensors, llama_config, random_llama,
+    template_folder_tokenizers, write_gguf,
 )
 from kvlm import LLM, SamplingParams, load_model
 from kvlm.server.chat_turn import chat_prompt
@@ -200,10 +201,7 @@ def test_the_date_is_today_as_in_transformers(tokenizer, reference_tokenizer):
 
 def test_a_folders_chat_template_jinja(tmp_path, pinned_clock):
     """openai/gpt-oss-20b ships the template as chat_template.jinja; kvlm and transformers each read the folder."""
-    byte_level_tokenizer(1000).save_pretrained(tmp_path)
-    (tmp_path / "chat_template.jinja").write_bytes(TEMPLATE_PATH.read_bytes())
-    from_folder = transformers.PreTrainedTokenizerFast.from_pretrained(tmp_path)
-    ours = Tokenizer.from_hf_folder(tmp_path)
+    ours, from_folder = template_folder_tokenizers(tmp_path, TEMPLATE_PATH.read_bytes())
     assert ours.chat_template == from_folder.chat_template == TEMPLATE
     messages, add_generation_prompt, tools, kwargs = CONVERSATIONS["tool call and result"]
     assert ours.apply_chat_template(copy.deepcopy(messages), add_generation_prompt, tools, **kwargs) == \

@@ -13,6 +13,7 @@ from gguf import GGMLQuantizationType
 from conftest import (
     assert_greedy_generate_equals_transformers,
     full_sequence_logits,
+    llama_cpp_logits,
     max_diff,
     prefill_then_decode_logits,
     reference_logits,
@@ -177,12 +178,8 @@ def test_llama_cpp_reads_the_gguf_file_alike(files):
     """llama.cpp (llama-cpp-python) on the same F32 file: kvlm's logits are llama.cpp's within its f16 KV cache's
     rounding, which checks the file's reading (value heads tiled, A, the norms' +1, the gate, the quarter RoPE its
     multimodal sections give for text) against the engine the format is made for."""
-    llama_cpp = pytest.importorskip("llama_cpp")
     ids = token_ids(1000, 40, seed=37)
-    llm = llama_cpp.Llama(str(files["gguf"]), n_ctx=64, logits_all=True, verbose=False, n_threads=1)
-    llm.eval(ids)
-    theirs = torch.tensor(llm.scores[:len(ids)])
-    del llm
+    theirs = llama_cpp_logits(files["gguf"], ids)
     ours = full_sequence_logits(load_model(str(files["gguf"]), "float32"), ids)
     assert max_diff(ours, theirs) <= 0.005  # 5e-4 here
 

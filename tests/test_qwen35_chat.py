@@ -45,9 +45,8 @@ import jinja2
 import openai
 import pytest
 import torch
-import transformers
 from gguf_factory import SPECIAL_TOKENS, byte_level_tokenizer, byte_level_vocab, gguf_metadata, gguf_tensors, \
-    llama_config, random_llama, write_gguf
+    llama_config, random_llama, template_folder_tokenizers, write_gguf
 from server_helpers import serving
 from test_chat_output import streamed
 from test_tool_call_formats import xml_call
@@ -286,10 +285,7 @@ def test_refuses_as_transformers_does(tokenizers, reference_tokenizer, name):
 
 def test_a_folders_chat_template_jinja(tmp_path, reference_tokenizer):
     """Qwen3.5 ships its template as chat_template.jinja; kvlm and transformers each read the folder."""
-    byte_level_tokenizer(1000).save_pretrained(tmp_path)
-    (tmp_path / "chat_template.jinja").write_bytes(TEMPLATE_PATH.read_bytes())
-    from_folder = transformers.PreTrainedTokenizerFast.from_pretrained(tmp_path)
-    ours = Tokenizer.from_hf_folder(tmp_path)
+    ours, from_folder = template_folder_tokenizers(tmp_path, TEMPLATE_PATH.read_bytes())
     assert ours.chat_template == from_folder.chat_template == TEMPLATE
     messages, add_generation_prompt, tools, kwargs = CONVERSATIONS["reasoning, a call with dict arguments, its result"]
     assert render(ours, messages, add_generation_prompt, tools, **kwargs) == from_folder.apply_chat_template(
