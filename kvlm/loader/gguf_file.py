@@ -151,9 +151,8 @@ def _expert_options(metadata: dict[str, Any], key, family, tensor_names: frozens
     if biased:
         raise UnsupportedModelError(f"expert selection biases ({biased[0]}) are not supported")
     n_layer = int(key("block_count"))
-    n_ff = int(metadata.get(f"{arch}.feed_forward_length") or 0)
     return {"n_expert": n_expert, "n_expert_used": int(key("expert_used_count")),
-            "n_ff_exp": int(metadata.get(f"{arch}.expert_feed_forward_length") or n_ff or key("feed_forward_length")),
+            "n_ff_exp": int(metadata.get(f"{arch}.expert_feed_forward_length") or key("feed_forward_length")),
             "n_ff_shexp": int(metadata.get(f"{arch}.expert_shared_feed_forward_length") or 0),
             "expert_weights_norm": bool(metadata.get(f"{arch}.expert_weights_norm", family.gguf_expert_weights_norm)),
             "moe_layers": tuple(f"blk.{i}.ffn_gate_inp.weight" in tensor_names for i in range(n_layer))}

@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
 from kvlm.errors import ModelFileError, UnsupportedModelError
-import logging
-
 from kvlm.families import ATTENTION, CONV, GATED_DELTA, SLIDING, family_for_hf
 from kvlm.loader.config import ModelConfig
 from kvlm.loader.tensors import HFSource, SafetensorsTensors
@@ -30,9 +29,9 @@ _HF_LAYER_KINDS = {"full_attention": ATTENTION, "sliding_attention": SLIDING, "c
 # A multimodal folder's language model: its config under text_config, its tensors under model.language_model
 _TEXT_PREFIX = "model.language_model."
 _TOWERS = ("vision_config", "audio_config")
-log = logging.getLogger(__name__)
 _HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 _GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+log = logging.getLogger(__name__)
 
 
 def open_hf_folder(folder: str | Path) -> tuple[ModelConfig, ModelWeights]:

@@ -198,7 +198,8 @@ def compute_bytes(config: ModelConfig, request: MemoryRequest) -> int:
     """Working buffers: a micro-batch's logits (float32, every token an output at worst, as in perplexity), its
     activations (float32 at worst), and the slice a product of many rows dequantizes at once."""
     tokens = request.n_ubatch
-    widest = max(config.n_ff * 2, config.n_head * config.head_dim * 2 + 2 * config.n_head_kv * config.head_dim,
+    q_width = config.n_head * config.head_dim * (2 if config.family.attention_output_gate else 1)  # + Qwen3.5's gate
+    widest = max(config.n_ff * 2, q_width + 2 * config.n_head_kv * config.head_dim,
                  config.ssm_inner * 2 + 2 * config.ssm_groups * config.ssm_state + config.n_head + 2 * config.ssm_heads)
     return tokens * config.vocab_size * 4 + tokens * (widest + 4 * config.n_embd) * 4 + TRANSIENT_BYTES
 
