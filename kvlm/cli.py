@@ -23,7 +23,7 @@ from kvlm.loader.load import load_model, open_model
 from kvlm.loader.memory_plan import parse_size, plan_memory
 from kvlm.memory.kv_store import KV_DTYPES, kv_bytes_for
 from kvlm.memory.protocol import recurrent_state_shapes
-from kvlm.memory.sizes import iswa_pools, recurrent_state
+from kvlm.memory.sizes import iswa_pools, pool_kv_bytes, recurrent_state
 from kvlm.model.settings import AUTO, DTYPES, QUANTS, resolve_settings
 from kvlm.speculative.config import SpeculativeConfig
 from kvlm.structured.params import StructuredOutputsParams
@@ -443,13 +443,26 @@ def _inspect(args: argparse.Namespace) -> int:
           f"sliding pool {sliding_layers} layers x {sliding_cells} cells")
     print(f"{'sliding pool cells':20} min(n_ctx, window {config.sliding_window} x n_seq_max {INSPECT_N_SEQ_MAX} + "
           f"n_ubatch {INSPECT_N_UBATCH}) = {sliding_cells}")
-    print(f"{'swa_full':20} one pool, {config.n_layer} layers x {n_ctx} cells (--swa-full)")
+    layout = "two pools, every cell kept" if config.full_head_dim else "one pool"  # rows of two sizes: two pools
+    print(f"{'swa_full':20} {layout}, {len(config.kv_layers)} layers x {n_ctx} cells (--swa-full)")
+    if config.n_kv_shared:
+        _inspect_shared_kv(config, n_ctx)
     for dtype in KV_DTYPES:
-        full, sliding = (kv_bytes_for(config, n_cells, dtype, n_layer) for _, n_layer, n_cells in pools)
+        full, sliding = (pool_kv_bytes(config, pool, dtype) for pool in pools)
         kept = kv_bytes_for(config, n_ctx, dtype)
         print(f"kv_bytes ({dtype:4})     {_bytes(full + sliding)} = full {_bytes(full)} + sliding {_bytes(sliding)}; "
               f"swa_full {_bytes(kept)}")
     return 0
+
+
+def _inspect_shared_kv(config: ModelConfig, n_ctx: int) -> None:
+    """Which layers read another's K/V (Gemma 4), and the bytes that saves (f16, every cell kept)."""
+    first = config.n_layer - config.n_kv_shared
+    sources = sorted({config.kv_source(i) for i in range(first, config.n_layer)})
+    shared = dataclasses.replace(config, n_kv_shared=0)
+    saved = kv_bytes_for(shared, n_ctx, "f16") - kv_bytes_for(config, n_ctx, "f16")
+    print(f"{'kv sharing':20} layers {first}..{config.n_layer - 1} read the K/V of layers "
+          f"{', '.join(map(str, sources))} and hold none: {_bytes(saved)} not allocated (f16, {n_ctx} cells)")
 
 
 def _inspect_experts(config: ModelConfig, weights) -> None:

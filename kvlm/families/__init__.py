@@ -2,19 +2,20 @@
 from __future__ import annotations
 
 from kvlm.errors import UnsupportedModelError
-from kvlm.families import (gemma3, gptoss, granitemoe, lfm2, llama, mamba2, olmoe, qwen2, qwen2moe, qwen3, qwen3moe,
+from kvlm.families import (gemma3, gemma4, gptoss, granitemoe, lfm2, llama, mamba2, olmoe, qwen2, qwen2moe, qwen3, qwen3moe,
                            qwen35)
 from kvlm.families.family import ATTENTION, CONV, GATED_DELTA, LAYER_KINDS, MAMBA, RECURRENT_KINDS, SLIDING, Family
 
 FAMILIES: dict[str, Family] = {
     family.name: family for family in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma3.FAMILY, lfm2.FAMILY,
                                        mamba2.FAMILY, qwen3moe.FAMILY, qwen2moe.FAMILY, olmoe.FAMILY,
-                                       granitemoe.FAMILY, gptoss.FAMILY, qwen35.FAMILY, qwen35.MOE_FAMILY)
+                                       granitemoe.FAMILY, gptoss.FAMILY, qwen35.FAMILY, qwen35.MOE_FAMILY,
+                                       gemma4.FAMILY)
 }
 _BY_HF_NAME = {
     name: family for family in FAMILIES.values() for name in (*family.hf_architectures, family.hf_model_type)
 } | {"mixtral": llama.FAMILY, "granitemoeshared": granitemoe.FAMILY,  # model types of a family's second architecture
-     "qwen3_5": qwen35.FAMILY, "qwen3_5_moe": qwen35.MOE_FAMILY}
+     "qwen3_5": qwen35.FAMILY, "qwen3_5_moe": qwen35.MOE_FAMILY, "gemma4": gemma4.FAMILY}
 
 __all__ = ["ATTENTION", "CONV", "GATED_DELTA", "FAMILIES", "LAYER_KINDS", "MAMBA", "RECURRENT_KINDS", "SLIDING", "Family", "family_named", "family_for_hf"]
 

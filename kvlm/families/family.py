@@ -47,7 +47,8 @@ class Family:
     fixed_layer_kind: str = ""  # every layer of this kind (Mamba2's), whatever the file says
     hf_prefix: str = "model"
     hf_config: Callable[[dict], dict] | None = None  # config.json -> the ModelConfig layer fields, if not Llama's
-    gguf_config: Callable[[Callable], dict] | None = None  # the same from GGUF metadata (read by key suffix)
+    gguf_config: Callable[[Callable, frozenset], dict] | None = None  # the same from GGUF metadata (read by key
+    # suffix) and the file's tensor names
     gguf_reshaped: tuple[str, ...] = ()  # tensor name endings a GGUF file stores in another shape, same values  # config.json's tensors are named {hf_prefix}.layers.N...
     # A Hugging Face tensor stored otherwise than GGUF stores it: (GGUF suffix, how to turn one into the other)
     hf_values: tuple[tuple[str, Callable], ...] = ()
@@ -71,6 +72,15 @@ class Family:
     # Qwen3.5: the Q projection gives each head its query and then as many gate values; the attention's output is
     # multiplied by sigmoid(gate) before the output projection
     attention_output_gate: bool = False
+    # Gemma 4: attention scores not scaled (1, not 1/sqrt(head_dim)); V heads through a weightless RMSNorm; each
+    # layer's output times a learned scalar (layer_output_scale); experts beside the MLP, not instead of it: the
+    # router reads the residual stream (weightless norm, times a learned vector and 1/sqrt(n_embd)), the experts a
+    # norm of their own (pre_ffw_norm_2), each part normed after (post_ffw_norm_1, _2) and the two added
+    unscaled_attention: bool = False
+    value_norm: bool = False
+    layer_output_scale: bool = False
+    experts_beside_mlp: bool = False
+    tensor_parallel: bool = True  # whether kvlm.loader.shard can split its layers over ranks (not Gemma 4's yet)
 
     def layer_kinds(self, n_layer: int, sliding: bool = False) -> tuple[str, ...]:
         """llama.cpp's pattern: with a window, layer i slides unless i % period == period - 1."""
@@ -81,23 +91,40 @@ class Family:
         return tuple(ATTENTION if i % self.sliding_period == self.sliding_period - 1 else SLIDING
                      for i in range(n_layer))
 
-    def layer_shapes(self, kind: str, c, moe: bool = False) -> dict[str, tuple]:
-        """Shape of every tensor of one layer of a kind (for the ModelConfig `c`) by GGUF suffix, [out, in] for
-        matrices as torch's linear expects, [expert, out, in] for experts'; `moe`: experts instead of the MLP."""
-        n_embd, n_ff, n_head, n_head_kv, head_dim = c.n_embd, c.n_ff, c.n_head, c.n_head_kv, c.head_dim
+    def layer_shapes(self, layer: int, c) -> dict[str, tuple]:
+        """Shape of every tensor of layer `layer` (for the ModelConfig `c`) by GGUF suffix, [out, in] for matrices as
+        torch's linear expects, [expert, out, in] for experts'."""
+        kind, moe = c.layer_kinds[layer], c.moe_layers[layer]
+        n_embd, n_ff = c.n_embd, c.ff_width(layer)
         if kind == MAMBA:
             return mamba2_shapes(c)
-        mlp = self.expert_shapes(c) if moe else {"ffn_gate.weight": (n_ff, n_embd), "ffn_up.weight": (n_ff, n_embd),
-                                                 "ffn_down.weight": (n_embd, n_ff)}
+        dense = {"ffn_gate.weight": (n_ff, n_embd), "ffn_up.weight": (n_ff, n_embd), "ffn_down.weight": (n_embd, n_ff)}
+        mlp = self.expert_shapes(c) if moe else dense
+        if moe and self.experts_beside_mlp:
+            mlp = {**dense, **mlp, **gemma4_expert_shapes(c)}
         if kind == GATED_DELTA:
             return {"attn_norm.weight": (n_embd,), "ffn_norm.weight": (n_embd,), **mlp, **gated_delta_shapes(c)}
         shapes = {"attn_norm.weight": (n_embd,), "ffn_norm.weight": (n_embd,), **mlp}
         if kind == CONV:
             return {**shapes, "shortconv.in_proj.weight": (3 * n_embd, n_embd),
                     "shortconv.conv.weight": (n_embd, c.conv_kernel), "shortconv.out_proj.weight": (n_embd, n_embd)}
+        shapes.update(self._attention_shapes(layer, c))
+        if c.per_layer_embd:
+            shapes.update({"inp_gate.weight": (c.per_layer_embd, n_embd), "proj.weight": (n_embd, c.per_layer_embd),
+                           "post_norm.weight": (n_embd,)})
+        if self.layer_output_scale:
+            shapes["layer_output_scale.weight"] = (1,)
+        return shapes
+
+    def _attention_shapes(self, layer: int, c) -> dict[str, tuple]:
+        """An attention layer's own tensors; one that reads another layer's K/V has no K or V projection or K norm,
+        nor has a full layer whose V is its K any V projection."""
+        kind, n_embd, n_head = c.layer_kinds[layer], c.n_embd, c.n_head
+        n_head_kv, head_dim = c.attention_geometry(kind)
         q_rows, kv_rows = n_head * head_dim, n_head_kv * head_dim
-        shapes.update({"attn_q.weight": (q_rows * (2 if self.attention_output_gate else 1), n_embd), "attn_k.weight": (kv_rows, n_embd),
-                       "attn_v.weight": (kv_rows, n_embd), "attn_output.weight": (n_embd, q_rows)})
+        shapes = {"attn_q.weight": (q_rows * (2 if self.attention_output_gate else 1), n_embd),
+                  "attn_k.weight": (kv_rows, n_embd), "attn_v.weight": (kv_rows, n_embd),
+                  "attn_output.weight": (n_embd, q_rows)}
         if self.qkv_bias:
             shapes.update({"attn_q.bias": (q_rows,), "attn_k.bias": (kv_rows,), "attn_v.bias": (kv_rows,)})
         if self.output_bias:
@@ -109,6 +136,10 @@ class Family:
             shapes.update({"attn_q_norm.weight": (q_norm,), "attn_k_norm.weight": (k_norm,)})
         if self.sandwich_norms:
             shapes.update({"post_attention_norm.weight": (n_embd,), "post_ffw_norm.weight": (n_embd,)})
+        if c.kv_source(layer) != layer:
+            shapes = {name: shape for name, shape in shapes.items() if name.split(".")[0] not in _KV_PARTS}
+        elif c.full_v_is_k and kind != SLIDING:
+            del shapes["attn_v.weight"]
         return shapes
 
     def expert_shapes(self, c) -> dict[str, tuple]:
@@ -125,6 +156,17 @@ class Family:
             shapes.update({"ffn_gate_inp.bias": (n_expert,), "ffn_gate_exps.bias": (n_expert, width),
                            "ffn_up_exps.bias": (n_expert, width), "ffn_down_exps.bias": (n_expert, n_embd)})
         return shapes
+
+
+_KV_PARTS = ("attn_k", "attn_v", "attn_k_norm")  # what a layer reading another's K/V does without
+
+
+def gemma4_expert_shapes(c) -> dict[str, tuple]:
+    """What Gemma 4's experts have beside the MLP: the router's scale vector, the per-expert scale (stored as the
+    experts' down projection's scale, as llama.cpp's converter names it) and their three norms."""
+    n_embd = c.n_embd
+    return {"ffn_gate_inp.scale": (n_embd,), "ffn_down_exps.scale": (c.n_expert,), "pre_ffw_norm_2.weight": (n_embd,),
+            "post_ffw_norm_1.weight": (n_embd,), "post_ffw_norm_2.weight": (n_embd,)}
 
 
 def mamba2_shapes(c) -> dict[str, tuple]:

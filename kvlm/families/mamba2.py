@@ -20,8 +20,9 @@ def hf_config(raw: dict) -> dict:
             "ssm_dt_limit": tuple(_float(t) for t in raw.get("time_step_limit", (0.0, float("inf"))))}
 
 
-def gguf_config(key) -> dict:
-    """llama.cpp's mamba2 keys: ssm.time_step_rank is the number of heads (its files have no time-step limit)."""
+def gguf_config(key, tensor_names: frozenset[str]) -> dict:
+    """llama.cpp's mamba2 keys: ssm.time_step_rank is the number of heads (its files have no time-step limit; the
+    tensors' names say nothing more)."""
     heads, inner = int(key("ssm.time_step_rank")), int(key("ssm.inner_size"))
     return {"n_ff": 0, "n_head": heads, "n_head_kv": heads, "head_dim": inner // heads,
             "conv_kernel": int(key("ssm.conv_kernel")), "ssm_inner": inner, "ssm_state": int(key("ssm.state_size")),

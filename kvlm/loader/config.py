@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from itertools import groupby
 
-from kvlm.families import CONV, GATED_DELTA, LAYER_KINDS, MAMBA, RECURRENT_KINDS, SLIDING, family_named
+from kvlm.families import ATTENTION, CONV, GATED_DELTA, LAYER_KINDS, MAMBA, RECURRENT_KINDS, SLIDING, family_named
 from kvlm.model.rope import RopeScaling
 
 
@@ -13,7 +13,8 @@ _SHOWN_WHEN_SET = {"sliding_window": 0, "rope_local": None, "query_scale": 1.0, 
                    "ssm_dt_limit": (0.0, float("inf")), "n_expert": 0, "n_expert_used": 0, "n_ff_exp": 0,
                    "n_ff_shexp": 0, "expert_weights_norm": False, "moe_layers": (), "embedding_multiplier": 1.0,
                    "residual_multiplier": 1.0, "logit_scale": 1.0, "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
-                   "rope_dims": 0, "ssm_heads": 0, "ssm_heads_tiled": False}
+                   "rope_dims": 0, "ssm_heads": 0, "ssm_heads_tiled": False, "full_head_dim": 0, "full_n_head_kv": 0,
+                   "n_kv_shared": 0, "full_v_is_k": False, "per_layer_embd": 0, "layer_n_ff": ()}
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,16 @@ class ModelConfig:
     # files tile them (j reads key head j % ssm_groups): llama.cpp's converter reorders them for its broadcasts.
     ssm_heads: int = 0
     ssm_heads_tiled: bool = False
+    # Gemma 4: full-attention layers with their own head size and KV heads (0: head_dim, n_head_kv as the others);
+    # the last n_kv_shared layers compute no K/V but read those of the last earlier layer of their kind (which
+    # the memory then holds once); full layers whose V is their K projection (attention_k_eq_v); a per-layer input
+    # embedding of per_layer_embd values per layer (PLE); layer_n_ff: each layer's MLP width (empty: n_ff for all).
+    full_head_dim: int = 0
+    full_n_head_kv: int = 0
+    n_kv_shared: int = 0
+    full_v_is_k: bool = False
+    per_layer_embd: int = 0
+    layer_n_ff: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "vocab_size", "n_ctx_train"):
@@ -73,16 +84,42 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
-        factors = self.rope.freq_factors
-        if factors is not None and len(factors) != self.head_dim // 2:
-            raise ValueError(f"ModelConfig.rope has {len(factors)} frequency factors; head_dim {self.head_dim} "
-                             f"needs {self.head_dim // 2}")
+        self._check_full_geometry()
+        factors, full_dim = self.rope.freq_factors, self.attention_geometry(ATTENTION)[1]
+        if factors is not None and len(factors) != full_dim // 2:
+            raise ValueError(f"ModelConfig.rope has {len(factors)} frequency factors; head_dim {full_dim} "
+                             f"needs {full_dim // 2}")
         if not self.layer_kinds:
             object.__setattr__(self, "layer_kinds", self.family.layer_kinds(self.n_layer, self.sliding_window > 0))
         if not self.moe_layers:
             object.__setattr__(self, "moe_layers", (self.n_expert > 0,) * self.n_layer)
         self._check_layer_kinds()
         self._check_experts()
+        self._check_shared_kv()
+        if self.layer_n_ff and (len(self.layer_n_ff) != self.n_layer or min(self.layer_n_ff) < 0):
+            raise ValueError(f"ModelConfig.layer_n_ff must give a width >= 0 for each of the {self.n_layer} layers, "
+                             f"got {self.layer_n_ff!r}")
+
+    def _check_full_geometry(self) -> None:
+        for name in ("full_head_dim", "full_n_head_kv", "per_layer_embd"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"ModelConfig.{name} must be an integer >= 0, got {value!r}")
+        n_kv, head_dim = self.attention_geometry(ATTENTION)
+        if head_dim % 2 or self.n_head % n_kv:
+            raise ValueError(f"ModelConfig: full-attention layers' head_dim ({head_dim}) must be even and n_head "
+                             f"({self.n_head}) a multiple of their KV heads ({n_kv})")
+
+    def _check_shared_kv(self) -> None:
+        """Each layer that reads another's K/V has an earlier layer of its kind to read from."""
+        if not isinstance(self.n_kv_shared, int) or not 0 <= self.n_kv_shared < self.n_layer:
+            raise ValueError(f"ModelConfig.n_kv_shared must be an integer in 0..n_layer-1 ({self.n_layer - 1}), "
+                             f"got {self.n_kv_shared!r}")
+        for layer in range(self.n_layer - self.n_kv_shared, self.n_layer):
+            kind = self.layer_kinds[layer]
+            if kind not in (ATTENTION, SLIDING) or self.kv_source(layer) == layer:
+                raise ValueError(f"ModelConfig.n_kv_shared={self.n_kv_shared}: layer {layer} ({kind}) has no earlier "
+                                 f"{kind} layer to share the K/V of")
 
     def _check_layer_kinds(self) -> None:
         if len(self.layer_kinds) != self.n_layer:
@@ -130,6 +167,31 @@ class ModelConfig:
         recurrent = [kind for kind, moe in zip(self.layer_kinds, self.moe_layers) if moe and kind in (CONV, MAMBA)]
         if recurrent:
             raise ValueError(f"ModelConfig.moe_layers: experts on {recurrent[0]} layers are not supported")
+
+    def attention_geometry(self, kind: str) -> tuple[int, int]:
+        """(KV heads, head size) of an attention layer of this kind: full layers may have their own (Gemma 4)."""
+        if kind == SLIDING or not self.full_head_dim:
+            return self.n_head_kv, self.head_dim
+        return self.full_n_head_kv or self.n_head_kv, self.full_head_dim
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose K/V `layer` attends over: itself, or for one of the last n_kv_shared layers the last
+        layer of its kind before them (transformers' rule for Gemma 4)."""
+        first_shared = self.n_layer - self.n_kv_shared
+        if layer < first_shared:
+            return layer
+        kind = self.layer_kinds[layer]
+        return next((i for i in range(first_shared - 1, -1, -1) if self.layer_kinds[i] == kind), layer)
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers whose K/V the memory holds: attention layers that read their own."""
+        return tuple(i for i, kind in enumerate(self.layer_kinds)
+                     if kind not in RECURRENT_KINDS and self.kv_source(i) == i)
+
+    def ff_width(self, layer: int) -> int:
+        """The MLP width of a layer."""
+        return self.layer_n_ff[layer] if self.layer_n_ff else self.n_ff
 
     @property
     def rotary_dims(self) -> int:

@@ -77,7 +77,7 @@ def config_from_metadata(
     try:
         n_embd, n_layer = int(key("embedding_length")), int(key("block_count"))
         vocab = metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens", []))
-        layers = family.gguf_config(key) if family.gguf_config else {
+        layers = family.gguf_config(key, tensor_names) if family.gguf_config else {
             **_attention_layers(metadata, key, family), **_expert_options(metadata, key, family, tensor_names)}
         config = ModelConfig(
             architecture=arch,

@@ -78,6 +78,8 @@ def config_from_hf(folder: Path) -> ModelConfig:
     for option in _UNSUPPORTED_OPTIONS:
         if option == "attention_bias" and family.output_bias:  # biases on all four projections: the family's own
             continue
+        if option == "use_bidirectional_attention" and raw.get(option) == "vision":  # image tokens only: none here
+            continue
         if raw.get(option):
             raise UnsupportedModelError(f"{path}: {option}={raw[option]!r} is not supported for {family.name} models")
     try:
@@ -290,6 +292,7 @@ _PER_EXPERT = re.compile(r"(?P<layer>\w+\.layers\.\d+)\.(?:mlp|block_sparse_moe)
 _EXPERT_PARTS = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps", "w3": "ffn_up_exps",
                  "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
 _STACKED = {"mlp.experts.gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"),
+            "experts.gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"), "experts.down_proj": ("ffn_down_exps",),  # Gemma 4
             "block_sparse_moe.experts.gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"),
             "block_sparse_moe.input_linear.weight": ("ffn_gate_exps", "ffn_up_exps"),
             "shared_mlp.input_linear.weight": ("ffn_gate_shexp", "ffn_up_shexp"),

@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvlm.errors import KvlmError
+from kvlm.families import ATTENTION, SLIDING
 from kvlm.loader.config import ModelConfig
 from kvlm.loader.weights import ModelWeights
 from kvlm.memory.kv_store import AUTO, KV_DTYPES, resolve_kv_dtype
@@ -198,8 +199,10 @@ def compute_bytes(config: ModelConfig, request: MemoryRequest) -> int:
     """Working buffers: a micro-batch's logits (float32, every token an output at worst, as in perplexity), its
     activations (float32 at worst), and the slice a product of many rows dequantizes at once."""
     tokens = request.n_ubatch
-    q_width = config.n_head * config.head_dim * (2 if config.family.attention_output_gate else 1)  # + Qwen3.5's gate
-    widest = max(config.n_ff * 2, q_width + 2 * config.n_head_kv * config.head_dim,
+    n_kv, head_dim = max(config.attention_geometry(kind) for kind in (ATTENTION, SLIDING))  # Gemma 4's full layers'
+    q_width = config.n_head * head_dim * (2 if config.family.attention_output_gate else 1)  # + Qwen3.5's gate
+    n_ff = max(config.layer_n_ff or (config.n_ff,))
+    widest = max(n_ff * 2, q_width + 2 * n_kv * head_dim, config.n_layer * config.per_layer_embd,
                  config.ssm_inner * 2 + 2 * config.ssm_groups * config.ssm_state + config.n_head + 2 * config.ssm_heads)
     return tokens * config.vocab_size * 4 + tokens * (widest + 4 * config.n_embd) * 4 + TRANSIENT_BYTES
 

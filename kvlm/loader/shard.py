@@ -49,6 +49,8 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
     recurrent = sorted(set(config.layer_kinds) & set(RECURRENT_KINDS))
     if recurrent and size > 1:
         raise ValueError(f"tensor parallelism is not supported for models with {recurrent[0]} layers")
+    if not config.family.tensor_parallel and size > 1:
+        raise ValueError(f"tensor parallelism is not supported for {config.architecture} models")
     sizes = {name: getattr(config, name) for name in ("n_head", "n_head_kv")}
     undivided = {name: value for name, value in sizes.items() if value % size}
     if undivided:

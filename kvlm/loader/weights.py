@@ -21,11 +21,13 @@ from kvlm.loader.tensors import Entry, GGUFTensors, SafetensorsTensors, Stored
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Shape of every tensor the decoder needs, [out, in] for matrices as torch's linear expects."""
     d = config.n_embd
-    kinds = set(zip(config.layer_kinds, config.moe_layers))
-    per_kind = {(kind, moe): config.family.layer_shapes(kind, config, moe) for kind, moe in kinds}
     shapes = {"token_embd.weight": (config.vocab_size, d), "output_norm.weight": (d,)}
-    for layer, kind in enumerate(zip(config.layer_kinds, config.moe_layers)):
-        for part, shape in per_kind[kind].items():
+    if config.per_layer_embd:  # Gemma 4's per-layer inputs: a table and a projection for every layer at once
+        width = config.n_layer * config.per_layer_embd
+        shapes.update({"per_layer_token_embd.weight": (config.vocab_size, width),
+                       "per_layer_model_proj.weight": (width, d), "per_layer_proj_norm.weight": (config.per_layer_embd,)})
+    for layer in range(config.n_layer):
+        for part, shape in config.family.layer_shapes(layer, config).items():
             shapes[f"blk.{layer}.{part}"] = shape
     if not config.tie_word_embeddings:
         shapes["output.weight"] = (config.vocab_size, d)

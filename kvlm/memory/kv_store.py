@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from kvlm.errors import CacheError
+from kvlm.families import ATTENTION
 from kvlm.loader.config import ModelConfig
 
 DENSE_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -25,11 +26,15 @@ def resolve_kv_dtype(kv_dtype: str, compute_dtype: torch.dtype, quantized: bool 
     return "f16" if quantized else "f32"
 
 
-def kv_bytes_for(config: ModelConfig, n_cells: int, dtype: str, n_layer: int | None = None) -> int:
-    """2 x layers x cells x kv_heads x head_dim x bytes_per_element, without allocating anything; `n_layer`: of a
-    pool holding only some of the model's layers."""
-    n_layer = config.n_layer if n_layer is None else n_layer
-    return int(2 * n_layer * n_cells * config.n_head_kv * config.head_dim * BYTES_PER_ELEMENT[dtype])
+def kv_bytes_for(config: ModelConfig, n_cells: int, dtype: str, n_layer: int | None = None,
+                 kind: str = ATTENTION) -> int:
+    """2 x layers x cells x kv_heads x head_dim x bytes_per_element, without allocating anything: of a pool of
+    `n_layer` layers of `kind` (their geometry, see ModelConfig.attention_geometry); by default of every layer
+    that holds K/V, each with its kind's geometry (a layer reading another's K/V holds none)."""
+    if n_layer is None:
+        return sum(kv_bytes_for(config, n_cells, dtype, 1, config.layer_kinds[i]) for i in config.kv_layers)
+    n_kv, head_dim = config.attention_geometry(kind)
+    return int(2 * n_layer * n_cells * n_kv * head_dim * BYTES_PER_ELEMENT[dtype])
 
 
 class DensePlane:
@@ -115,13 +120,15 @@ def _plane(shape: tuple[int, ...], dtype: str) -> DensePlane | Q8Plane:
 class KVStore:
     """K and V kept apart, one row per cell; a row is written before anything may read it."""
 
-    def __init__(self, config: ModelConfig, n_cells: int, dtype: str = "f32", n_layer: int | None = None) -> None:
-        """`n_layer`: how many layers this store holds, when not all of the model's (one pool of several)."""
+    def __init__(self, config: ModelConfig, n_cells: int, dtype: str = "f32", n_layer: int | None = None,
+                 kind: str = ATTENTION) -> None:
+        """`n_layer`: how many layers this store holds, when not all of the model's (one pool of several); `kind`:
+        theirs, whose KV heads and head size the rows have (see ModelConfig.attention_geometry)."""
         if dtype not in BYTES_PER_ELEMENT:
             raise CacheError(f"KV dtype {dtype!r} is not supported (supported: {', '.join(KV_DTYPES)})")
         if n_cells <= 0:
             raise CacheError(f"KV cache size must be positive, got {n_cells} cells")
-        self.shape = (config.n_layer if n_layer is None else n_layer, n_cells, config.n_head_kv, config.head_dim)
+        self.shape = (config.n_layer if n_layer is None else n_layer, n_cells, *config.attention_geometry(kind))
         self.k = _plane(self.shape, dtype)
         self.v = _plane(self.shape, dtype)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvlm.families import ATTENTION
 from kvlm.loader.config import ModelConfig
 from kvlm.memory.cells import Cells
 from kvlm.memory.kv_store import KVStore
@@ -101,12 +102,16 @@ class KVMemory(LendsCells):
     kind = "unified"
 
     def __init__(self, config: ModelConfig, n_cells: int, n_seq_max: int, kv_dtype: str, layer_ropes: list[Rope],
-                 layer_windows: list[int] | None = None, kept_window: int = 0, name: str = "kv") -> None:
+                 layer_windows: list[int] | None = None, kept_window: int = 0, name: str = "kv",
+                 kind: str = ATTENTION, readers: list[int] | None = None) -> None:
         """`layer_ropes`: the RoPE of each layer stored here, which the K-shift re-applies; `layer_windows`: each
         one's sliding window (0: full attention); `kept_window`: 0 keeps every cell, else a sequence keeps only
-        the cells at positions p with next - p < kept_window, `next` being its last position + 1."""
+        the cells at positions p with next - p < kept_window, `next` being its last position + 1; `kind`: the
+        layers' kind, whose geometry the rows have; `readers[i]`: the layer stored here that model layer i reads
+        (when some layers read others' K/V), else layer i is layer i here."""
         self.cells = Cells(n_cells, n_seq_max)
-        self.store = KVStore(config, n_cells, kv_dtype, n_layer=len(layer_ropes))
+        self.store = KVStore(config, n_cells, kv_dtype, n_layer=len(layer_ropes), kind=kind)
+        self.readers = readers
         self.layer_ropes = layer_ropes
         self.layer_windows = layer_windows or [0] * len(layer_ropes)
         self.kept_window = kept_window
@@ -237,10 +242,11 @@ class KVMemory(LendsCells):
         self.cells.apply(slot, ubatch.pos, ubatch.seq_mask)
         rows = torch.from_numpy(slot)
         windows = sorted(set(self.layer_windows))
-        if len(windows) == 1:
+        if len(windows) == 1 and self.readers is None:
             return self._view(ubatch, rows, windows[0])
         views = {window: self._view(ubatch, rows, window) for window in windows}
-        return LayerViews([(views[window], layer) for layer, window in enumerate(self.layer_windows)])
+        stored = range(len(self.layer_windows)) if self.readers is None else self.readers
+        return LayerViews([(views[self.layer_windows[layer]], layer) for layer in stored])
 
     def commit(self) -> None:
         self._undo = None

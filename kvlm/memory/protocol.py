@@ -86,10 +86,14 @@ def make_memory(config: ModelConfig, layer_ropes: list[Rope], n_ctx: int, n_seq_
     if any(shapes is not None for shapes in state_shapes):
         return HybridMemory(config, n_ctx, n_seq_max, kv_dtype, layer_ropes, state_shapes)
     sliding = [kind == SLIDING for kind in config.layer_kinds]
-    if any(sliding) and not swa_full:
-        return ISWAMemory(config, n_ctx, n_seq_max, n_ubatch, kv_dtype, layer_ropes, sliding, swa_keep_extra)
-    windows = [config.sliding_window if is_sliding else 0 for is_sliding in sliding]
-    return KVMemory(config, n_ctx, n_seq_max, kv_dtype, layer_ropes, layer_windows=windows)
+    if any(sliding) and (not swa_full or config.full_head_dim):  # rows of two sizes need two pools
+        return ISWAMemory(config, n_ctx, n_seq_max, n_ubatch, kv_dtype, layer_ropes, sliding, swa_keep_extra,
+                          swa_full)
+    owners = config.kv_layers
+    windows = [config.sliding_window if sliding[i] else 0 for i in owners]
+    readers = [owners.index(config.kv_source(i)) for i in range(config.n_layer)] if config.n_kv_shared else None
+    return KVMemory(config, n_ctx, n_seq_max, kv_dtype, [layer_ropes[i] for i in owners], layer_windows=windows,
+                    readers=readers)
 
 
 def memory_for(decoder, n_ctx: int, n_seq_max: int, n_ubatch: int, kv_dtype: str, swa_full: bool = False,

@@ -70,9 +70,11 @@ class KVView:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                batch_invariant: bool = False, native=None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """Write the step's K/V [n_tokens, n_kv, d] of `layer`, then attend q over the visible rows (`native`: the
-        native layer ops, for decode tokens; `sinks`: attention sinks' logits per head, or None)."""
-        self.write(layer, k, v)
+        """Write the step's K/V [n_tokens, n_kv, d] of `layer` (none for a layer reading another's: k, v None),
+        then attend q over the visible rows (`native`: the native layer ops, for decode tokens; `sinks`: attention
+        sinks' logits per head, or None)."""
+        if k is not None:
+            self.write(layer, k, v)
         return attend(q, layer, self, batch_invariant, native, sinks)
 
 

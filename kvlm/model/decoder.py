@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kvlm.families import ATTENTION, CONV, GATED_DELTA, MAMBA, SLIDING
 from kvlm.kernels import BlockMatrix, dequantize, native_kernels
@@ -39,6 +40,7 @@ from kvlm.model.recurrent import (
     mamba2_mixer,
     short_conv,
 )
+from kvlm.model.per_layer import PerLayerInputs
 from kvlm.model.rope import Rope
 from kvlm.model.settings import FROM_FILE, ComputeSettings
 
@@ -58,6 +60,28 @@ class LayerWeights:
     moe: MoEWeights | None = None  # experts in place of the MLP
     output_bias: torch.Tensor | None = None  # the attention output projection's bias (gpt-oss)
     sinks: torch.Tensor | None = None  # [n_head] float32: attention sinks' logits (gpt-oss)
+    beside_mlp: ExpertsBesideMLP | None = None  # Gemma 4: experts beside the MLP (`moe`), with their own norms
+    per_layer: PerLayerInput | None = None  # Gemma 4: the layer's per-layer input (PLE)
+    output_scale: torch.Tensor | None = None  # Gemma 4: the layer's output times it
+
+
+@dataclass
+class ExpertsBesideMLP:
+    """Gemma 4's norms around experts that run beside the MLP: the experts read pre_norm(x), the MLP's and the
+    experts' outputs are normed apart (mlp_norm, experts_norm) and added."""
+
+    pre_norm: torch.Tensor
+    mlp_norm: torch.Tensor
+    experts_norm: torch.Tensor
+
+
+@dataclass
+class PerLayerInput:
+    """Gemma 4's per-layer input: x + post_norm(proj(gelu(gate(x)) * the layer's per-layer vector))."""
+
+    gate: Linear
+    proj: Linear
+    post_norm: torch.Tensor
 
 
 @dataclass
@@ -129,8 +153,10 @@ class Decoder:
             table = native_kernels().interleave(table)
         self.token_embd = Embedding(table if self._keeps_blocks(table) else self._dense(table), self.dtype)
         self.output = self._head(weights, table if tied else weights.output())
-        self.rope = Rope(config.rope, config.rotary_dims)
-        self.rope_local = Rope(config.rope_local, config.rotary_dims) if config.rope_local else self.rope
+        self.rope = Rope(config.rope, config.rope_dims or config.attention_geometry(ATTENTION)[1])
+        self.rope_local = Rope(config.rope_local, config.rope_dims or config.attention_geometry(SLIDING)[1]) \
+            if config.rope_local else self.rope
+        self.per_layer_inputs = self._per_layer_inputs(weights) if config.per_layer_embd else None
         scale = (config.n_embd ** 0.5 if config.family.scaled_embedding else 1.0) * config.embedding_multiplier
         self.embedding_scale = torch.tensor(scale).to(self.dtype) if scale != 1.0 else None
         # Tensor parallelism: this rank holds a share of each layer's heads and MLP width; the attention output
@@ -208,24 +234,41 @@ class Decoder:
             return self._mamba_layer(weights, i)
         if self.config.layer_kinds[i] == GATED_DELTA:
             return self._delta_layer(weights, i)
-        qkv = ("attn_q", "attn_k", "attn_v")
+        c, family = self.config, self.config.family
+        shapes = family.layer_shapes(i, c)  # which of Q, K and V the layer has (see Family.layer_shapes)
+        qkv = tuple(part for part in ("attn_q", "attn_k", "attn_v") if f"{part}.weight" in shapes)
         vector = lambda part, kind="weight": self._vector(weights.layer(i, part, kind))  # noqa: E731
-        moe = self.config.moe_layers[i]
+        moe, beside = c.moe_layers[i], c.moe_layers[i] and family.experts_beside_mlp
+        has_mlp = not moe or beside
+        k_norm = vector("attn_k_norm") if "attn_k_norm.weight" in shapes else None
         return LayerWeights(
             attn_norm=vector("attn_norm"),
             qkv=self._stacked(weights, i, qkv),
-            qkv_bias=torch.cat([vector(p, "bias") for p in qkv]) if self.config.family.qkv_bias else None,
-            qk_norm=self._qk_norm(vector("attn_q_norm"), vector("attn_k_norm")) if self.config.family.qk_norm else None,
+            qkv_bias=torch.cat([vector(p, "bias") for p in qkv]) if family.qkv_bias else None,
+            qk_norm=self._qk_norm(vector("attn_q_norm"), k_norm, i) if family.qk_norm else None,
             attn_output=self._stacked(weights, i, ("attn_output",)),
             ffn_norm=vector("ffn_norm"),
-            gate_up=None if moe else self._stacked(weights, i, ("ffn_gate", "ffn_up")),
-            down=None if moe else self._stacked(weights, i, ("ffn_down",)),
+            gate_up=self._stacked(weights, i, ("ffn_gate", "ffn_up")) if has_mlp else None,
+            down=self._stacked(weights, i, ("ffn_down",)) if has_mlp else None,
             moe=self._moe(weights, i) if moe else None,
-            output_bias=vector("attn_output", "bias") if self.config.family.output_bias else None,
-            sinks=self._float(weights.layer(i, "attn_sinks")).contiguous() if self.config.family.attention_sinks else None,
+            output_bias=vector("attn_output", "bias") if family.output_bias else None,
+            sinks=self._float(weights.layer(i, "attn_sinks")).contiguous() if family.attention_sinks else None,
+            beside_mlp=ExpertsBesideMLP(*(vector(n) for n in ("pre_ffw_norm_2", "post_ffw_norm_1", "post_ffw_norm_2")))
+            if beside else None,
+            per_layer=PerLayerInput(self._stacked(weights, i, ("inp_gate",)), self._stacked(weights, i, ("proj",)),
+                                    vector("post_norm")) if c.per_layer_embd else None,
+            output_scale=vector("layer_output_scale") if family.layer_output_scale else None,
             **({name: vector(name) for name in ("post_attention_norm", "post_ffw_norm")}
-               if self.config.family.sandwich_norms else {}),
+               if family.sandwich_norms else {}),
         )
+
+    def _per_layer_inputs(self, weights: ModelWeights) -> PerLayerInputs:
+        """Gemma 4's per-layer input table (kept in its file's blocks as the token embedding is) and projection."""
+        table, name = weights.read("per_layer_token_embd.weight"), "per_layer_model_proj.weight"
+        projection = self._matrix([weights.read(name)], self.settings.matrix_storage([weights.file_type(name)]))
+        return PerLayerInputs(self.config, Embedding(table if self._keeps_blocks(table) else self._dense(table),
+                                                     self.dtype),
+                              projection, self._vector(weights.read("per_layer_proj_norm.weight")), self.ops, self.dtype)
 
     def _moe(self, weights: ModelWeights, i: int) -> MoEWeights:
         """A layer's router (float32, as the routing is computed), experts and shared expert. The router's products
@@ -241,6 +284,10 @@ class Decoder:
             shared["shared_gate"] = dense_linear(gate, torch.float32, batch_invariant=True)
         if c.family.expert_biases:
             shared["router_bias"] = self._float(weights.layer(i, "ffn_gate_inp", "bias"))
+        if c.family.experts_beside_mlp:
+            shared["router_input_scale"] = self._float(weights.layer(i, "ffn_gate_inp", "scale"))
+            shared["expert_scale"] = self._float(weights.layer(i, "ffn_down_exps", "scale"))
+            shared["router_norm_eps"] = c.rms_norm_eps
         return MoEWeights(dense_linear(router, torch.float32, batch_invariant=True), self._experts(weights, i),
                           c.n_expert_used, c.expert_weights_norm, **shared)
 
@@ -320,11 +367,13 @@ class Decoder:
             down=None if moe else self._stacked(weights, i, ("ffn_down",)),
             moe=self._moe(weights, i) if moe else None)
 
-    def _qk_norm(self, q_norm: torch.Tensor, k_norm: torch.Tensor) -> torch.Tensor:
+    def _qk_norm(self, q_norm: torch.Tensor, k_norm: torch.Tensor | None, i: int) -> torch.Tensor:
+        """Q's norm weight for each Q head, then K's for each K head (none in a layer reading another's K/V)."""
         c = self.config
         if c.family.qk_norm_whole:  # [n_head * head_dim] then [n_head_kv * head_dim]
             return torch.cat([q_norm, k_norm])
-        return torch.cat([q_norm.expand(c.n_head, -1), k_norm.expand(c.n_head_kv, -1)])
+        n_kv = c.attention_geometry(c.layer_kinds[i])[0] if k_norm is not None else 0
+        return torch.cat([q_norm.expand(c.n_head, -1), *([k_norm.expand(n_kv, -1)] if n_kv else [])])
 
     def _whole_qk_norm(self, qk: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """OLMoE's QK-norm: RMSNorm over each token's whole Q projection, and over its whole K projection."""
@@ -352,10 +401,15 @@ class Decoder:
         x = self.token_embd(tokens)
         if self.embedding_scale is not None:
             x = x * self.embedding_scale
+        per_layer = self.per_layer_inputs(tokens, x) if self.per_layer_inputs is not None else None
         kinds = set(self.config.layer_kinds)
         rotations = {kind: self.layer_rope(kind).cos_sin(positions, torch.float32) for kind in kinds}
         for index, (kind, layer) in enumerate(zip(self.config.layer_kinds, self.layers)):
             x = self._blocks[kind](index, layer, x, *rotations[kind], kv)
+            if per_layer is not None:
+                x = self.per_layer_inputs.add(layer.per_layer, x, per_layer[:, index])
+            if getattr(layer, "output_scale", None) is not None:
+                x = x * layer.output_scale
         if output_rows is not None:
             x = x[output_rows]
         logits = self.output(self.ops.norm(x, self.output_norm, self.config.rms_norm_eps)).float()
@@ -385,7 +439,7 @@ class Decoder:
         if layer.post_attention_norm is not None:
             h = ops.norm(h, layer.post_attention_norm, eps)
         normed, x = ops.add_norm(x, h if residual == 1.0 else h * residual, layer.ffn_norm, eps)
-        h = self._mlp(layer, normed)
+        h = self._mlp(layer, normed) if layer.beside_mlp is None else self._mlp_and_experts(layer, normed, x)
         h = h if layer.post_ffw_norm is None else ops.norm(h, layer.post_ffw_norm, eps)
         return x + (h if residual == 1.0 else h * residual)
 
@@ -394,6 +448,14 @@ class Decoder:
         activation = self.config.family.activation
         return self._summed(layer.moe(normed, self.ops, activation) if layer.moe is not None else
                             self.ops.gated_mlp(normed, layer.gate_up, layer.down, activation))
+
+    def _mlp_and_experts(self, layer: LayerWeights, normed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Gemma 4's MLP (on `normed`) and experts (on their own norm of the residual stream x, routed from x
+        itself), each output normed, then added."""
+        eps, ops, activation, norms = self.config.rms_norm_eps, self.ops, self.config.family.activation, layer.beside_mlp
+        mlp = ops.norm(ops.gated_mlp(normed, layer.gate_up, layer.down, activation), norms.mlp_norm, eps)
+        experts = layer.moe(ops.norm(x, norms.pre_norm, eps), ops, activation, router_input=x)
+        return mlp + ops.norm(experts, norms.experts_norm, eps)
 
     def _summed(self, partial: torch.Tensor) -> torch.Tensor:
         """A row-parallel product's partial sum, added up over the tensor-parallel ranks (if any)."""
@@ -431,30 +493,40 @@ class Decoder:
         return x + y.reshape(x.shape)
 
     def _attention(self, index: int, layer: LayerWeights, h, cos, sin, kv: KVView) -> torch.Tensor:
-        c = self.config
-        q_size, kv_size = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
+        c, family = self.config, self.config.family
+        kind = c.layer_kinds[index]
+        n_head_kv, head_dim = c.attention_geometry(kind)
+        # A layer reading another's K/V (Gemma 4) computes Q alone; one whose V is its K (before K's norm) no V.
+        n_kv = n_head_kv if c.kv_source(index) == index else 0
+        q_size, kv_size = c.n_head * head_dim, n_kv * head_dim
         n_tokens = h.shape[0]
         qkv = layer.qkv(h)
         if layer.qkv_bias is not None:
             qkv = qkv + layer.qkv_bias
         gate = None
-        if c.family.attention_output_gate:  # each head's query, then its gate: Q and K heads put side by side
+        if family.attention_output_gate:  # each head's query, then its gate: Q and K heads put side by side
             q_gate, k, v = qkv.split((2 * q_size, kv_size, kv_size), dim=-1)
-            q, gate = q_gate.view(n_tokens, c.n_head, 2, c.head_dim).unbind(2)
-            qk = torch.cat([q, k.view(n_tokens, c.n_head_kv, c.head_dim)], dim=1)
+            q, gate = q_gate.view(n_tokens, c.n_head, 2, head_dim).unbind(2)
+            qk = torch.cat([q, k.view(n_tokens, n_kv, head_dim)], dim=1)
         else:
-            qk, v = qkv.split((q_size + kv_size, kv_size), dim=-1)
+            qk, v = qkv[:, :q_size + kv_size], qkv[:, q_size + kv_size:]
+        if n_kv and v.shape[-1] == 0:  # V = K as projected
+            v = qk[:, q_size:]
+        v = v.view(n_tokens, n_kv, head_dim) if n_kv else None
+        if v is not None and family.value_norm:  # before the QK-norm, which may run in place on K
+            v = F.rms_norm(v, (head_dim,), eps=c.rms_norm_eps)
         # Q and K heads side by side take their norm and rotation in one go.
-        qk = qk.view(n_tokens, c.n_head + c.n_head_kv, c.head_dim)
-        if layer.qk_norm is not None and c.family.qk_norm_whole:  # over each token's whole Q, then whole K
+        qk = qk.view(n_tokens, c.n_head + n_kv, head_dim)
+        if layer.qk_norm is not None and family.qk_norm_whole:  # over each token's whole Q, then whole K
             qk = self._whole_qk_norm(qk, layer.qk_norm)
         elif layer.qk_norm is not None:
             qk = self.ops.head_norm(qk, layer.qk_norm, c.rms_norm_eps)
-        q, k = self.ops.rope(qk, cos, sin).split((c.n_head, c.n_head_kv), dim=1)
-        if c.query_scale != 1.0:
-            q = q * c.query_scale
-        v = v.view(n_tokens, c.n_head_kv, c.head_dim)
-        out = kv.attend(index, q, k, v, self.batch_invariant, self.ops.attention_kernel(), layer.sinks)
+        q, k = self.ops.rope(qk, cos, sin).split((c.n_head, n_kv), dim=1)
+        scale = c.query_scale * (head_dim ** 0.5 if family.unscaled_attention else 1.0)  # scores: q.k scale / sqrt(d)
+        if scale != 1.0:
+            q = q * scale
+        out = kv.attend(index, q, k if n_kv else None, v, self.batch_invariant, self.ops.attention_kernel(),
+                        layer.sinks)
         if gate is not None:
             out = out * torch.sigmoid(gate.reshape(n_tokens, -1))
         return layer.attn_output(out)

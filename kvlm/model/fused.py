@@ -87,7 +87,7 @@ class DecodeLayers:
     layer of experts runs its attention so (up to its experts' input), its experts after. `run` returns None for
     anything else, and the decoder runs the layer op by op. Not for what the native call does not compute:
     Granite's residual multiplier, a whole-projection QK-norm after Q/K/V biases, Qwen3.5's output gate, RoPE over
-    part of each head."""
+    part of each head, Gemma 4's attention."""
 
     def __init__(self, kernels: NativeKernels, config: ModelConfig, layers: list, dtype: torch.dtype) -> None:
         family = config.family
@@ -96,7 +96,8 @@ class DecodeLayers:
                              family.qk_norm_whole)
                   for moe in config.moe_layers]
         computed = (not (family.qk_norm_whole and family.qkv_bias) and config.residual_multiplier == 1.0
-                    and not family.attention_output_gate and config.rotary_dims == config.head_dim)
+                    and not family.attention_output_gate and config.rotary_dims == config.head_dim
+                    and not family.value_norm)  # Gemma 4's V norm, unscaled scores, per-kind heads, shared K/V
         self.layers = {i: self._native(kernels, shapes[i], dtype, layer) for i, layer in enumerate(layers)
                        if computed and self._eligible(layer) and config.head_dim % HEAD_DIM_STEP == 0}
         self._steps: list[tuple[KVView, torch.Tensor, DecodeStep]] = []  # of the forward pass under way

@@ -90,12 +90,23 @@ class MoEWeights:
     shared_down: Linear | None = None
     shared_gate: Linear | None = None  # [1, n_embd]: the shared expert's output times sigmoid of it (Qwen2-MoE)
     router_bias: torch.Tensor | None = None  # [n_expert] float32 (gpt-oss)
+    # Gemma 4: the router reads RMSNorm(x) (no weight) times this [n_embd] vector and 1/sqrt(n_embd); the chosen
+    # experts' weights are multiplied by their entry of expert_scale [n_expert]
+    router_input_scale: torch.Tensor | None = None
+    expert_scale: torch.Tensor | None = None
+    router_norm_eps: float = 1e-6
 
-    def __call__(self, x: torch.Tensor, ops, activation: str) -> torch.Tensor:
-        logits = self.router(x.float())
+    def __call__(self, x: torch.Tensor, ops, activation: str, router_input: torch.Tensor | None = None) -> torch.Tensor:
+        """The experts' output for x [T, n_embd]; routed from `router_input` where it is not x (Gemma 4)."""
+        routed = (x if router_input is None else router_input).float()
+        if self.router_input_scale is not None:
+            routed = F.rms_norm(routed, (routed.shape[-1],), eps=self.router_norm_eps) * self.router_input_scale * routed.shape[-1] ** -0.5
+        logits = self.router(routed)
         if self.router_bias is not None:
             logits = logits + self.router_bias
         ids, weights = route(logits, self.n_used, self.normalize)
+        if self.expert_scale is not None:
+            weights = weights * self.expert_scale[ids]
         out = self.experts(x, ids, weights, ops, activation)
         if self.shared_gate_up is not None:
             shared = ops.gated_mlp(x, self.shared_gate_up, self.shared_down, activation)
