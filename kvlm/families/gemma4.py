@@ -129,10 +129,6 @@ def gguf_config(key, tensor_names: frozenset[str]) -> dict:
             raise UnsupportedModelError(f"gemma4.{name}={rotated} rotates part of each {dims}-dim head: not supported")
     owners_without_v = [i for i, kind in enumerate(kinds) if kind == ATTENTION and f"blk.{i}.attn_k.weight" in tensor_names
                         and f"blk.{i}.attn_v.weight" not in tensor_names]
-    n_expert = int(key("expert_count", 0))
-    experts = {"n_expert": n_expert, "n_expert_used": int(key("expert_used_count")),
-               "n_ff_exp": int(key("expert_feed_forward_length")), "expert_weights_norm": True,
-               "moe_layers": tuple(f"blk.{i}.ffn_gate_inp.weight" in tensor_names for i in range(n_layer))}
     return {"n_ff": n_ff[0], "layer_n_ff": tuple(n_ff) if len(set(n_ff)) > 1 else (),
             "n_head": int(key("attention.head_count")), "n_head_kv": kv_heads[sliding], "head_dim": head_dim,
             "full_head_dim": full_dim, "full_n_head_kv": kv_heads[full], "layer_kinds": kinds,
@@ -140,7 +136,17 @@ def gguf_config(key, tensor_names: frozenset[str]) -> dict:
             "rope_local": RopeScaling(theta=float(key("rope.freq_base_swa", 10_000.0))),
             "final_logit_softcap": float(key("final_logit_softcapping", 0.0)),
             "n_kv_shared": int(key("attention.shared_kv_layers", 0)), "full_v_is_k": bool(owners_without_v),
-            "per_layer_embd": int(key("embedding_length_per_layer_input", 0)), **(experts if n_expert else {})}
+            "per_layer_embd": int(key("embedding_length_per_layer_input", 0)), **_gguf_experts(key, tensor_names, n_layer)}
+
+
+def _gguf_experts(key, tensor_names: frozenset[str], n_layer: int) -> dict:
+    """Experts where the file has a router (ffn_gate_inp), as llama.cpp reads them; their weights renormalised."""
+    n_expert = int(key("expert_count", 0))
+    if not n_expert:
+        return {}
+    return {"n_expert": n_expert, "n_expert_used": int(key("expert_used_count")),
+            "n_ff_exp": int(key("expert_feed_forward_length")), "expert_weights_norm": True,
+            "moe_layers": tuple(f"blk.{i}.ffn_gate_inp.weight" in tensor_names for i in range(n_layer))}
 
 
 def _per_layer(value, n_layer: int) -> list[int]:
