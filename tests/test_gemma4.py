@@ -31,7 +31,7 @@ from gemma4_factory import (
     save_gemma4_multimodal_folder,
     write_gemma4_gguf,
 )
-from kvlm import Batch, Context, DecodeStatus, load_model
+from kvlm import LLM, Batch, Context, DecodeStatus, SamplingParams, load_model
 from kvlm.families import ATTENTION, SLIDING
 from kvlm.loader.config import ModelConfig
 from kvlm.memory.iswa import ISWAMemory
@@ -187,6 +187,25 @@ def test_the_default_mode_equals_transformers_within_its_f16_cache(files, prompt
     model = load_model(str(files["gguf"]))
     stepped = prefill_then_decode_logits(model, prompt, N_PROMPT - 20)
     assert max_diff(stepped, expected[N_PROMPT - 21:]) <= 5e-3
+
+
+def test_the_engine_reuses_a_prefix_and_preempts_with_the_same_outputs(files):
+    """A continuation of a finished conversation borrows its cells (both pools, the shared layers reading the
+    borrowed rows of their producers), and a small memory preempts and recomputes: every output equals its run
+    without prefix caching, alone."""
+    model = load_model(str(files["hf"]), "float32")
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    first = token_ids(1024, 40, seed=41)
+    llm = LLM(model, n_ctx=128, max_num_seqs=3, max_num_batched_tokens=16)
+    out_first = llm.generate([first], params, use_tqdm=False)[0]
+    follow_up = first + out_first.token_ids + token_ids(1024, 6, seed=42)
+    others = [token_ids(1024, 30 + 3 * i, seed=43 + i) for i in range(4)]
+    outputs = llm.generate([follow_up, *others], params, use_tqdm=False)
+    assert outputs[0].n_cached_tokens >= len(first) + len(out_first.token_ids) - 16
+    assert llm.engine.scheduler.n_preemptions > 0
+    alone = LLM(model, n_ctx=128, max_num_seqs=1, enable_prefix_caching=False)
+    for prompt, output in zip([first, follow_up, *others], [out_first, *outputs]):
+        assert output.token_ids == alone.generate([prompt], params, use_tqdm=False)[0].token_ids
 
 
 def test_a_quantized_file_runs_natively_close_to_its_dequantized_values(files, prompt):

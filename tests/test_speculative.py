@@ -22,6 +22,7 @@ from kvlm.engine.engine import Engine
 from kvlm.kernels import native_kernels
 from test_gemma3 import gguf_of as gemma3_gguf
 from test_gemma3 import random_gemma3
+from gemma4_factory import random_gemma4, write_gemma4_gguf
 from qwen35_factory import random_qwen35, write_qwen35_gguf
 from test_recurrent_models import lfm2_gguf, mamba2_gguf, random_lfm2, random_mamba2
 
@@ -43,7 +44,9 @@ def _random_gguf(family: str, folder, perturbed: bool = False):
                        "mamba2": (random_mamba2, mamba2_gguf),
                        # 3 delta-rule layers and an attention layer: the pattern once (the suite's time)
                        "qwen35": (lambda: random_qwen35(num_hidden_layers=4),
-                                  lambda m, f: write_qwen35_gguf(m, f / "model.gguf"))}[family]
+                                  lambda m, f: write_qwen35_gguf(m, f / "model.gguf")),
+                       # iSWA with two row sizes, layers reading others' K/V, per-layer inputs
+                       "gemma4": (random_gemma4, lambda m, f: write_gemma4_gguf(m, f / "model.gguf"))}[family]
         model = make()
     if perturbed:
         generator = torch.Generator().manual_seed(5)
@@ -62,8 +65,8 @@ def exact_model(path, default: bool = False):
     return load_model(str(path), progress=False) if default else load_model(str(path), quant="int8", progress=False)
 
 
-# unified x3, iSWA, hybrid (short convolutions; delta rule), recurrent
-FAMILIES = ["llama-llama3", "qwen2", "qwen3", "gemma3", "lfm2", "qwen35", "mamba2"]
+# unified x3, iSWA (one row size; two, and shared K/V), hybrid (short convolutions; delta rule), recurrent
+FAMILIES = ["llama-llama3", "qwen2", "qwen3", "gemma3", "gemma4", "lfm2", "qwen35", "mamba2"]
 RECURRENT = ("lfm2", "qwen35", "mamba2")
 
 

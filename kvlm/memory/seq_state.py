@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from kvlm.errors import CacheError
+from kvlm.families import ATTENTION
 from kvlm.loader.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -33,8 +34,10 @@ class StateError(CacheError):
 
 
 def model_identity(config: ModelConfig) -> str:
+    full = "x".join(map(str, config.attention_geometry(ATTENTION)))  # Gemma 4's full layers: their own rows
     return (f"{config.architecture}/{config.name}/L{config.n_layer}/E{config.n_embd}/H{config.n_head}"
-            f"/KV{config.n_head_kv}x{config.head_dim}/V{config.vocab_size}/rope{config.rope}")
+            f"/KV{config.n_head_kv}x{config.head_dim}/full{full}/shared{config.n_kv_shared}/V{config.vocab_size}"
+            f"/rope{config.rope}")
 
 
 def save_sequence(pools: tuple[KVMemory, ...], seq_id: int, recurrent: RecurrentMemory | None = None) -> bytes:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from kvlm.families import ATTENTION, CONV, GATED_DELTA, MAMBA, SLIDING
 from kvlm.kernels import BlockMatrix, dequantize, native_kernels
+from kvlm.kernels.quantize import BLOCK as QUANT_BLOCK
 from kvlm.kernels.quantize import QUANTIZERS
 from kvlm.loader.config import ModelConfig
 from kvlm.loader.tensors import Stored
@@ -206,6 +207,10 @@ class Decoder:
         if storage == FROM_FILE:  # parts read for this matrix alone: rearranged in place for the products
             return quantized_linear([kernels.interleave(part) for part in parts], self.dtype, kernels, copy)
         weight = torch.cat([self._dense(part) if storage is None else self._float(part) for part in parts])
+        if storage is not None and weight.shape[-1] % QUANT_BLOCK:  # rows not of whole blocks stay dense (Gemma 4's
+            # 16-wide per-layer inputs in a small model), in oneDNN's products: a row's result independent of the
+            # batch, as the native products' are
+            return dense_linear(weight.to(self.dtype), self.dtype, batch_invariant=True)
         if storage is None:
             return dense_linear(weight, self.dtype, self.batch_invariant)
         return quantized_linear([kernels.interleave(QUANTIZERS[storage](weight))], self.dtype, kernels, copy)
