@@ -1,4 +1,5 @@
-"""SentencePiece vocabularies, llama.cpp's tokenizer.ggml.model "llama", as a `tokenizers` BPE.
+"""SentencePiece vocabularies, llama.cpp's tokenizer.ggml.model "llama", as a `tokenizers` BPE; and Gemma 4's
+"gemma4", spelled as SentencePiece spells pieces but with merges of its own.
 
 llama.cpp encodes such a vocabulary by joining, again and again, the adjacent pair of pieces that makes the
 best-scored piece (the leftmost on a tie), and spells any character the vocabulary lacks in <0xNN> byte pieces
@@ -26,11 +27,20 @@ def sentencepiece_bpe(
     the prepending normalizer of Llama 2's own tokenizer.json does; decoding takes the first one off again.
     """
     vocab = {piece: index for index, piece in enumerate(_pieces(tokens))}
+    return _spelled_bpe(vocab, _merges(vocab, ranks), unk_token, add_space_prefix)
+
+
+def merged_bpe(tokens: list[str], merges: list[str], *, unk_token: str | None) -> Backend:
+    """A BPE spelled as SentencePiece spells pieces (spaces as "▁", raw UTF-8, <0xNN> byte pieces) with merges of
+    its own, in rank order (llama.cpp's "gemma4" vocabulary; transformers' GemmaTokenizer builds the same BPE)."""
+    vocab = {piece: index for index, piece in enumerate(tokens)}
+    return _spelled_bpe(vocab, [tuple(merge.split(" ", 1)) for merge in merges], unk_token, add_space_prefix=False)
+
+
+def _spelled_bpe(vocab: dict[str, int], merges: list[tuple[str, str]], unk_token: str | None,
+                 add_space_prefix: bool) -> Backend:
     backend = Backend(
-        models.BPE(
-            vocab=vocab, merges=_merges(vocab, ranks), unk_token=unk_token, fuse_unk=True, byte_fallback=True,
-            dropout=None,
-        )
+        models.BPE(vocab=vocab, merges=merges, unk_token=unk_token, fuse_unk=True, byte_fallback=True, dropout=None)
     )
     spaces = normalizers.Replace(" ", _SPACE)
     backend.normalizer = normalizers.Sequence([normalizers.Prepend(_SPACE), spaces]) if add_space_prefix else spaces

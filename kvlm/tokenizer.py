@@ -21,7 +21,7 @@ from tokenizers import Tokenizer as Backend
 
 from kvlm.errors import ModelFileError, UnsupportedModelError
 from kvlm.families import FAMILIES, family_for_hf
-from kvlm.spm_tokenizer import piece_bytes, sentencepiece_bpe
+from kvlm.spm_tokenizer import merged_bpe, piece_bytes, sentencepiece_bpe
 
 _CONTROL = 3  # llama.cpp token types
 _USER_DEFINED = 4
@@ -381,6 +381,11 @@ def _sentencepiece_backend(metadata: dict[str, Any], tokens: list[str], named_to
     )
 
 
+def _gemma4_backend(metadata: dict[str, Any], tokens: list[str], named_tokens: dict[str, str]) -> Backend:
+    """Gemma 4's vocabulary: BPE with its file's merges over the text with spaces as "▁" (llama.cpp's "gemma4")."""
+    return merged_bpe(tokens, _required(metadata, "tokenizer.ggml.merges"), unk_token=named_tokens.get("unk_token"))
+
+
 class _GgufVocabulary(NamedTuple):
     description: str
     backend: Callable[[dict[str, Any], list[str], dict[str, str]], Backend]
@@ -392,6 +397,8 @@ class _GgufVocabulary(NamedTuple):
 _GGUF_VOCABULARIES = {
     "gpt2": _GgufVocabulary("byte-level BPE", _byte_level_backend, _byte_level_bytes, adds_bos=False),
     "llama": _GgufVocabulary("SentencePiece", _sentencepiece_backend, piece_bytes, adds_bos=True),
+    # llama.cpp's converter writes add_bos_token true for Gemma 4 (and llama.cpp adds BOS even where a file says false)
+    "gemma4": _GgufVocabulary("Gemma 4's BPE", _gemma4_backend, piece_bytes, adds_bos=True),
 }
 
 
