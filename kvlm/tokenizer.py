@@ -246,6 +246,12 @@ class Tokenizer:
             **{"documents": None, **self._named_tokens, **template_kwargs},
         )
 
+    @property
+    def content_format(self) -> str:
+        """How the chat template reads a message's content: "openai" (it loops over a list of parts) or "string";
+        see kvlm.server.protocol.ChatMessage.as_template_message, which gives it parts accordingly."""
+        return "string" if self.chat_template is None else _content_format(self.chat_template)
+
     def encode_chat(
         self,
         messages: list[dict[str, Any]],
@@ -585,8 +591,8 @@ def _strftime_now(format: str) -> str:
 
 
 @cache
-def _compile_template(source: str) -> jinja2.Template:
-    """A chat template in the same sandboxed environment transformers renders it in."""
+def _template_environment() -> ImmutableSandboxedEnvironment:
+    """The sandboxed environment transformers renders chat templates in."""
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
@@ -595,4 +601,26 @@ def _compile_template(source: str) -> jinja2.Template:
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _TemplateDict()
     env.globals["namespace"] = _TemplateNamespace
-    return env.from_string(source)
+    return env
+
+
+@cache
+def _compile_template(source: str) -> jinja2.Template:
+    return _template_environment().from_string(source)
+
+
+@cache
+def _content_format(source: str) -> str:
+    """"openai" if the template loops over a message's content (a list of parts), else "string": vLLM's
+    detection (entrypoints/chat_utils.py, _detect_content_format), by the template's syntax tree alone."""
+    loops = _template_environment().parse(source).find_all(jinja2.nodes.For)
+    return "openai" if any(_reads_content(loop.iter) for loop in loops) else "string"
+
+
+def _reads_content(node: jinja2.nodes.Node) -> bool:
+    """Whether a loop's iterable is x['content'] or x.content (through any filters)."""
+    while isinstance(node, jinja2.nodes.Filter):
+        node = node.node
+    if isinstance(node, jinja2.nodes.Getitem):
+        return isinstance(node.arg, jinja2.nodes.Const) and node.arg.value == "content"
+    return isinstance(node, jinja2.nodes.Getattr) and node.attr == "content"

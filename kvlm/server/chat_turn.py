@@ -34,7 +34,8 @@ class ChatTurn:
 
 def chat_prompt(tokenizer: Tokenizer, body: ChatCompletionRequest | TokenizeRequest,
                 tools: list[dict] | None = None) -> str:
-    messages, kwargs = [m.as_template_message() for m in body.messages], body.template_kwargs()
+    messages = [m.as_template_message(tokenizer.content_format) for m in body.messages]
+    kwargs = body.template_kwargs()
     try:
         return tokenizer.apply_chat_template(messages, body.add_generation_prompt, tools or None, **kwargs)
     # e.g. a template that wants roles to alternate, or a template kwarg of a type it cannot use

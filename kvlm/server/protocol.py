@@ -210,12 +210,16 @@ class ChatMessage(BaseModel):
     audio: dict[str, Any] | None = None
     function_call: dict[str, Any] | None = None
 
-    def as_template_message(self) -> dict[str, Any]:
+    def as_template_message(self, content_format: str) -> dict[str, Any]:
+        """The message as a chat template reads it; text parts as the template takes content (Tokenizer.
+        content_format): kept as parts for a template that loops over them, else joined by newlines (as vLLM)."""
         if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.function_call)):
             raise BadRequest(f"a {self.role} message needs content (only an assistant message with tool calls may "
                              "have none)", "messages")
-        content = self.content if isinstance(self.content, str) or self.content is None else \
-            "".join(part.text for part in self.content)
+        content = self.content
+        if isinstance(content, list):
+            content = [{"type": "text", "text": part.text} for part in content] if content_format == "openai" else \
+                "\n".join(part.text for part in content)
         message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
         if self.tool_calls:
             message["tool_calls"] = [call.as_template_call() for call in self.tool_calls]
