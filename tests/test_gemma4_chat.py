@@ -43,7 +43,7 @@ import jinja2
 import pytest
 from gguf_factory import SPECIAL_TOKENS, byte_level_tokenizer, byte_level_vocab, gguf_metadata, llama_config, \
     template_folder_tokenizers
-from test_qwen35_chat import ASK, CALL, RESULT, TIME, TIME_CALL, USER, reference, render
+from test_qwen35_chat import ASK, CALL, RESULT, TIME, TIME_CALL, TOOL_TURNS, USER, reference, render
 
 from kvlm.server.chat_turn import chat_prompt
 from kvlm.server.protocol import ChatCompletionRequest
@@ -91,12 +91,6 @@ WEATHER = {"type": "function", "function": {  # the tool CALL (from test_qwen35_
         "fields": {"type": "array", "items": {"type": "string"}}}, "required": ["city"]}}}
 TOOLS = [FLIGHTS, WEATHER, TIME]
 
-TOOL_TURNS = [
-    ASK,
-    # content None, as OpenAI clients send it: transformers drops None values, and so must kvlm
-    {"role": "assistant", "content": None, "reasoning_content": "I need the forecast.", "tool_calls": [CALL]},
-    RESULT,
-]
 
 # name: (messages, add_generation_prompt, tools, template kwargs)
 CONVERSATIONS = {
