@@ -331,3 +331,47 @@ def test_rope_over_the_first_quarter_of_the_full_heads_differs(fresh, prompt, ex
     partial = type(full)(dataclasses.replace(full.scaling, freq_factors=None), 16)
     model.decoder.rope = partial
     assert _diff(model, prompt, expected) > 1e-2
+
+
+# --- google's E2B as its config.json describes it (no weights): what transformers makes of it ---
+
+E2B_TEXT_CONFIG = {  # google/gemma-4-E2B-it's text_config, its values as public copies of the release's config quote them
+    "model_type": "gemma4_text", "hidden_size": 1536, "num_hidden_layers": 35, "num_attention_heads": 8,
+    "num_key_value_heads": 1, "head_dim": 256, "global_head_dim": 512, "num_global_key_value_heads": None,
+    "attention_k_eq_v": False, "sliding_window": 512, "vocab_size": 262144, "vocab_size_per_layer_input": 262144,
+    "hidden_size_per_layer_input": 256, "num_kv_shared_layers": 20, "use_double_wide_mlp": True,
+    "intermediate_size": 6144, "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
+    "hidden_activation": "gelu_pytorch_tanh", "final_logit_softcapping": 30.0, "tie_word_embeddings": True,
+    "layer_types": (["sliding_attention"] * 4 + ["full_attention"]) * 7,
+    "rope_parameters": {"full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0,
+                                           "rope_type": "proportional"},
+                        "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}}}
+
+
+def test_an_e2b_config_reads_as_transformers_reads_it(tmp_path):
+    """Each layer's geometry, the layer each shared one reads and the MLP widths, against transformers' own
+    Gemma4TextConfig of the same dict; the KV bytes then count 15 of the 35 layers."""
+    import json
+
+    from transformers import Gemma4TextConfig
+
+    from kvlm.loader.hf_folder import config_from_hf
+    raw = {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4",
+           "text_config": E2B_TEXT_CONFIG, "vision_config": {"hidden_size": 768}, "audio_config": {"hidden_size": 1024}}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    ours = config_from_hf(tmp_path)
+    theirs = Gemma4TextConfig(**{k: v for k, v in E2B_TEXT_CONFIG.items() if k != "model_type"})
+    for i, kind in enumerate(theirs.layer_types):
+        layer = theirs.per_layer_config[i]
+        assert ours.attention_geometry(ours.layer_kinds[i]) == (layer.num_key_value_heads, layer.head_dim)
+        assert (ours.layer_kinds[i] == SLIDING) == (kind == "sliding_attention")
+    modes = theirs.kv_sharing_modes
+    producers = {kind: max(i for i, mode in enumerate(modes) if mode == "store" and theirs.layer_types[i] == kind)
+                 for kind in set(theirs.layer_types)}
+    assert [ours.kv_source(i) for i in range(35)] == [i if modes[i] != "reuse" else producers[theirs.layer_types[i]]
+                                                     for i in range(35)]
+    assert ours.layer_n_ff == tuple(6144 * (2 if mode == "reuse" else 1) for mode in modes)
+    assert len(ours.kv_layers) == 15
+    kept = memory_bytes(ours, 32768, 1, "f16", swa_full=True)
+    every_layer = memory_bytes(dataclasses.replace(ours, n_kv_shared=0), 32768, 1, "f16", swa_full=True)
+    assert kept == 32768 * 2 * 2 * (3 * 512 + 12 * 256) and every_layer == 32768 * 2 * 2 * (7 * 512 + 28 * 256)
