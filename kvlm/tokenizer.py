@@ -98,10 +98,12 @@ _NAMED_TOKEN_KEYS = {
 }
 _END_OF_TURN_KEYS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 # llama.cpp ends generation at these tokens too, whatever the metadata says (llama-vocab.cpp): a Qwen base
-# model, say, finishes with <|endoftext|> while its eos is <|im_end|>. The last three end fill-in-the-middle.
+# model, say, finishes with <|endoftext|> while its eos is <|im_end|>. <|fim_pad|>, <|repo_name|> and <|file_sep|>
+# end fill-in-the-middle.
 _END_OF_GENERATION_TEXTS = frozenset({
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
     "<EOT>", "_<EOT>", "<|end_of_text|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
+    "<eos>", "<turn|>", "<|tool_response>",  # Gemma 4: its turn's end, and a call's (its result comes next)
 })
 # OpenAI's harmony vocabulary (gpt-oss): <|end|> closes one message of a turn (the analysis before the answer), the
 # turn ends at <|return|> (answered) or <|call|> (a tool call). llama.cpp drops <|end|> from the stop tokens when both

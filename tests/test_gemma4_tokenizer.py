@@ -16,7 +16,7 @@ from transformers import GemmaTokenizer
 from gguf_factory import gguf_metadata, gguf_tensors, llama_config, random_llama, write_gguf
 from kvlm.tokenizer import StreamDecoder, Tokenizer
 
-SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>"]
+SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>", "<|tool_response>"]
 BYTES = [f"<0x{b:02X}>" for b in range(256)]
 CORPUS = ["The quick brown fox jumps over the lazy dog.", "def main():\n    print('hello world')\n\n\n",
           "  indented  text with   runs of spaces", "café crème brûlée, naïve résumé", "numbers 12345 and 3.14159",
@@ -78,6 +78,13 @@ def test_decoding_gives_the_text_back_whole_and_streamed(ours, text):
     assert ours.decode(ids) == text
     stream = StreamDecoder(ours)
     assert "".join(stream.feed(i) for i in ids) + stream.flush() == text
+
+
+def test_generation_stops_where_llama_cpp_stops_a_gemma4_output(ours, vocabulary):
+    """llama.cpp ends generation at <eos>, <turn|> (the turn's end) and <|tool_response> (after a call, where the
+    result will follow), whatever the file's eos id says (llama-vocab.cpp's end-of-generation texts)."""
+    pieces, _ = vocabulary
+    assert {pieces.index(t) for t in ("<eos>", "<turn|>", "<|tool_response>")} <= ours.stop_ids
 
 
 def test_characters_outside_the_vocabulary_fall_back_to_byte_pieces(ours, vocabulary):

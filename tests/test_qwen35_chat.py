@@ -60,7 +60,7 @@ from kvlm.server.protocol import ChatCompletionRequest
 from kvlm.tokenizer import Tokenizer
 from kvlm.tool_calls.chat_output import ChatOutputSpec, ChoiceStream
 from kvlm.tool_calls.formats import QWEN3_XML, format_for_template
-from kvlm.tool_calls.reasoning import ReasoningParser, reasoning_for_template
+from kvlm.tool_calls.reasoning import QWEN35_CALL, ReasoningParser, reasoning_for_template
 from kvlm.tool_calls.tool_choice import plan_tools
 
 TEMPLATE_PATH = Path(__file__).parent / "data" / "qwen35-chat-template.jinja"
@@ -330,7 +330,7 @@ def test_the_template_shows_the_xml_format_and_think_blocks(tokenizers, variant)
 
     # The generation prompt opens the think block: the output starts inside the reasoning and writes only </think>,
     # or opens a tool call before it.
-    opened = ReasoningParser(starts_open=True, call_ends_reasoning=True)
+    opened = ReasoningParser(starts_open=True, call_opening=QWEN35_CALL)
     assert reasoning(enable_thinking=True) == opened
     assert reasoning(enable_thinking=False) is None  # an empty block closed in the prompt: all of it is content
     assert reasoning() == (opened if variant == "Qwen3.5" else None)

@@ -6,11 +6,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvlm.tool_calls.reasoning import ReasoningParser, ReasoningStream, reasoning_for_template
+from kvlm.tool_calls.reasoning import QWEN35_CALL, ReasoningParser, ReasoningStream, reasoning_for_template
 
 QWEN3 = ReasoningParser()
 R1 = ReasoningParser(starts_open=True)
-QWEN35 = ReasoningParser(starts_open=True, call_ends_reasoning=True)  # a call opened in the think block ends it
+QWEN35 = ReasoningParser(starts_open=True, call_opening=QWEN35_CALL)  # a call opened in the think block ends it
 THINKING_TEMPLATE = ("{%- if enable_thinking is defined and enable_thinking is false %}"
                      "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}")
 CALL = "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>"
@@ -42,8 +42,8 @@ CALL = "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n
     (QWEN35, "a\n" + CALL + "</think>b", ("a", CALL + "</think>b")),  # the first of the two ends it
     (QWEN35, "Cut <tool_call>\n<function", ("Cut <tool_call>\n<function", None)),
     (QWEN35, "Cut <tool_call>\n<functions", ("Cut <tool_call>\n<functions", None)),
-    (ReasoningParser(call_ends_reasoning=True), "<think>a\n" + CALL, ("a", CALL)),
-    (ReasoningParser(call_ends_reasoning=True), "a\n" + CALL, (None, "a\n" + CALL)),  # no reasoning at all
+    (ReasoningParser(call_opening=QWEN35_CALL), "<think>a\n" + CALL, ("a", CALL)),
+    (ReasoningParser(call_opening=QWEN35_CALL), "a\n" + CALL, (None, "a\n" + CALL)),  # no reasoning at all
 ])
 def test_split(parser, text, expected):
     assert parser.split(text) == expected
@@ -111,8 +111,8 @@ texts = st.lists(st.sampled_from(["<think>", "</think>", "<th", "</", "\n", " ",
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(parts=texts, cuts=st.lists(st.integers(0, 10**6), max_size=20), starts_open=st.booleans(),
-       call_ends_reasoning=st.booleans())
-def test_streamed_equals_split(parts, cuts, starts_open, call_ends_reasoning):
-    parser, text = ReasoningParser(starts_open=starts_open, call_ends_reasoning=call_ends_reasoning), "".join(parts)
+       call_opening=st.sampled_from([None, QWEN35_CALL]))
+def test_streamed_equals_split(parts, cuts, starts_open, call_opening):
+    parser, text = ReasoningParser(starts_open=starts_open, call_opening=call_opening), "".join(parts)
     points = sorted({0, len(text), *(cut % (len(text) + 1) for cut in cuts)})
     assert stream(parser, [text[a:b] for a, b in zip(points, points[1:])]) == parser.split(text)

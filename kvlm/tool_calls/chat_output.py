@@ -31,7 +31,8 @@ class ChatOutputSpec:
     @property
     def keeps_special_tokens(self) -> bool:
         """Whether the output text must keep its special tokens: the markers read in it are special tokens."""
-        return self.reasoning is not None and self.reasoning.reads_special_tokens
+        return (self.reasoning is not None and self.reasoning.reads_special_tokens) or \
+            (self.tool_format is not None and self.tool_format.reads_special_tokens)
 
     def calls_source(self, text: str, content: str | None) -> str | None:
         """What tool calls are read from: the content after the reasoning, or the whole output for a format whose

@@ -39,6 +39,12 @@ class ToolCallFormat(ABC):
         return ()
 
     @property
+    def reads_special_tokens(self) -> bool:
+        """Whether its markers are special tokens the output text must keep to be read (Gemma 4's, as vLLM's
+        gemma4 parser keeps them); the others' markers are tokens decoding keeps anyway."""
+        return False
+
+    @property
     def reads_channels(self) -> bool:
         """Whether calls sit beside the reasoning as channels of one output (harmony) rather than in the content
         after it: the format then reads the whole output, and its forcing grammar writes the reasoning too, so it

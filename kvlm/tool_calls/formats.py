@@ -6,7 +6,7 @@ format; such a model can still be made to call a tool with the JSON fallback, un
 """
 from __future__ import annotations
 
-from kvlm.tool_calls import harmony, hermes, json_fallback, llama3_json, pythonic, qwen3_xml
+from kvlm.tool_calls import gemma4, harmony, hermes, json_fallback, llama3_json, pythonic, qwen3_xml
 from kvlm.tool_calls.format import ToolCallFormat
 
 HERMES = hermes.FORMAT
@@ -16,8 +16,9 @@ PYTHONIC = pythonic.PYTHONIC
 LFM2 = pythonic.LFM2
 JSON_FALLBACK = json_fallback.FORMAT
 HARMONY = harmony.FORMAT
+GEMMA4 = gemma4.FORMAT
 FORMATS: dict[str, ToolCallFormat] = {
-    fmt.name: fmt for fmt in (HERMES, QWEN3_XML, LLAMA3_JSON, PYTHONIC, LFM2, JSON_FALLBACK, HARMONY)
+    fmt.name: fmt for fmt in (HERMES, QWEN3_XML, LLAMA3_JSON, PYTHONIC, LFM2, JSON_FALLBACK, HARMONY, GEMMA4)
 }
 # The instruction Meta's pythonic tool prompt (Llama 3.2 small models, and templates modelled on it) gives.
 _PYTHONIC_PROMPT = "[func_name1("
@@ -28,6 +29,8 @@ def format_for_template(chat_template: str | None) -> ToolCallFormat | None:
     template = chat_template or ""
     if harmony.is_harmony_template(template):
         return HARMONY
+    if gemma4.START in template:
+        return GEMMA4
     if "<tool_call>" in template:
         return QWEN3_XML if "<function=" in template else HERMES
     if "<|tool_call_start|>" in template or "<|tool_list_start|>" in template:

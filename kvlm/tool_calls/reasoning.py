@@ -20,18 +20,31 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvlm.tool_calls import harmony, qwen3_xml
+from kvlm.tool_calls import gemma4, harmony, qwen3_xml
 from kvlm.tool_calls.format import held_back
 from kvlm.tool_calls.formats import QWEN3_XML, format_for_template
 
 THINK, END_THINK = "<think>", "</think>"
-# vLLM's rule for a call inside the think block (Qwen3ReasoningParser, vllm/reasoning/qwen3_reasoning_parser.py at
-# vllm-project/vllm 00a4c6a1d828f0de294a8eac028c60a2b522efa2): `<tool_call>` ends the reasoning only when, after
-# whitespace, a function tag follows (its _RE_FUNCTION_OPEN, `<function[\s=]`, matched on the lstripped rest), so
-# a mere mention of `<tool_call>` in the reasoning does not; the reasoning is the text before `<tool_call>`, the
-# content the text from it on.
-_CALL_START, _FUNCTION_OPEN = qwen3_xml.START, "<function"
-_CALL_OPENING = re.compile(re.escape(_CALL_START) + r"\s*" + re.escape(_FUNCTION_OPEN) + r"[\s=]")
+
+
+@dataclass(frozen=True)
+class CallOpening:
+    """A tool call that, opened in unclosed reasoning, ends it: `marker`, then after any whitespace `follows` (a
+    mere mention of the marker does not). The reasoning is the text before the marker, the content from it on."""
+
+    marker: str
+    follows: str
+    pattern: re.Pattern
+
+
+# vLLM's rule for Qwen3.5 (Qwen3ReasoningParser, vllm/reasoning/qwen3_reasoning_parser.py at vllm-project/vllm
+# 00a4c6a1d828f0de294a8eac028c60a2b522efa2): `<tool_call>`, then after whitespace a function tag (its
+# _RE_FUNCTION_OPEN, `<function[\s=]`, matched on the lstripped rest).
+QWEN35_CALL = CallOpening(qwen3_xml.START, "<function",
+                          re.compile(re.escape(qwen3_xml.START) + r"\s*" + re.escape("<function") + r"[\s=]"))
+# Gemma 4's (Gemma4ReasoningParser.is_reasoning_end, vllm/reasoning/gemma4_reasoning_parser.py at vllm-project/vllm
+# 109eefd646368f8aa282b251a815c04fd5922975: a `<|tool_call>` ends the reasoning), kvlm's when followed by `call:`.
+GEMMA4_CALL = CallOpening(gemma4.START, gemma4.CALL, re.compile(re.escape(gemma4.START) + r"\s*" + gemma4.CALL))
 
 
 class Reasoning(ABC):
@@ -60,10 +73,11 @@ class ReasoningParser(Reasoning):
     start: str = THINK
     end: str = END_THINK
     starts_open: bool = False  # the prompt opened the reasoning: the output begins inside it
-    # A tool call opened before `end` ends the reasoning (Qwen3.5; see _CALL_OPENING). The first of the two ends it:
-    # so does vLLM's streaming parser, where its whole-output one looks at the first `<tool_call>` only, and only when
-    # the output has no `</think>`; kvlm reads whole outputs as it streams them.
-    call_ends_reasoning: bool = False
+    # A tool call opened before `end` ends the reasoning (Qwen3.5, Gemma 4; see CallOpening). The first of the two
+    # ends it: so does vLLM's streaming parser, where its whole-output one looks at the first call marker only, and
+    # only when the output has no end marker; kvlm reads whole outputs as it streams them.
+    call_opening: CallOpening | None = None
+    label: str = ""  # a role label the reasoning opens with, not returned (Gemma 4's "thought\n")
 
     def split_partial(self, text: str, final: bool = False) -> tuple[str, str]:
         """Text that may still be a marker is held back, and so is whitespace that may end the reasoning."""
@@ -75,12 +89,18 @@ class ReasoningParser(Reasoning):
         close = text.find(self.end, opened)
         call = self._call_opening(text, opened, close)
         if call >= 0:
-            return text[opened:call].strip(), text[call:]
+            return self._unlabelled(text[opened:call], True).strip(), text[call:]
         if close < 0:
             body = text[opened:]
             body = body if final else body[:len(body) - self._held_back(body)]
-            return body.strip(), ""
-        return text[opened:close].strip(), text[close + len(self.end):].lstrip()
+            return self._unlabelled(body, final).strip(), ""
+        return self._unlabelled(text[opened:close], True).strip(), text[close + len(self.end):].lstrip()
+
+    def _unlabelled(self, reasoning: str, whole: bool) -> str:
+        """The reasoning without its label; nothing while it may still be the label's start (unless `whole`)."""
+        if self.label and reasoning.startswith(self.label):
+            return reasoning[len(self.label):]
+        return "" if not whole and self.label.startswith(reasoning) else reasoning
 
     def reasoning_ended(self, text: str) -> int | None:
         """Only `end` tells the engine where the content starts: a call opened in the think block is already partly
@@ -98,20 +118,21 @@ class ReasoningParser(Reasoning):
 
     def _call_opening(self, text: str, opened: int, close: int) -> int:
         """Where a tool call that ends the reasoning starts, before `close` (when >= 0); -1 if none does."""
-        if not self.call_ends_reasoning:
+        if self.call_opening is None:
             return -1
-        call = _CALL_OPENING.search(text, opened, close if close >= 0 else len(text))
+        call = self.call_opening.pattern.search(text, opened, close if close >= 0 else len(text))
         return call.start() if call else -1
 
     def _held_back(self, body: str) -> int:
         """Length of the end of unclosed reasoning that may still become `end`, or a call that ends it."""
         size = held_back(body, self.end)
-        if not self.call_ends_reasoning:
+        if self.call_opening is None:
             return size
-        call = body.rfind(_CALL_START)  # only the last `<tool_call>` can be followed by nothing but a start of it
-        if call >= 0 and _FUNCTION_OPEN.startswith(body[call + len(_CALL_START):].lstrip()):
+        marker, follows = self.call_opening.marker, self.call_opening.follows
+        call = body.rfind(marker)  # only the last marker can be followed by nothing but a start of what follows it
+        if call >= 0 and follows.startswith(body[call + len(marker):].lstrip()):
             return max(size, len(body) - call)
-        return max(size, held_back(body, _CALL_START))
+        return max(size, held_back(body, marker))
 
     def _reasoning_start(self, text: str, final: bool) -> int | None:
         """Where the reasoning starts (after a `<think>` the output writes); -1 when the output has none; None
@@ -140,19 +161,33 @@ class HarmonyReasoning(Reasoning):
         return harmony.answer_start(text)
 
 
+@dataclass(frozen=True)
+class Gemma4Reasoning(ReasoningParser):
+    """Gemma 4's thought channel, `<|channel>thought\n...<channel|>`, as vLLM's gemma4 reasoning parser reads it: the
+    label taken off; its markers are special tokens the output text keeps."""
+
+    reads_special_tokens: ClassVar[bool] = True
+    start: str = "<|channel>"
+    end: str = "<channel|>"
+    label: str = "thought\n"
+    call_opening: CallOpening | None = GEMMA4_CALL
+
+
 def reasoning_for_template(chat_template: str | None, prompt_text: str) -> Reasoning | None:
-    """A parser when the template reasons in `<think>` blocks, unless the prompt closed the block already, or in
-    harmony's analysis channel. A template that writes calls in Qwen3-Coder's XML (Qwen3.5) also ends the
-    reasoning at a call."""
+    """A parser when the template reasons in `<think>` blocks (or Gemma 4's thought channel), unless the prompt
+    closed the block already, or in harmony's analysis channel. A template that writes calls in Qwen3-Coder's XML
+    (Qwen3.5) also ends the reasoning at a call."""
     if harmony.is_harmony_template(chat_template):
         return HarmonyReasoning()
+    if chat_template and Gemma4Reasoning.start in chat_template:
+        return None if prompt_text.rstrip().endswith(Gemma4Reasoning.end) else Gemma4Reasoning()
     if not chat_template or THINK not in chat_template:
         return None
     tail = prompt_text.rstrip()
     if tail.endswith(END_THINK):
         return None
     return ReasoningParser(starts_open=tail.endswith(THINK),
-                           call_ends_reasoning=format_for_template(chat_template) is QWEN3_XML)
+                           call_opening=QWEN35_CALL if format_for_template(chat_template) is QWEN3_XML else None)
 
 
 class ReasoningStream:
