@@ -137,9 +137,9 @@ def on_two_ranks(path):
     model.tensor_parallel.stop()
 
 
-def single_sequence_context(model, n_ctx: int) -> Context:
+def single_sequence_context(model, n_ctx: int, **context) -> Context:
     """A context for one sequence of up to n_ctx tokens, decoded as one micro-batch."""
-    return Context(model, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_seq_max=1)
+    return Context(model, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_seq_max=1, **context)
 
 
 def full_sequence_logits(model, ids: list[int]) -> torch.Tensor:
@@ -149,9 +149,10 @@ def full_sequence_logits(model, ids: list[int]) -> torch.Tensor:
     return torch.stack([ctx.get_logits_ith(i) for i in range(len(ids))])
 
 
-def prefill_then_decode_logits(model, ids: list[int], n_prompt: int) -> torch.Tensor:
-    """The logits of the prompt ids[:n_prompt]'s last token, then of each later token fed one per batch."""
-    ctx = single_sequence_context(model, len(ids))
+def prefill_then_decode_logits(model, ids: list[int], n_prompt: int, **context) -> torch.Tensor:
+    """The logits of the prompt ids[:n_prompt]'s last token, then of each later token fed one per batch; `context`:
+    more of the Context's options (a kv_dtype, say)."""
+    ctx = single_sequence_context(model, len(ids), **context)
     decode_ok(ctx, Batch.for_sequence(ids[:n_prompt]))
     rows = [ctx.get_logits_ith(-1).clone()]
     for token in ids[n_prompt:]:

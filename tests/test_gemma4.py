@@ -181,31 +181,14 @@ def test_rollback_of_a_tail_then_a_saved_sequence_continues_in_another_context(f
     assert max_diff(other.get_logits_ith(-1), expected[-1]) <= TOLERANCE
 
 
-def test_the_default_mode_equals_transformers_within_its_f16_cache(files, prompt, expected):
-    """The default mode on the F32 file: native layer ops (norms, QK-norm, RoPE over the 64-wide full heads),
-    native decode attention over the f16 cache; prefill then decode."""
+def test_the_default_mode_equals_transformers(files, prompt, expected):
+    """The default mode on the F32 file: native layer ops (norms, QK-norm, RoPE over the 64-wide full heads) and
+    native decode attention, over its f32 cache (measured 4.7e-6) and over an f16 one (its rounding, 5e-3)."""
     model = load_model(str(files["gguf"]))
     stepped = prefill_then_decode_logits(model, prompt, N_PROMPT - 20)
-    assert max_diff(stepped, expected[N_PROMPT - 21:]) <= 5e-3
-
-
-def test_the_engine_reuses_a_prefix_and_preempts_with_the_same_outputs(files):
-    """A continuation of a finished conversation borrows its cells (both pools, the shared layers reading the
-    borrowed rows of their producers), and a small memory preempts and recomputes: every output equals its run
-    without prefix caching, alone."""
-    model = load_model(str(files["hf"]), "float32")
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    first = token_ids(1024, 40, seed=41)
-    llm = LLM(model, n_ctx=128, max_num_seqs=3, max_num_batched_tokens=16)
-    out_first = llm.generate([first], params, use_tqdm=False)[0]
-    follow_up = first + out_first.token_ids + token_ids(1024, 6, seed=42)
-    others = [token_ids(1024, 30 + 3 * i, seed=43 + i) for i in range(4)]
-    outputs = llm.generate([follow_up, *others], params, use_tqdm=False)
-    assert outputs[0].n_cached_tokens >= len(first) + len(out_first.token_ids) - 16
-    assert llm.engine.scheduler.n_preemptions > 0
-    alone = LLM(model, n_ctx=128, max_num_seqs=1, enable_prefix_caching=False)
-    for prompt, output in zip([first, follow_up, *others], [out_first, *outputs]):
-        assert output.token_ids == alone.generate([prompt], params, use_tqdm=False)[0].token_ids
+    assert max_diff(stepped, expected[N_PROMPT - 21:]) <= TOLERANCE
+    in_f16 = prefill_then_decode_logits(model, prompt, N_PROMPT - 20, kv_dtype="f16")
+    assert max_diff(in_f16, expected[N_PROMPT - 21:]) <= 5e-3
 
 
 def test_a_quantized_file_runs_natively_close_to_its_dequantized_values(files, prompt):
