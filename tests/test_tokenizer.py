@@ -400,26 +400,3 @@ def test_token_bytes_put_back_together_give_the_text(smollm2, text):
     emoji = tokenizer.encode("😀", add_special_tokens=False)
     assert len(emoji) > 1 and all(tokenizer.token_bytes(i) != "\N{REPLACEMENT CHARACTER}".encode() for i in emoji)
 
-
-# --- how a template takes a message's content: vLLM's content formats ---
-
-@pytest.mark.parametrize("template, expected", [
-    ("{% for m in messages %}{{ m['content'] }}{% endfor %}", "string"),
-    ("{% for m in messages %}{% for part in m['content'] %}{{ part['text'] }}{% endfor %}{% endfor %}", "openai"),
-    ("{% for m in messages %}{% for p in m.content | selectattr('type', 'eq', 'text') %}{{ p.text }}{% endfor %}"
-     "{% endfor %}", "openai"),
-])
-def test_the_content_format_is_read_from_the_template(template, expected):
-    from kvlm.tokenizer import _content_format
-    assert _content_format(template) == expected
-
-
-@pytest.mark.parametrize("content_format, expected", [
-    ("string", "Describe \nthis picture."),  # vLLM joins text parts by newlines for a template of strings
-    ("openai", [{"type": "text", "text": "Describe "}, {"type": "text", "text": "this picture."}]),
-])
-def test_text_parts_reach_the_template_in_its_content_format(content_format, expected):
-    from kvlm.server.protocol import ChatMessage
-    message = ChatMessage.model_validate({"role": "user", "content": [{"type": "text", "text": "Describe "},
-                                                                      {"type": "text", "text": "this picture."}]})
-    assert message.as_template_message(content_format)["content"] == expected

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
 from kvlm.engine.sampling_params import SamplingParams
 from kvlm.structured.params import StructuredOutputsParams
@@ -209,6 +209,19 @@ class ChatMessage(BaseModel):
     annotations: list[Any] | None = None
     audio: dict[str, Any] | None = None
     function_call: dict[str, Any] | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        """Image, audio or file parts are refused by name: kvlm runs language models on text (a multimodal model's
+        towers are not loaded)."""
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind is not None and kind != "text":
+                    raise ValueError(f"content part type {kind!r} is not supported: kvlm reads text parts only "
+                                     f"(no image, audio or file input)")
+        return content
 
     def as_template_message(self, content_format: str) -> dict[str, Any]:
         """The message as a chat template reads it; text parts as the template takes content (Tokenizer.
