@@ -191,6 +191,25 @@ def test_the_default_mode_equals_transformers(files, prompt, expected):
     assert max_diff(in_f16, expected[N_PROMPT - 21:]) <= 5e-3
 
 
+def test_the_engine_reuses_a_prefix_and_preempts_with_the_same_outputs(files):
+    """A continuation of a finished conversation borrows its cells (both pools, the shared layers reading the
+    borrowed rows of their producers), and a small memory preempts and recomputes: every output equals its run
+    without prefix caching, alone."""
+    model = load_model(str(files["hf"]), "float32")
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    first = token_ids(1024, 40, seed=41)
+    llm = LLM(model, n_ctx=128, max_num_seqs=3, max_num_batched_tokens=16)
+    out_first = llm.generate([first], params, use_tqdm=False)[0]
+    follow_up = first + out_first.token_ids + token_ids(1024, 6, seed=42)
+    others = [token_ids(1024, 30 + 3 * i, seed=43 + i) for i in range(4)]
+    outputs = llm.generate([follow_up, *others], params, use_tqdm=False)
+    assert outputs[0].n_cached_tokens >= len(first) + len(out_first.token_ids) - 16
+    assert llm.engine.scheduler.n_preemptions > 0
+    alone = LLM(model, n_ctx=128, max_num_seqs=1, enable_prefix_caching=False)
+    for prompt, output in zip([first, follow_up, *others], [out_first, *outputs]):
+        assert output.token_ids == alone.generate([prompt], params, use_tqdm=False)[0].token_ids
+
+
 def test_a_quantized_file_runs_natively_close_to_its_dequantized_values(files, prompt):
     """Q8_0 products quantize their activations to 8 bits too (as llama.cpp's): on a 64-wide random model that moves
     the logits by ~0.2 (llama.cpp on the same file: ~0.2 from the dequantized values as well); a mistake moves them by
