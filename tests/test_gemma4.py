@@ -266,6 +266,12 @@ def test_variant_logits_equal_transformers(variant, variant_source, prompt):
     assert max_diff(stepped, expected[N_PROMPT - 11:]) <= TOLERANCE
 
 
+def test_variant_greedy_generate_of_several_requests_equals_transformers(variant):
+    _, reference, paths = variant
+    prompts = [token_ids(1024, n, seed=50 + n) for n in (7, 29)]
+    assert_greedy_generate_equals_transformers(paths["gguf"], reference, prompts, n_tokens=12, n_ctx=96)
+
+
 def test_llama_cpp_reads_the_variant_files_alike(variant, prompt):
     """K = V full layers (no attn_v) and a model without sharing or per-layer inputs as llama.cpp reads them (the
     MoE variant aside: a token whose 2nd and 3rd experts are 1e-4 apart takes other experts in llama.cpp)."""
