@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 from itertools import groupby
 
 from kvlm.families import ATTENTION, CONV, GATED_DELTA, LAYER_KINDS, MAMBA, RECURRENT_KINDS, SLIDING, family_named
@@ -177,13 +178,16 @@ class ModelConfig:
     def kv_source(self, layer: int) -> int:
         """The layer whose K/V `layer` attends over: itself, or for one of the last n_kv_shared layers the last
         layer of its kind before them (transformers' rule for Gemma 4)."""
-        first_shared = self.n_layer - self.n_kv_shared
-        if layer < first_shared:
-            return layer
-        kind = self.layer_kinds[layer]
-        return next((i for i in range(first_shared - 1, -1, -1) if self.layer_kinds[i] == kind), layer)
+        return self._kv_sources[layer]
 
-    @property
+    @cached_property
+    def _kv_sources(self) -> tuple[int, ...]:
+        first_shared = self.n_layer - self.n_kv_shared
+        last_of_kind = {kind: i for i, kind in enumerate(self.layer_kinds[:first_shared])}
+        return tuple(layer if layer < first_shared else last_of_kind.get(kind, layer)
+                     for layer, kind in enumerate(self.layer_kinds))
+
+    @cached_property
     def kv_layers(self) -> tuple[int, ...]:
         """The layers whose K/V the memory holds: attention layers that read their own."""
         return tuple(i for i, kind in enumerate(self.layer_kinds)
@@ -214,7 +218,7 @@ class ModelConfig:
 
     def describe(self) -> dict[str, object]:
         """The config for people: RoPE by what differs from the plain form, layer kinds as runs."""
-        values = dict(self.__dict__)
+        values = {f.name: getattr(self, f.name) for f in fields(self)}  # not what cached properties hold
         family = self.family
         parts = ("qkv_bias", "output_bias", "qk_norm", "attention_sinks", "attention_output_gate")
         values["architecture"] = " ".join([self.architecture, *(p for p in parts if getattr(family, p))])

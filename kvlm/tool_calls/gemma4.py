@@ -188,8 +188,11 @@ class _GrammarWriter:
 
     def __init__(self, quote: str) -> None:
         self.quote = quote
-        text = "/(.|\\n)*/" if quote == QUOTE else f"string_text\nstring_text[suffix={quote}]: /(.|\\n)*/"
-        self.rules = [f"string: {quote} {text}" + (f" {quote}" if quote == QUOTE else ""),
+        if quote == QUOTE:  # a token: the text between two of them is anything
+            strings = [f"string: {quote} /(.|\\n)*/ {quote}"]
+        else:  # text: a lazy match up to the closing quote, which it takes
+            strings = [f"string: {quote} string_text", f"string_text[suffix={quote}]: /(.|\\n)*/"]
+        self.rules = [*strings,
                       'integer: /-?(0|[1-9][0-9]*)/',
                       'number: /-?(0|[1-9][0-9]*)(\\.[0-9]+)?/',
                       'boolean: "true" | "false"',
