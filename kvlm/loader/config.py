@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from functools import cached_property
+from functools import cache
 from itertools import groupby
 
 from kvlm.families import ATTENTION, CONV, GATED_DELTA, LAYER_KINDS, MAMBA, RECURRENT_KINDS, SLIDING, family_named
@@ -92,6 +92,7 @@ class ModelConfig:
                              f"needs {full_dim // 2}")
         if not self.layer_kinds:
             object.__setattr__(self, "layer_kinds", self.family.layer_kinds(self.n_layer, self.sliding_window > 0))
+        object.__setattr__(self, "layer_kinds", tuple(self.layer_kinds))  # hashable: kv_source's cache is keyed by it
         if not self.moe_layers:
             object.__setattr__(self, "moe_layers", (self.n_expert > 0,) * self.n_layer)
         self._check_layer_kinds()
@@ -178,20 +179,12 @@ class ModelConfig:
     def kv_source(self, layer: int) -> int:
         """The layer whose K/V `layer` attends over: itself, or for one of the last n_kv_shared layers the last
         layer of its kind before them (transformers' rule for Gemma 4)."""
-        return self._kv_sources[layer]
+        return _kv_sources(self.layer_kinds, self.n_kv_shared)[layer]
 
-    @cached_property
-    def _kv_sources(self) -> tuple[int, ...]:
-        first_shared = self.n_layer - self.n_kv_shared
-        last_of_kind = {kind: i for i, kind in enumerate(self.layer_kinds[:first_shared])}
-        return tuple(layer if layer < first_shared else last_of_kind.get(kind, layer)
-                     for layer, kind in enumerate(self.layer_kinds))
-
-    @cached_property
+    @property
     def kv_layers(self) -> tuple[int, ...]:
         """The layers whose K/V the memory holds: attention layers that read their own."""
-        return tuple(i for i, kind in enumerate(self.layer_kinds)
-                     if kind not in RECURRENT_KINDS and self.kv_source(i) == i)
+        return _kv_layers(self.layer_kinds, self.n_kv_shared)
 
     def ff_width(self, layer: int) -> int:
         """The MLP width of a layer."""
@@ -218,7 +211,7 @@ class ModelConfig:
 
     def describe(self) -> dict[str, object]:
         """The config for people: RoPE by what differs from the plain form, layer kinds as runs."""
-        values = {f.name: getattr(self, f.name) for f in fields(self)}  # not what cached properties hold
+        values = dict(self.__dict__)
         family = self.family
         parts = ("qkv_bias", "output_bias", "qk_norm", "attention_sinks", "attention_output_gate")
         values["architecture"] = " ".join([self.architecture, *(p for p in parts if getattr(family, p))])
@@ -233,6 +226,21 @@ class ModelConfig:
             values["moe_layers"] = ", ".join(f"{len(list(run))} x {'experts' if moe else 'MLP'}"
                                              for moe, run in groupby(self.moe_layers))
         return values
+
+
+@cache
+def _kv_sources(layer_kinds: tuple[str, ...], n_kv_shared: int) -> tuple[int, ...]:
+    """ModelConfig.kv_source of every layer, found once per layer pattern (the decoder asks at every layer)."""
+    first_shared = len(layer_kinds) - n_kv_shared
+    last_of_kind = {kind: i for i, kind in enumerate(layer_kinds[:first_shared])}
+    return tuple(layer if layer < first_shared else last_of_kind.get(kind, layer)
+                 for layer, kind in enumerate(layer_kinds))
+
+
+@cache
+def _kv_layers(layer_kinds: tuple[str, ...], n_kv_shared: int) -> tuple[int, ...]:
+    sources = _kv_sources(layer_kinds, n_kv_shared)
+    return tuple(i for i, kind in enumerate(layer_kinds) if kind not in RECURRENT_KINDS and sources[i] == i)
 
 
 def _rope_text(scaling: RopeScaling) -> str:
