@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlm.memory.kv_store import Q8Plane
+from kvlm.memory.view import TokenCells
 from kvlm.model.fused import LayerOps
 from kvlm.model.ops import apply_rope, grouped_attention, rms_norm
 from kvlm.model.recurrent import delta_step
@@ -37,10 +38,15 @@ def planes(kv_dtype: str, n_cells: int, n_kv: int, dim: int, seed: int):
     return [((values[0].to(dtype), None), values[0].to(dtype).double()) for values in (k, v)]
 
 
+def per_token(cells: torch.Tensor, lengths: torch.Tensor) -> TokenCells:
+    """Each token its own row of cells [T, L], the first lengths[t] of them read (decode tokens' layout)."""
+    return TokenCells(cells.flatten().contiguous(), torch.arange(len(cells)) * cells.shape[1], lengths)
+
+
 @pytest.mark.parametrize("kv_dtype", ["f32", "f16", "bf16", "q8_0"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n_head,n_kv,dim", [(4, 4, 32), (9, 3, 64), (8, 2, 96)])
-def test_decode_attention_matches_torch(kernels, kv_dtype, dtype, n_head, n_kv, dim):  # noqa: F811
+def test_attention_matches_torch(kernels, kv_dtype, dtype, n_head, n_kv, dim):  # noqa: F811
     n_cells, n_tokens = 50, 5
     (k_plane, k_values), (v_plane, v_values) = planes(kv_dtype, n_cells, n_kv, dim, seed=n_head + dim)
     g = torch.Generator().manual_seed(7)
@@ -49,7 +55,7 @@ def test_decode_attention_matches_torch(kernels, kv_dtype, dtype, n_head, n_kv, 
     cells = torch.zeros(n_tokens, 50, dtype=torch.int64)
     for t, n in enumerate(lengths.tolist()):
         cells[t, :n] = torch.randperm(n_cells, generator=g)[:n]
-    out = kernels.layer_ops.decode_attention(q, k_plane, v_plane, cells, lengths, dim ** -0.5)
+    out = kernels.layer_ops.attention(q, k_plane, v_plane, per_token(cells, lengths), dim ** -0.5)
     for t, n in enumerate(lengths.tolist()):
         rows = cells[t, :n]
         expected = grouped_attention(q[t:t + 1].double(), k_values[rows], v_values[rows], None)
@@ -68,8 +74,8 @@ def sink_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 
 @pytest.mark.parametrize("kv_dtype", ["f32", "q8_0"])
-def test_decode_attention_with_sinks_matches_their_definition(kernels, kv_dtype):  # noqa: F811
-    """gpt-oss's sinks in the native decode attention (and torch's attention with them as an extra key), over
+def test_attention_with_sinks_matches_their_definition(kernels, kv_dtype):  # noqa: F811
+    """gpt-oss's sinks in the native attention (and torch's attention with them as an extra key), over
     lengths of one cell, a chunk and past it (the chunks' merge starts from the sink)."""
     n_cells, n_head, n_kv, dim = 600, 8, 2, 32
     (k_plane, k_values), (v_plane, v_values) = planes(kv_dtype, n_cells, n_kv, dim, seed=3)
@@ -78,14 +84,14 @@ def test_decode_attention_with_sinks_matches_their_definition(kernels, kv_dtype)
     sinks = torch.randn(n_head, generator=g) * 3
     lengths = torch.tensor([1, 256, 600])
     cells = torch.stack([torch.randperm(n_cells, generator=g) for _ in range(3)])
-    out = kernels.layer_ops.decode_attention(q, k_plane, v_plane, cells, lengths, dim ** -0.5, sinks)
+    out = kernels.layer_ops.attention(q, k_plane, v_plane, per_token(cells, lengths), dim ** -0.5, sinks)
     for t, n in enumerate(lengths.tolist()):
         rows = cells[t, :n]
         expected = sink_attention_reference(q[t].double(), k_values[rows], v_values[rows], sinks.double())
         torch.testing.assert_close(out[t:t + 1].double(), expected, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(grouped_attention(q[t:t + 1].double(), k_values[rows], v_values[rows], None,
                                                      sinks.double()), expected)
-    without = kernels.layer_ops.decode_attention(q, k_plane, v_plane, cells, lengths, dim ** -0.5)
+    without = kernels.layer_ops.attention(q, k_plane, v_plane, per_token(cells, lengths), dim ** -0.5)
     assert (out - without).abs().max() > 1e-2  # the sinks took their share
 
 
@@ -99,7 +105,7 @@ def test_long_contexts_are_attended_in_chunks_merged_exactly(kernels, kv_dtype):
     q = torch.randn(3, n_head, dim, generator=g)
     lengths = torch.tensor([1200, 257, 700])
     cells = torch.stack([torch.randperm(n_cells, generator=g) for _ in range(3)])
-    out = kernels.layer_ops.decode_attention(q, k_plane, v_plane, cells, lengths, dim ** -0.5)
+    out = kernels.layer_ops.attention(q, k_plane, v_plane, per_token(cells, lengths), dim ** -0.5)
     for t, n in enumerate(lengths.tolist()):
         rows = cells[t, :n]
         expected = grouped_attention(q[t:t + 1].double(), k_values[rows], v_values[rows], None)
@@ -107,10 +113,30 @@ def test_long_contexts_are_attended_in_chunks_merged_exactly(kernels, kv_dtype):
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        alone = kernels.layer_ops.decode_attention(q[2:], k_plane, v_plane, cells[2:], lengths[2:], dim ** -0.5)
+        alone = kernels.layer_ops.attention(q[2:], k_plane, v_plane, per_token(cells[2:], lengths[2:]), dim ** -0.5)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(alone, out[2:])
+
+
+@pytest.mark.parametrize("kv_dtype", ["f16", "q8_0"])
+@pytest.mark.parametrize("window", [0, 300])
+def test_a_prompts_tokens_over_shared_cells_compute_what_each_alone_computes(kernels, kv_dtype, window):  # noqa: F811
+    """A prompt's tokens point into one shared run of cells (each from its window's start up to its own); each gets
+    the bits it gets reading its own copy of those cells as a decode token, whatever the other tokens of the call."""
+    n_cells, n_head, n_kv, dim, n_tokens = 700, 6, 2, 32, 600
+    (k_plane, _), (v_plane, _) = planes(kv_dtype, n_cells, n_kv, dim, seed=9)
+    g = torch.Generator().manual_seed(17)
+    q = torch.randn(n_tokens, n_head, dim, generator=g)
+    shared = torch.randperm(n_cells, generator=g)  # the sequence's cells in position order
+    ends = torch.arange(n_cells - n_tokens + 1, n_cells + 1)  # token t sees positions up to its own
+    starts = (ends - window).clamp(min=0) if window else torch.zeros_like(ends)
+    together = kernels.layer_ops.attention(q, k_plane, v_plane, TokenCells(shared, starts, ends - starts), dim ** -0.5)
+    for t in (0, 1, 255, 256, 299, 300, 599):
+        own = shared[starts[t]:ends[t]].contiguous()
+        own_cells = TokenCells(own, torch.zeros(1, dtype=torch.int64), ends[t:t + 1] - starts[t:t + 1])
+        alone = kernels.layer_ops.attention(q[t:t + 1], k_plane, v_plane, own_cells, dim ** -0.5)
+        assert torch.equal(alone, together[t:t + 1]), t
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -38,7 +38,7 @@ class LayerSpec(ctypes.Structure):
 
 class StepSpec(ctypes.Structure):
     _fields_ = [("n_tokens", _i64), ("cos", _ptr), ("sin", _ptr), ("write_cells", _ptr), ("cells", _ptr),
-                ("cells_stride", _i64), ("lengths", _ptr), ("k", _ptr), ("k_scales", _ptr), ("v", _ptr),
+                ("offsets", _ptr), ("lengths", _ptr), ("k", _ptr), ("k_scales", _ptr), ("v", _ptr),
                 ("v_scales", _ptr), ("kv_type", ctypes.c_int), ("n_cells", _i64)]
 
 
@@ -96,15 +96,15 @@ def layer_times(kernels: NativeKernels, on: bool) -> dict[str, float]:
 
 
 class DecodeStep:
-    """What one micro-batch's decode tokens bring to every layer that attends through the same view: their RoPE
-    (cos, sin float32 [n_tokens, head_dim]), the cells they write and read, and the KV store."""
+    """What one micro-batch's tokens bring to every layer that attends through the same view: their RoPE (cos, sin
+    float32 [n_tokens, head_dim]), the cells they write and read (`cells`, see kvlm.memory.view.TokenCells), and the
+    KV store."""
 
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, write_cells: torch.Tensor, cells: torch.Tensor,
-                 lengths: torch.Tensor, store) -> None:
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, write_cells: torch.Tensor, cells, store) -> None:
         (k, k_scales), (v, v_scales) = store.k.stored(), store.v.stored()
         planes = (k, k_scales, v, v_scales)
         kv_type = KV_Q8_0 if k_scales is not None else KV_TYPES[k.dtype]
-        self._keep = (cos, sin, write_cells, cells, lengths, planes)
+        self._keep = (cos, sin, write_cells, cells, planes)
         self.spec = StepSpec(len(write_cells), cos.data_ptr(), sin.data_ptr(), write_cells.data_ptr(),
-                             cells.data_ptr(), cells.stride(0), lengths.data_ptr(),
+                             cells.cells.data_ptr(), cells.offsets.data_ptr(), cells.lengths.data_ptr(),
                              *(None if p is None else p.data_ptr() for p in planes), kv_type, store.n_cells)

@@ -1,23 +1,27 @@
 """A decoder layer's small ops through the native library (csrc/layer_ops.h): one call each where torch runs
-several eager ops (an RMSNorm in bfloat16 is eight of them; decode attention over a cache a gather, a conversion
-and the fused kernel per sequence). Their torch references are the model's own ops (kvlm.model.ops), which the
+several eager ops (an RMSNorm in bfloat16 is eight of them; attention over a cache a gather, a conversion and
+the fused kernel per group of tokens). Their torch references are the model's own ops (kvlm.model.ops), which the
 tests compare these with."""
 from __future__ import annotations
 
 import ctypes
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from kvlm.memory.view import TokenCells
+
 KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 KV_Q8_0 = 3
-HEAD_DIM_STEP = 16  # decode attention's head_dim must be a multiple of this (attention.h's HEAD_DIM_STEP)
+HEAD_DIM_STEP = 16  # attention's head_dim must be a multiple of this (attention.h's HEAD_DIM_STEP)
 
 
 class NativeLayerOps:
     def __init__(self, lib: ctypes.CDLL) -> None:
         i32, i64, ptr, f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-        self._attention = lib.kvlm_decode_attention
-        self._attention.argtypes = [ptr, i32, i64, i32, i32, i32, f32, ptr, ptr, ptr, ptr, i32, ptr, i64, ptr, ptr,
+        self._attention = lib.kvlm_attention
+        self._attention.argtypes = [ptr, i32, i64, i32, i32, i32, f32, ptr, ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr,
                                     ptr, i32]
         self._rms_norm = lib.kvlm_rms_norm
         self._rms_norm.argtypes = [ptr, ptr, i32, i64, i64, ptr, f32, ptr, ptr, i32]
@@ -27,14 +31,19 @@ class NativeLayerOps:
         self._head_norm.argtypes = [ptr, i32, i64, i64, i32, i32, ptr, f32, i32]
         self._gated = lib.kvlm_gated
         self._gated.argtypes = [ptr, i32, i64, i64, i32, ptr, i32]
+        self._sigmoid_gate = lib.kvlm_sigmoid_gate
+        self._sigmoid_gate.argtypes = [ptr, i32, i64, i64, ptr, i64, ptr, i32]
+        self._softcap = lib.kvlm_softcap
+        self._softcap.argtypes = [ptr, i64, i64, f32, i32]
         self._delta_step = lib.kvlm_delta_step
         self._delta_step.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i32, i32, i32]
 
-    def decode_attention(self, q: torch.Tensor, k_plane: tuple, v_plane: tuple, cells: torch.Tensor,
-                         lengths: torch.Tensor, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """q [T, n_head, d] (float32 or bfloat16, contiguous) over the cells cells[t, :lengths[t]] of the K and V
-        planes (each `(data [n_cells, n_kv, d], q8 scales or None)`, see KVPlane.native); [T, n_head * d].
-        `sinks`: [n_head] float32 (contiguous) sink logits joining each head's softmax, or None."""
+    def attention(self, q: torch.Tensor, k_plane: tuple, v_plane: tuple, cells: TokenCells, scale: float,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, n_head, d] (float32 or bfloat16, contiguous) over the cells each token reads (`cells`, see
+        TokenCells) of the K and V planes (each `(data [n_cells, n_kv, d], q8 scales or None)`, see
+        KVPlane.native); [T, n_head * d]. `sinks`: [n_head] float32 (contiguous) sink logits joining each head's
+        softmax, or None."""
         (k, k_scales), (v, v_scales) = k_plane, v_plane
         n_tokens, n_head, dim = q.shape
         kv_type = KV_Q8_0 if k_scales is not None else KV_TYPES[k.dtype]
@@ -42,10 +51,11 @@ class NativeLayerOps:
         status = self._attention(
             q.data_ptr(), q.dtype == torch.bfloat16, n_tokens, n_head, k.shape[1], dim, scale, k.data_ptr(),
             None if k_scales is None else k_scales.data_ptr(), v.data_ptr(),
-            None if v_scales is None else v_scales.data_ptr(), kv_type, cells.data_ptr(), cells.stride(0),
-            lengths.data_ptr(), None if sinks is None else sinks.data_ptr(), out.data_ptr(), torch.get_num_threads())
+            None if v_scales is None else v_scales.data_ptr(), kv_type, cells.cells.data_ptr(),
+            cells.offsets.data_ptr(), cells.lengths.data_ptr(), None if sinks is None else sinks.data_ptr(),
+            out.data_ptr(), torch.get_num_threads())
         if status:
-            raise ValueError(f"decode attention cannot take n_head {n_head}, n_kv {k.shape[1]}, head_dim {dim} "
+            raise ValueError(f"attention cannot take n_head {n_head}, n_kv {k.shape[1]}, head_dim {dim} "
                              f"with this cache type")
         return out
 
@@ -89,6 +99,22 @@ class NativeLayerOps:
         self._gated(gate_up.data_ptr(), gate_up.dtype == torch.bfloat16, rows, width // 2, gelu, out.data_ptr(),
                     torch.get_num_threads())
         return out
+
+    def sigmoid_gate(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """x * sigmoid(gate) for x [rows, n] (contiguous), gate [rows, n] or [rows, 1] (any float dtype)."""
+        rows, width = x.shape
+        gate = gate.to(torch.float32).contiguous()
+        if gate.shape not in ((rows, width), (rows, 1)):
+            raise ValueError(f"sigmoid_gate got x {tuple(x.shape)} and gate {tuple(gate.shape)}")
+        out = torch.empty_like(x)
+        self._sigmoid_gate(x.data_ptr(), x.dtype == torch.bfloat16, rows, width, gate.data_ptr(), gate.shape[1],
+                           out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def softcap_(self, logits: torch.Tensor, cap: float) -> torch.Tensor:
+        """cap * tanh(logits / cap) in place, for float32 logits [rows, n] (contiguous)."""
+        self._softcap(logits.data_ptr(), logits.shape[0], logits.shape[1], cap, torch.get_num_threads())
+        return logits
 
     def delta_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                    state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,7 +28,9 @@ import torch
 
 from kvlm.home import kvlm_home
 from kvlm.kernels.blocks import TILE_ROWS, BlockMatrix
+from kvlm.kernels.dense import NativeDenseProduct
 from kvlm.kernels.layer_ops import NativeLayerOps
+from kvlm.kernels.recurrent import NativeRecurrentOps
 
 log = logging.getLogger("kvlm")
 
@@ -113,6 +115,7 @@ class NativeKernels:
         self.experts_function = self._lib.kvlm_experts
         self.experts_function.argtypes = [ptr, ptr, ctypes.c_int, i64, ctypes.c_int, ptr, ptr, ptr, ctypes.c_int]
         self.layer_ops = NativeLayerOps(self._lib)
+        self.recurrent = NativeRecurrentOps(self._lib)
 
     def interleave(self, matrix: BlockMatrix) -> BlockMatrix:
         """The matrix in the layout the products read fastest: its rows rearranged in tiles of 8 (kernels/csrc/tiles.h)
@@ -148,6 +151,11 @@ class NativeKernels:
 
     def product(self, parts: list[BlockMatrix]) -> NativeProduct:
         return NativeProduct(self._lib, parts)
+
+    def dense(self, weight: torch.Tensor) -> NativeDenseProduct:
+        """x @ weight.T for float32, float16 or bfloat16 weights [out, in], each output row the same bits whatever
+        the other rows of x (kvlm.kernels.dense)."""
+        return NativeDenseProduct(self._lib, weight)
 
 
 class NativeProduct:

@@ -6,14 +6,29 @@ before them (zeros for a fresh sequence), and returns the output and the states 
 in pieces, each piece continuing from the states the previous one returned, gives what feeding it whole gives.
 Projections run in x's dtype, the scans and their states in float32. They match transformers' Lfm2ShortConv,
 Mamba2Mixer and Qwen3_5GatedDeltaNet (whose projections the caller does: gated_delta_net takes their outputs).
+
+Given `native` (kvlm.kernels.recurrent's ops), everything between the projections runs in native kernels that step
+every token in order with one fixed sequence of float operations, a prompt as a run of decode steps: a token's
+output then has the same bits however its sequence was cut into calls and whatever shares the call. Without it
+(the reference mode, or no compiler), torch runs prompts through chunked algorithms and single tokens through the
+recurrence, which agree only up to float rounding.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from kvlm.kernels.recurrent import NativeRecurrentOps
+
+# A projection: a weight [out, in] for F.linear, or a kvlm Linear (e.g. native products over a GGUF's blocks)
+# taking [rows, in] to [rows, out].
+Projection = torch.Tensor | Callable[[torch.Tensor], torch.Tensor]
 
 # Tokens per block of the chunked scan: its work within a block grows with the block's length, the Python
 # steps between blocks with their number. 32 and 64 were fastest on one CPU core for prompts of hundreds of
@@ -26,25 +41,37 @@ DELTA_CHUNK = 64
 
 @dataclass
 class ShortConvWeights:
-    in_proj: torch.Tensor  # [3*d, d]: the rows of B, then C, then x
+    in_proj: Projection  # [3*d, d]: the rows of B, then C, then x
     conv: torch.Tensor  # [d, L]: one causal filter per channel
-    out_proj: torch.Tensor  # [d, d]
+    out_proj: Projection  # [d, d]
     in_proj_bias: torch.Tensor | None = None
     conv_bias: torch.Tensor | None = None
     out_proj_bias: torch.Tensor | None = None
 
 
-def short_conv(w: ShortConvWeights, x: torch.Tensor,
-               conv_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _project(proj: Projection, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., in] through a projection (a weight or a kvlm Linear), plus its bias if any: [..., out]."""
+    if isinstance(proj, torch.Tensor):
+        return F.linear(x, proj, bias)
+    y = proj(x.reshape(-1, x.shape[-1])).unflatten(0, x.shape[:-1])
+    return y if bias is None else y + bias
+
+
+def short_conv(w: ShortConvWeights, x: torch.Tensor, conv_state: torch.Tensor,
+               native: NativeRecurrentOps | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """LFM2's gated short convolution: out_proj(C * conv(B * x)).
 
     conv_state [n_seq, d, L-1] holds the last L-1 inputs of the convolution. Returns y [n_seq, T, d] and the
-    new conv_state.
+    new conv_state. The gates are products, whose bits torch computes the same anywhere: only the convolution
+    differs with `native`.
     """
-    b, c, h = F.linear(x, w.in_proj, w.in_proj_bias).transpose(1, 2).chunk(3, dim=1)
-    conv_out, conv_state = causal_conv(b * h, conv_state, w.conv, w.conv_bias)
-    y = (c * conv_out).transpose(1, 2)
-    return F.linear(y, w.out_proj, w.out_proj_bias), conv_state
+    b, c, h = _project(w.in_proj, x, w.in_proj_bias).chunk(3, dim=-1)
+    if native is None:
+        conv_out, conv_state = causal_conv((b * h).transpose(1, 2), conv_state, w.conv, w.conv_bias)
+        conv_out = conv_out.transpose(1, 2)
+    else:
+        conv_out, conv_state = native.causal_conv(b * h, conv_state, w.conv, w.conv_bias)
+    return _project(w.out_proj, c * conv_out, w.out_proj_bias), conv_state
 
 
 def causal_conv(u: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
@@ -65,14 +92,14 @@ def causal_conv(u: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
 
 @dataclass
 class Mamba2Weights:
-    in_proj: torch.Tensor  # [2*d_inner + 2*G*N + H, d_model]: the rows of z, then x, B, C (the conv's input), dt
+    in_proj: Projection  # [2*d_inner + 2*G*N + H, d_model]: the rows of z, then x, B, C (the conv's input), dt
     conv: torch.Tensor  # [conv_dim, K], conv_dim = d_inner + 2*G*N
     conv_bias: torch.Tensor | None
     dt_bias: torch.Tensor  # [H]
     A_log: torch.Tensor  # [H]: A = -exp(A_log)
     D: torch.Tensor  # [H]
     norm: torch.Tensor  # [d_inner]
-    out_proj: torch.Tensor  # [d_model, d_inner]
+    out_proj: Projection  # [d_model, d_inner]
     n_heads: int  # H
     head_dim: int  # P
     d_state: int  # N
@@ -85,10 +112,11 @@ class Mamba2Weights:
 
     def __post_init__(self) -> None:
         # mamba_ssm's optional MLP branch (d_mlp > 0) would add rows before z; transformers splits in_proj
-        # into exactly z, xBC and dt and has no such branch, so neither do we.
-        if self.in_proj.shape[0] != self.d_inner + self.conv_dim + self.n_heads:
-            raise ValueError(f"Mamba2 in_proj has {self.in_proj.shape[0]} rows, expected "
-                             f"{self.d_inner + self.conv_dim + self.n_heads} (z, xBC, dt; no MLP branch)")
+        # into exactly z, xBC and dt and has no such branch, so neither do we. (A Linear's rows are its own.)
+        rows = self.d_inner + self.conv_dim + self.n_heads
+        if isinstance(self.in_proj, torch.Tensor) and self.in_proj.shape[0] != rows:
+            raise ValueError(f"Mamba2 in_proj has {self.in_proj.shape[0]} rows, expected {rows} "
+                             f"(z, xBC, dt; no MLP branch)")
         if self.n_heads % self.n_groups:
             raise ValueError(f"Mamba2 n_heads {self.n_heads} is not a multiple of n_groups {self.n_groups}")
 
@@ -105,14 +133,19 @@ class Mamba2Weights:
         return self.conv.shape[1]
 
 
-def mamba2_mixer(w: Mamba2Weights, x: torch.Tensor, conv_state: torch.Tensor,
-                 ssm_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def mamba2_mixer(w: Mamba2Weights, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+                 native: NativeRecurrentOps | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Mamba2's mixer: in_proj, causal conv + SiLU, selective scan with D skip, gated RMS norm, out_proj.
 
     conv_state [n_seq, conv_dim, K-1] holds the last K-1 inputs of the convolution; ssm_state [n_seq, H, P, N]
     the scan's state (float32). Returns y [n_seq, T, d_model] and both new states.
     """
-    z, xbc, dt = F.linear(x, w.in_proj, w.in_proj_bias).split([w.d_inner, w.conv_dim, w.n_heads], dim=-1)
+    z, xbc, dt = _project(w.in_proj, x, w.in_proj_bias).split([w.d_inner, w.conv_dim, w.n_heads], dim=-1)
+    if native is not None:
+        xbc, conv_state = native.causal_conv(xbc, conv_state, w.conv, w.conv_bias, silu=True,
+                                             out_dtype=torch.float32)
+        y, ssm_state = native.mamba2_scan(w, xbc, z, dt, ssm_state)
+        return _project(w.out_proj, y, w.out_proj_bias), conv_state, ssm_state
     xbc, conv_state = causal_conv(xbc.transpose(1, 2), conv_state, w.conv, w.conv_bias)
     bc_size = w.n_groups * w.d_state
     h, b, c = F.silu(xbc).transpose(1, 2).float().split([w.d_inner, bc_size, bc_size], dim=-1)
@@ -122,7 +155,7 @@ def mamba2_mixer(w: Mamba2Weights, x: torch.Tensor, conv_state: torch.Tensor,
     y, ssm_state = ssd_scan(h, dt, -torch.exp(w.A_log.float()), b, c, ssm_state.float())
     y = (y + w.D.float()[:, None] * h).flatten(-2)
     y = gated_rms_norm(y, z, w.norm, w.n_groups, w.eps)
-    return F.linear(y.to(x.dtype), w.out_proj, w.out_proj_bias), conv_state, ssm_state
+    return _project(w.out_proj, y.to(x.dtype), w.out_proj_bias), conv_state, ssm_state
 
 
 def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
@@ -233,15 +266,20 @@ class DeltaNetWeights:
 
 
 def gated_delta_net(w: DeltaNetWeights, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
-                    conv_state: torch.Tensor, state: torch.Tensor,
-                    step=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    conv_state: torch.Tensor, state: torch.Tensor, step=None,
+                    native: NativeRecurrentOps | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Qwen3.5's linear attention between its projections: causal conv + SiLU, the gated delta rule, gated RMS norm.
 
     qkv [n_seq, T, conv_dim] (in_proj_qkv's output: the rows of q, then k, then v), z [n_seq, T, Hv*Dv],
     b and a [n_seq, T, Hv]; conv_state [n_seq, conv_dim, K-1] holds the last K-1 inputs of the convolution,
     state [n_seq, Hv, Dk, Dv] the delta rule's (float32). Returns y [n_seq, T, Hv*Dv] in qkv's dtype (out_proj's
-    input) and both new states. `step`: gated_delta_rule's one-token step (default: delta_step, in torch).
+    input) and both new states. `step`: gated_delta_rule's one-token step (default: delta_step, in torch), unused
+    with `native`.
     """
+    if native is not None:
+        mixed, conv_state = native.causal_conv(qkv, conv_state, w.conv, None, silu=True, out_dtype=torch.float32)
+        y, state = native.gated_delta_net(w, mixed, z, b, a, state)
+        return y, conv_state, state
     mixed, conv_state = causal_conv(qkv.transpose(1, 2), conv_state, w.conv, None)
     q, k, v = F.silu(mixed.float()).transpose(1, 2).split([w.key_dim, w.key_dim, w.value_dim], dim=-1)
     # Normalized per key head, before each is copied to the value heads that read it.

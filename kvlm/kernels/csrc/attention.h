@@ -1,11 +1,13 @@
-// Decode attention read straight from the KV cells: each token's query heads over the cells it reads (its own
-// included), K and V converted from the cache's dtype (f32, f16, bf16, q8_0) as they are read, float32 throughout.
+// Attention read straight from the KV cells, for every token alike (a decode token, a prompt's, a guess being
+// verified): each token's query heads over the cells it reads (its own included) in position order, K and V
+// converted from the cache's dtype (f32, f16, bf16, q8_0) as they are read, float32 throughout.
 //
 // The work is one task per (token, KV head, chunk of CHUNK_CELLS cells): the query heads sharing that KV head take
 // their scores against the chunk's rows, a softmax with the chunk's own maximum, and the weighted sum of its V rows;
 // the chunks of a (token, KV head) are then merged (each rescaled by exp(its maximum - the overall one)). So one
-// token over a long context is shared among the threads, and since chunks are fixed by position in the cell list,
-// the result depends neither on the number of threads nor on the other tokens of the step.
+// token over a long context is shared among the threads, and since chunks are fixed by position in the token's own
+// cell list, its result depends only on that list: neither on the number of threads, nor on the other tokens of
+// the step, nor on whether its prefix was computed in this call or an earlier one (batch invariance).
 //
 // Attention sinks (gpt-oss): one learned logit per query head joins each softmax's denominator, with no value row,
 // so a head may attend to "nothing"; the merge starts its maximum and sum from the sink's logit.
@@ -268,7 +270,8 @@ inline void attend_chunk(const float* q, int group, int d, float scale, const in
 }
 
 // Where a step's attention reads and writes: per token its query heads (float32 or bfloat16, q_stride values
-// apart from one token to the next), its cells and their count, and its output row (out_stride apart).
+// apart from one token to the next), its cells (cells[offsets[t]] onwards, lengths[t] of them: the tokens of one
+// sequence's prompt point into one shared list) and its output row (out_stride apart).
 struct AttentionWork {
     const void* q;
     bool bf16;
@@ -277,7 +280,7 @@ struct AttentionWork {
     int n_head, n_kv, d;
     float scale;
     const int64_t* cells;
-    int64_t cells_stride;
+    const int64_t* offsets;
     const int64_t* lengths;
     KVPlane k, v;
     void* out;
@@ -311,7 +314,7 @@ inline void attention_in_team(const AttentionWork& w, std::vector<float>& partia
         else
             std::copy_n(static_cast<const float*>(w.q) + q_at, int64_t(group) * d, query.data());
         float* part = partials.data() + (t * w.n_kv + head) * per_head + chunk * per_chunk;
-        attend_chunk(query.data(), group, d, w.scale, w.cells + t * w.cells_stride + first, n, w.k, w.v, head, part,
+        attend_chunk(query.data(), group, d, w.scale, w.cells + w.offsets[t] + first, n, w.k, w.v, head, part,
                      part + group, part + 2 * group, scores);
     }
 #pragma omp for schedule(static)

@@ -42,9 +42,9 @@ struct StepSpec {
     const float* cos;          // [n_tokens][d]
     const float* sin;
     const int64_t* write_cells;  // [n_tokens]: where each token's K and V go
-    const int64_t* cells;      // [n_tokens][cells_stride]: the cells each token reads (its own included) ...
-    int64_t cells_stride;
-    const int64_t* lengths;    // ... how many of them
+    const int64_t* cells;      // the cells each token reads (its own included): cells[offsets[t]] onwards ...
+    const int64_t* offsets;
+    const int64_t* lengths;    // ... lengths[t] of them
     void* k;                   // the store's planes, every layer: [n_layer][n_cells][n_kv][d] of kv_type
     uint16_t* k_scales;        // q8_0: [n_layer][n_cells][n_kv][d / 32] f16
     void* v;
@@ -201,7 +201,7 @@ inline void decode_layer(const LayerSpec& L, const StepSpec& S, int layer, void*
          *gated = buffers[5];
     const LayerPlanes planes(S, layer, int64_t(L.n_kv) * d);
     const AttentionWork attention{qkv, bf16, qkv_width, T, L.n_head, L.n_kv, d, L.attention_scale, S.cells,
-                                  S.cells_stride, S.lengths, planes.read(0, L.n_kv, d), planes.read(1, L.n_kv, d),
+                                  S.offsets, S.lengths, planes.read(0, L.n_kv, d), planes.read(1, L.n_kv, d),
                                   attended, q_width, L.sinks};
     static thread_local std::vector<float> partials;
     std::vector<float>* shared_partials = &partials;

@@ -14,9 +14,11 @@
 #include "attention.h"
 #include "decode_layer.h"
 #include "delta_rule.h"
+#include "dense.h"
 #include "experts.h"
 #include "layer_ops.h"
 #include "products.h"
+#include "recurrent.h"
 
 using namespace kvlm;
 
@@ -119,17 +121,17 @@ int kvlm_matmul(const void* x, int x_bf16, int64_t m, int64_t k, int n_parts, co
     return OK;
 }
 
-// Decode attention straight from the KV planes (attention.h): token t's query heads [n_head][d] (q, float32 or
-// bfloat16) over the cells cells[t][0 .. lengths[t]-1] of K and V ([cells][n_kv][d] of kv_type; q8_0 with scales),
-// query heads g*j .. g*j+g-1 reading KV head j; out [n_tokens][n_head * d] in q's dtype. sinks: [n_head] logits
-// joining each head's softmax denominator (gpt-oss), or null.
-int kvlm_decode_attention(const void* q, int q_bf16, int64_t n_tokens, int n_head, int n_kv, int d, float scale,
-                          const void* k, const uint16_t* k_scales, const void* v, const uint16_t* v_scales,
-                          int kv_type, const int64_t* cells, int64_t cells_stride, const int64_t* lengths,
-                          const float* sinks, void* out, int n_threads) {
+// Attention straight from the KV planes (attention.h): token t's query heads [n_head][d] (q, float32 or bfloat16)
+// over the cells cells[offsets[t]] .. cells[offsets[t] + lengths[t] - 1] of K and V ([cells][n_kv][d] of kv_type;
+// q8_0 with scales), query heads g*j .. g*j+g-1 reading KV head j; out [n_tokens][n_head * d] in q's dtype. sinks:
+// [n_head] logits joining each head's softmax denominator (gpt-oss), or null.
+int kvlm_attention(const void* q, int q_bf16, int64_t n_tokens, int n_head, int n_kv, int d, float scale,
+                   const void* k, const uint16_t* k_scales, const void* v, const uint16_t* v_scales, int kv_type,
+                   const int64_t* cells, const int64_t* offsets, const int64_t* lengths, const float* sinks, void* out,
+                   int n_threads) {
     if (n_kv <= 0 || n_head % n_kv || d % HEAD_DIM_STEP || kv_type < KV_F32 || kv_type > KV_Q8_0) return BAD_SHAPE;
     const int64_t width = int64_t(n_head) * d;
-    const AttentionWork work{q, q_bf16 != 0, width, n_tokens, n_head, n_kv, d, scale, cells, cells_stride, lengths,
+    const AttentionWork work{q, q_bf16 != 0, width, n_tokens, n_head, n_kv, d, scale, cells, offsets, lengths,
                              {k, k_scales, kv_type, n_kv, d}, {v, v_scales, kv_type, n_kv, d}, out, width, sinks};
     static thread_local std::vector<float> partials;
     std::vector<float>* shared = &partials;  // the calling thread's (in the team, `partials` is each thread's own)
@@ -175,6 +177,20 @@ int kvlm_gated(const void* gate_up, int bf16, int64_t rows, int64_t n, int gelu,
     return OK;
 }
 
+// out [rows][n] = x * sigmoid(gate), gate float32 [rows][gate_cols]: gate_cols n (elementwise) or 1 (per row).
+int kvlm_sigmoid_gate(const void* x, int bf16, int64_t rows, int64_t n, const float* gate, int64_t gate_cols, void* out,
+                      int n_threads) {
+    if (gate_cols != n && gate_cols != 1) return BAD_SHAPE;
+    for_rows(rows, rows * n, n_threads, [&](int64_t r) { sigmoid_gate_row(x, bf16, r, n, gate, gate_cols, out); });
+    return OK;
+}
+
+// logits [rows][n] (float32) = cap * tanh(logits / cap), in place.
+int kvlm_softcap(float* logits, int64_t rows, int64_t n, float cap, int n_threads) {
+    for_rows(rows, rows * n, n_threads, [&](int64_t r) { softcap_row(logits, r, n, cap); });
+    return OK;
+}
+
 // Qwen3.5's gated delta rule for one token (delta_rule.h) over n_heads_total independent heads (n_seq * H), all
 // float32 and contiguous: state and new_state [n_heads_total][dk][dv], q and k [n_heads_total][dk], v and out
 // [n_heads_total][dv], g (log decays) and beta [n_heads_total].
@@ -188,6 +204,92 @@ int kvlm_delta_step(const float* state, float* new_state, const float* q, const 
         reads.resize(size_t(2 * dv));
         delta_step_head(state + h * head, new_state + h * head, q + h * dk, k + h * dk, v + h * dv, g[h], beta[h],
                         out + h * dv, dk, dv, reads.data());
+    });
+    return OK;
+}
+
+// The gated delta rule over n_tokens tokens of each of n_seq sequences, token by token (delta_rule.h's
+// delta_rule_head: one token gives kvlm_delta_step's bits), all float32 and contiguous: q and k
+// [n_seq][n_tokens][n_heads][dk], v and out [n_seq][n_tokens][n_heads][dv], g (log decays) and beta
+// [n_seq][n_tokens][n_heads], state and new_state [n_seq][n_heads][dk][dv] (state is left as it was).
+int kvlm_delta_rule(const float* state, float* new_state, const float* q, const float* k, const float* v,
+                    const float* g, const float* beta, float* out, int64_t n_seq, int64_t n_tokens, int n_heads,
+                    int dk, int dv, int n_threads) {
+    if (n_seq < 0 || n_tokens <= 0 || n_heads <= 0 || dk <= 0 || dv <= 0) return BAD_SHAPE;
+    const int64_t head = int64_t(dk) * dv;
+    for_rows(n_seq * n_heads, n_seq * n_tokens * n_heads * head, n_threads, [&](int64_t i) {
+        static thread_local std::vector<float> reads;
+        reads.resize(size_t(2 * dv));
+        const int64_t s = i / n_heads, first = s * n_tokens * n_heads + i % n_heads;  // token 0's (s, h)
+        const DeltaTokens tokens{q + first * dk, k + first * dk, v + first * dv, g + first, beta + first,
+                                 out + first * dv, int64_t(n_heads) * dk, int64_t(n_heads) * dv, n_heads,
+                                 int64_t(n_heads) * dv};
+        delta_rule_head(state + i * head, new_state + i * head, tokens, n_tokens, dk, dv, reads.data());
+    });
+    return OK;
+}
+
+// Depthwise causal convolution (recurrent.h) of x [n_seq][n_tokens][channels] (token rows x_stride values apart)
+// by weight [channels][taps] after each sequence's last taps - 1 inputs, state [n_seq][channels][taps - 1]; plus
+// bias [channels] (or null), then SiLU where `silu` says. out [n_seq][n_tokens][channels]; new_state as state.
+// x, out and the states float32 or bfloat16 as their flags say, weight and bias float32.
+int kvlm_causal_conv(const void* x, int x_bf16, int64_t x_stride, int64_t n_seq, int64_t n_tokens, int64_t channels,
+                     const void* state, int state_bf16, const float* weight, int taps, const float* bias, int silu,
+                     void* out, int out_bf16, void* new_state, int n_threads) {
+    if (n_seq < 0 || n_tokens <= 0 || channels <= 0 || taps <= 0 || x_stride < channels) return BAD_SHAPE;
+    const CausalConv conv{{x, x_bf16 != 0, x_stride}, n_tokens, channels, state, state_bf16 != 0, weight, taps,
+                          bias, silu != 0, out, out_bf16 != 0, new_state};
+    const int64_t blocks = (channels + CONV_CHANNELS - 1) / CONV_CHANNELS;
+    for_rows(n_seq * blocks, n_seq * n_tokens * channels * taps, n_threads, [&](int64_t i) {
+        static thread_local std::vector<float> scratch;
+        causal_conv_channels(conv, i / blocks, i % blocks * CONV_CHANNELS, scratch);
+    });
+    return OK;
+}
+
+// Mamba2's selective scan and gated RMS norm (recurrent.h) after the convolution: xbc [n_seq][n_tokens][H*P + 2*G*N]
+// float32 (x, B, C after the SiLU), z [..][H*P] and raw dt [..][H] (rows z_stride and dt_stride values apart, both
+// float32 or bfloat16 as `bf16` says), state and new_state [n_seq][H][P][N] float32; out [n_seq][n_tokens][H*P] in
+// z's dtype. dt_bias, A_log, D [H] and norm [H*P] float32; dt is clamped to [dt_min, dt_max].
+int kvlm_mamba2_scan(const float* xbc, const void* z, int64_t z_stride, const void* dt, int64_t dt_stride, int bf16,
+                     int64_t n_seq, int64_t n_tokens, int n_heads, int head_dim, int d_state, int n_groups,
+                     const float* dt_bias, const float* A_log, const float* D, const float* norm, float dt_min,
+                     float dt_max, float eps, const float* state, float* new_state, void* out, int n_threads) {
+    if (n_seq < 0 || n_tokens <= 0 || n_heads <= 0 || head_dim <= 0 || d_state <= 0 || n_groups <= 0 ||
+        n_heads % n_groups || z_stride < int64_t(n_heads) * head_dim || dt_stride < n_heads)
+        return BAD_SHAPE;
+    const Mamba2Scan scan{xbc, {z, bf16 != 0, z_stride}, {dt, bf16 != 0, dt_stride}, n_tokens, n_heads, head_dim,
+                          d_state, n_groups, dt_bias, A_log, D, norm, dt_min, dt_max, eps, state, new_state};
+    const int64_t rows = n_seq * n_tokens, d_inner = scan.d_inner();
+    static thread_local std::vector<float> scanned;
+    scanned.resize(size_t(rows * d_inner));
+    float* y = scanned.data();  // the calling thread's (in the team, `scanned` is each thread's own)
+    for_rows(n_seq * n_heads, rows * d_inner * d_state, n_threads,
+             [&](int64_t i) { mamba2_scan_head(scan, i / n_heads, int(i % n_heads), y); });
+    for_rows(rows * n_groups, rows * d_inner, n_threads, [&](int64_t i) {
+        static thread_local std::vector<float> values;
+        mamba2_gated_norm(scan, i / n_groups, int(i % n_groups), y, out, values);
+    });
+    return OK;
+}
+
+// Qwen3.5's gated delta net between its projections, after the convolution (recurrent.h): mixed
+// [n_seq][n_tokens][2*Hk*Dk + Hv*Dv] float32 (q, k, v after the SiLU), z [..][Hv*Dv], b and a [..][Hv] (rows
+// z_stride, b_stride and a_stride values apart, all float32 or bfloat16 as `bf16` says), state and new_state
+// [n_seq][Hv][Dk][Dv] float32; out [n_seq][n_tokens][Hv*Dv] in z's dtype. dt_bias and A [Hv], norm [Dv] float32.
+int kvlm_gated_delta_net(const float* mixed, const void* z, int64_t z_stride, const void* b, int64_t b_stride,
+                         const void* a, int64_t a_stride, int bf16, int64_t n_seq, int64_t n_tokens, int n_k_heads,
+                         int n_v_heads, int dk, int dv, int v_heads_tiled, const float* dt_bias, const float* A,
+                         const float* norm, float eps, const float* state, float* new_state, void* out,
+                         int n_threads) {
+    if (n_seq < 0 || n_tokens <= 0 || n_k_heads <= 0 || n_v_heads <= 0 || n_v_heads % n_k_heads || dk <= 0 || dv <= 0 ||
+        z_stride < int64_t(n_v_heads) * dv || b_stride < n_v_heads || a_stride < n_v_heads)
+        return BAD_SHAPE;
+    const DeltaNet net{mixed, {z, bf16 != 0, z_stride}, {b, bf16 != 0, b_stride}, {a, bf16 != 0, a_stride}, n_tokens,
+                       n_k_heads, n_v_heads, dk, dv, v_heads_tiled != 0, dt_bias, A, norm, eps, state, new_state, out};
+    for_rows(n_seq * n_v_heads, n_seq * n_tokens * n_v_heads * dk * dv, n_threads, [&](int64_t i) {
+        static thread_local DeltaNetScratch scratch;
+        delta_net_head(net, i / n_v_heads, int(i % n_v_heads), scratch);
     });
     return OK;
 }
@@ -220,6 +322,19 @@ int kvlm_experts(const ExpertsSpec* spec, const void* x, int bf16, int64_t n_tok
     if (n_tokens <= 0 || n_used <= 0 || !routing.build(ids, n_tokens * n_used, n_used, spec->n_expert)) return BAD_SHAPE;
     experts_ffn(*spec, x, bf16 != 0, n_tokens, n_used, routing, weights, out, n_threads);
     return OK;
+}
+
+// Dense weights w [n][k] (float32, float16 or bfloat16: `type` 0, 1, 2) rearranged into `packed` (as many bytes)
+// in the layout kvlm_dense_matmul reads (dense.h).
+int kvlm_dense_pack(const void* w, int type, int64_t n, int64_t k, void* packed, int n_threads) {
+    return pack_dense(w, type, n, k, packed, n_threads);
+}
+
+// y [m][n] = x [m][k] times the transpose of weights packed by kvlm_dense_pack, x and y float32 or bfloat16: each
+// output row the same bits whatever the other rows and the number of threads (dense.h).
+int kvlm_dense_matmul(const void* x, int x_bf16, int64_t m, int64_t k, const void* packed, int type, int64_t n,
+                      void* y, int y_bf16, int n_threads) {
+    return dense_product(x, x_bf16 != 0, m, k, packed, type, n, y, y_bf16 != 0, n_threads);
 }
 
 // The fused layers' time by phase (decode_layer.h): `on` starts (or stops) summing; out gets the sums so far, in

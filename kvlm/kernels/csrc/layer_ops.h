@@ -1,6 +1,11 @@
 // The small ops of a decoder layer, each one pass over its rows instead of torch's several eager ops: RMSNorm (with
-// the residual add before it), QK-norm and RoPE in place, and the gated activation (decode attention: attention.h). Plain C++ in float32 that the compiler vectorizes for the -march it builds; activations are
-// float32 or bfloat16 (rounded once, at the end of each op, where torch rounds after every step).
+// the residual add before it), QK-norm and RoPE in place, the gated activation, a sigmoid gate and the logits'
+// softcap (attention: attention.h). Plain C++ in float32 that the compiler vectorizes for the -march it builds;
+// activations are float32 or bfloat16 (rounded once, at the end of each op, where torch rounds after every step).
+// An element's result depends only on its row's values and its place in the row, never on how many rows a call
+// holds (torch's own elementwise ops round a value differently in a tensor's vectorized body and its scalar tail):
+// a token's activations do not depend on its batch. Transcendental functions are scalar calls (g++ vectorizes them
+// only under -ffast-math), so every element takes the same code.
 #pragma once
 
 #include <algorithm>
@@ -116,6 +121,20 @@ inline void gated_row(const void* gate_up, bool bf16, int64_t r, int64_t n, bool
         const float a = gelu ? gelu_tanh(g) : g / (1.0f + std::exp(-g));
         store_value(out, bf16, r * n + i, a * u);
     }
+}
+
+// out [n] = x * sigmoid(gate) for one row: gate [n], or [1] for the whole row (gate_cols 1); gate float32.
+inline void sigmoid_gate_row(const void* x, bool bf16, int64_t r, int64_t n, const float* gate, int64_t gate_cols,
+                             void* out) {
+    for (int64_t i = 0; i < n; ++i) {
+        const float g = gate[r * gate_cols + (gate_cols == 1 ? 0 : i)];
+        store_value(out, bf16, r * n + i, load_value(x, bf16, r * n + i) / (1.0f + std::exp(-g)));
+    }
+}
+
+// cap * tanh(x / cap) over one row of n float32 logits, in place (Gemma's final softcap).
+inline void softcap_row(float* logits, int64_t r, int64_t n, float cap) {
+    for (int64_t i = 0; i < n; ++i) logits[r * n + i] = cap * std::tanh(logits[r * n + i] / cap);
 }
 
 }  // namespace kvlm
