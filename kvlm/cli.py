@@ -134,8 +134,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _budget_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-budget", type=_size, default=None, metavar="SIZE",
-                        help="most memory for weights, their dense copies, the KV cache and buffers, e.g. 6GiB "
-                             "(default: what the machine has; dense copies only while a quarter of it stays free)")
+                        help="most memory for weights, the KV cache and buffers, e.g. 6GiB "
+                             "(default: what the machine has)")
 
 
 def _size(text: str) -> int:
@@ -159,10 +159,12 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
                              "model's own context length)")
     _budget_argument(parser)
     parser.add_argument("--batch-invariant", action="store_true",
-                        help="float32 logits that do not depend on the batch (oneDNN products, float64 attention)")
+                        help="with --dtype float32 (the reference mode), logits that do not depend on the batch "
+                             "(oneDNN products, float64 attention); every other mode is batch-invariant already")
     parser.add_argument("--compile", action="store_true",
                         help="run decode steps and prompt chunks through graphs compiled by torch.compile "
-                             "(about a minute per batch size the first time, cached in $KVLM_HOME/inductor)")
+                             "(about a minute per batch size the first time, cached in $KVLM_HOME/inductor); "
+                             "gives up batch invariance")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                         help="split every layer's heads and MLP over N processes (gloo); under torchrun, N is "
                              "the number of ranks")

@@ -12,12 +12,11 @@ import torch
 
 from kvlm import Batch, Context, DecodeStatus
 from kvlm.loader.load import load_model, load_summary
-from kvlm.model.cpu import CpuFeatures, detect, onednn_packs
+from kvlm.model.cpu import CpuFeatures, detect
 from kvlm.generate import GenerationSettings, generate
-from kvlm.kernels import native_kernels, reference
+from kvlm.kernels import native_kernels
 from kvlm.kernels.quantize import quantize_q4_0
-from kvlm.model import linear as linear_module
-from kvlm.model.linear import QuantizedLinear, dense_products_pay, quantized_linear
+from kvlm.model.linear import QuantizedLinear
 from kvlm.model.settings import FROM_FILE, resolve_settings
 
 AVX512_BF16 = CpuFeatures("test CPU", "AVX512", frozenset({"avx512_bw", "avx512_vl", "avx512_dq", "avx512_bf16"}))
@@ -45,14 +44,27 @@ def test_explicit_settings_win_and_float32_is_the_reference():
     assert resolve_settings("bfloat16", cpu=AVX2_ONLY, kernels=True).quant == FROM_FILE
     assert resolve_settings("bfloat16", None, cpu=AVX2_ONLY, kernels=True).quant is None
     assert resolve_settings("float32", "int4", kernels=True).quant == "int4"  # the kernels take float32 too
-    invariant = resolve_settings(batch_invariant=True, cpu=AVX512_BF16, kernels=True)
-    assert (invariant.dtype, invariant.quant) == ("float32", None)
+
+
+
+def test_every_mode_but_the_reference_one_is_batch_invariant():
+    """`batch_invariant` asks nothing more of the fast modes, which are invariant by construction; the float32
+    reference mode (transformers' own products) is invariant only when asked; compiled graphs never are."""
+    for cpu in (AVX512_BF16, AVX2_ONLY):
+        fast = resolve_settings(cpu=cpu, kernels=True)
+        assert fast.batch_invariant and not fast.reference
+        assert resolve_settings(batch_invariant=True, cpu=cpu, kernels=True) == fast
+        assert resolve_settings(quant=None, cpu=cpu, kernels=True).batch_invariant  # dense, not the reference
+        assert not resolve_settings(cpu=cpu, kernels=True, compile=True).batch_invariant
+    reference = resolve_settings("float32", cpu=AVX512_BF16, kernels=True)
+    assert reference.reference and not reference.batch_invariant and reference.quant is None
+    assert resolve_settings("float32", batch_invariant=True, kernels=True).batch_invariant
+    assert resolve_settings("float32", "int8", kernels=True).batch_invariant  # native products: not the reference
 
 
 @pytest.mark.parametrize("settings, message", [
     ({"dtype": "float16"}, "dtype must be one of auto, float32, bfloat16, got 'float16'"),
     ({"quant": "int3"}, "quant must be one of auto, None, int8, int4, got 'int3'"),
-    ({"dtype": "bfloat16", "batch_invariant": True}, "batch_invariant needs dense float32 weights"),
     ({"quant": "int8", "kernels": False}, "quant 'int8' needs kvlm's native kernels"),
 ])
 def test_bad_settings_are_refused_naming_the_value(settings, message):
@@ -76,24 +88,6 @@ def test_the_files_own_quantization_is_kept(smollm2_gguf_path, qwen_gguf_path):
     _, qwen_types = load_summary(str(qwen_gguf_path))
     down = {t for name, t in qwen_types.items() if name.endswith("ffn_down.weight")}
     assert down == {"Q4_K", "Q6_K"} and settings.matrix_storage(sorted(down)) == FROM_FILE
-
-
-@pytest.mark.skipif(native_kernels() is None, reason="no native kernels here: matrices are dense")
-@pytest.mark.skipif(not onednn_packs(torch.bfloat16), reason="oneDNN cannot pack bf16 on this CPU: no copy is made")
-def test_a_quantized_matrix_uses_its_bf16_copy_for_many_rows():
-    torch.manual_seed(0)
-    blocks = quantize_q4_0(torch.randn(96, 64))
-    linear = quantized_linear([blocks], torch.bfloat16, native_kernels(), dense_copy=True)
-    assert linear.dense is not None
-    few = torch.randn(QuantizedLinear.MAX_QUANTIZED_ROWS, 64, dtype=torch.bfloat16)
-    many = torch.randn(QuantizedLinear.MAX_QUANTIZED_ROWS + 1, 64, dtype=torch.bfloat16)
-    assert torch.equal(linear(few), linear.native(few))
-    assert torch.equal(linear(many), linear.dense(many))
-    # The copy holds the file's weights themselves; the native product quantizes the activations to 8 bits first.
-    exact = many.double() @ reference.dequantize(blocks).double().T
-    torch.testing.assert_close(linear.dense(many).double(), exact, atol=0.05, rtol=0.01)  # bf16 rounding
-    torch.testing.assert_close(linear.native(many).double(), reference.quantized_product(many, [blocks]),
-                               atol=0.05, rtol=0.01)
 
 
 def test_smollm2_at_the_fast_settings_describes_its_kernels(smollm2_gguf_path):
@@ -178,33 +172,20 @@ def test_this_machine_is_described():
 
 
 @pytest.mark.skipif(native_kernels() is None, reason="no native kernels here: matrices are dense")
-@pytest.mark.skipif(not onednn_packs(torch.bfloat16), reason="oneDNN cannot pack bf16 on this CPU: no slices")
-def test_without_a_copy_many_rows_go_through_dequantized_slices(monkeypatch):
-    """The plan made no dense copy (a 7B on this machine): natively up to MAX_ROWS_WITHOUT_COPY rows, then the
-    weights dequantized a slice at a time into one reused buffer (here 16 rows of them), multiplied by oneDNN."""
-    torch.manual_seed(0)
-    blocks = quantize_q4_0(torch.randn(96, 64))
-    linear = quantized_linear([blocks], torch.bfloat16, native_kernels(), dense_copy=False)
-    assert linear.dense is None
-    few = torch.randn(QuantizedLinear.MAX_ROWS_WITHOUT_COPY, 64, dtype=torch.bfloat16)
-    many = torch.randn(QuantizedLinear.MAX_ROWS_WITHOUT_COPY + 1, 64, dtype=torch.bfloat16)
-    assert torch.equal(linear(few), linear.native(few))
-    monkeypatch.setattr(linear_module, "_scratch", lambda dtype: torch.empty(16 * 64, dtype=dtype))
-    expected = many.float() @ reference.dequantize(blocks, torch.bfloat16).float().T
-    torch.testing.assert_close(linear(many).float(), expected, atol=0.05, rtol=0.01)  # bf16 output rounding
-
-
-@pytest.mark.skipif(native_kernels() is None or not native_kernels().tiles, reason="no tile kernels in this build")
-def test_float32_products_stay_native_at_every_row_count(monkeypatch):
-    """With float32 activations the tile kernels beat a dense float32 product at any row count: no copy is made
-    and no slice dequantized, whatever the plan allows."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_products_are_native_at_every_row_count(dtype):
+    """No dense copy and no dequantized slices, whatever the activations: every row count goes through the native
+    kernels, which give a row the same bits alone or among any others (so a token's logits do not depend on its
+    batch)."""
     torch.manual_seed(0)
     blocks = native_kernels().interleave(quantize_q4_0(torch.randn(96, 64)))
-    linear = quantized_linear([blocks], torch.float32, native_kernels(), dense_copy=True)
-    assert linear.dense is None and not dense_products_pay(torch.float32, native_kernels())
-    monkeypatch.setattr(linear_module, "_scratch", lambda dtype: pytest.fail("no slice is dequantized"))
-    many = torch.randn(QuantizedLinear.MAX_ROWS_WITHOUT_COPY + 100, 64)
-    assert torch.equal(linear(many), linear.native(many))
+    linear = QuantizedLinear([blocks], dtype, native_kernels())
+    many = torch.randn(300, 64, dtype=dtype)
+    together = linear(many)
+    assert torch.equal(together, linear.native(many))
+    for rows in (1, 7, 8, 9, 48, 49, 64):
+        assert torch.equal(linear(many[:rows]), together[:rows]), rows
+    assert torch.equal(linear(many[-1:]), together[-1:])
 
 
 @pytest.mark.skipif(native_kernels() is None, reason="requantizing needs the native kernels")
@@ -215,7 +196,7 @@ def test_requantized_smollm2_starts_like_float32(smollm2_gguf_path, smollm2, qua
     decoder = quantized.decoder
     layer_formats = {part.qtype.name for m in decoder.matrices()[1:] for part in m.parts}
     assert layer_formats == {"Q8_0" if quant == "int8" else "Q4_1"} and len(decoder.matrices()) == 121
-    assert [part.qtype.name for part in decoder.output.parts] == ["Q8_0"] and decoder.output.dense is None
+    assert [part.qtype.name for part in decoder.output.parts] == ["Q8_0"]
     settings = GenerationSettings(max_tokens=4, ignore_eos=True)
     for prompt in ("The capital of France is", "def add(a, b):\n    return", "Water boils at"):
         ids = smollm2.tokenizer.encode(prompt)

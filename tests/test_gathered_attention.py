@@ -8,6 +8,7 @@ import torch
 
 import kvlm.memory.memory as memory_module
 from kvlm.memory.memory import attention_groups
+from kvlm.memory.view import TokenCells
 from kvlm.model.attention import attend, attention_dtype
 from kvlm.model.ops import grouped_attention
 
@@ -16,7 +17,7 @@ class FakeView:
     """Just what `attend` reads of a KVView: the stored rows and the groups."""
 
     def __init__(self, k, v, groups):
-        self.k, self.v, self.groups, self.mask = k, v, groups, None
+        self.k, self.v, self.groups, self.ordered = k, v, groups, False
 
     def read(self, layer):
         return self.k, self.v
@@ -61,6 +62,40 @@ def test_attention_by_group_equals_masked_attention(n_head, n_kv, short_runs_per
     assert torch.allclose(attend(q, 0, FakeView(k, v, groups)), expected, atol=1e-5)
 
 
+@pytest.mark.parametrize("short_runs_per_token", [True, False])
+def test_each_token_reads_its_visible_cells_in_position_order(short_runs_per_token, monkeypatch):
+    """What the native attention reads (TokenCells): per token exactly the cells it sees, by position, whether its
+    group shares rows (a prompt chunk) or has rows of its own (decode tokens, guesses)."""
+    if not short_runs_per_token:
+        monkeypatch.setattr(memory_module, "PER_TOKEN_ROWS_MAX", 1)
+    for seed in range(6):
+        visible, seq_mask, cell_pos = mixed_batch(seed)
+        cells = TokenCells.of(attention_groups(visible, seq_mask, cell_pos), len(visible))
+        for t in range(len(visible)):
+            first = int(cells.offsets[t])
+            read = cells.cells[first:first + int(cells.lengths[t])].numpy()
+            seen = np.flatnonzero(visible[t])
+            assert np.array_equal(read, seen[np.argsort(cell_pos[seen], kind="stable")]), (seed, t)
+
+
+@pytest.mark.parametrize("window", [0, 16])
+def test_a_prompt_chunk_shares_one_run_of_cells(window):
+    """A sequence's 40 new tokens over its 50 cells (scrambled in the cache; a sliding window or not): one group
+    gathering the cells once, each token's cells a run of them, from its window's start up to its own position."""
+    cell_pos = np.random.default_rng(5).permutation(50)
+    token_pos = np.arange(10, 50)
+    visible = cell_pos[None, :] <= token_pos[:, None]
+    if window:
+        visible &= cell_pos[None, :] > token_pos[:, None] - window
+    groups = attention_groups(visible, np.ones((40, 1), dtype=bool), cell_pos)
+    assert len(groups) == 1 and groups[0].index.dim() == 1
+    cells = TokenCells.of(groups, 40)
+    for t, pos in enumerate(token_pos):
+        first = int(cells.offsets[t])
+        read = cell_pos[cells.cells[first:first + int(cells.lengths[t])].numpy()]
+        assert list(read) == list(range(max(0, pos - window + 1) if window else 0, pos + 1))
+
+
 def test_attention_does_not_depend_on_where_the_rows_are_stored():
     # The same rows in other cells, with other sequences' cells in between: the same groups and the same
     # computation, so the same result bit for bit (what makes a sequence's logits independent of its neighbours).
@@ -83,6 +118,7 @@ def test_attention_does_not_depend_on_where_the_rows_are_stored():
     (torch.float32, torch.bfloat16, True, torch.float64),  # batch-invariant: float64, whatever the cache
     (torch.float32, torch.float32, True, torch.float64),
     (torch.bfloat16, torch.bfloat16, False, torch.bfloat16),
+    (torch.bfloat16, torch.bfloat16, True, torch.float64),
     (torch.bfloat16, torch.float32, False, torch.float32),
 ])
 def test_attention_dtype(q_dtype, kv_dtype, batch_invariant, expected):

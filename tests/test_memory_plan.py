@@ -1,17 +1,19 @@
 """The memory plan (issue 22): what a model will take is known from its file's header before any weight is read; a
 model or context that does not fit is refused with each part named and what would fit; an unspecified n_ctx is the
-largest that fits; dense copies only within the budget; the plan matches what the loaded decoder holds."""
+largest that fits; the plan matches what the loaded decoder holds."""
 from __future__ import annotations
 
 import pytest
+import torch
 
+from gguf_factory import llama_config, random_llama, save_hf_folder
 from kvlm.engine.llm import LLM
 from kvlm.kernels import native_kernels
 from kvlm.loader import memory_plan
 from kvlm.loader.load import load_model
 from kvlm.loader.memory_plan import MemoryPlanError, MemoryRequest, parse_size
 from kvlm.loader.tensors import GGUFTensors
-from kvlm.model.linear import dense_products_pay
+from kvlm.model.linear import linear_kind
 from kvlm.model.settings import resolve_settings
 
 MiB = 1 << 20
@@ -73,30 +75,27 @@ def test_one_step_more_context_would_not_fit(qwen_gguf_path, monkeypatch):
         load_model(str(qwen_gguf_path), memory=MemoryRequest(n_ctx=model.plan.n_ctx + 256, n_seq_max=2))
 
 
-@pytest.mark.skipif(native_kernels() is None, reason="dense copies are of quantized matrices, which need the kernels")
-def copies_pay() -> bool:
-    """Whether this CPU's default activations make dense copies worth it (bf16 on native bf16 instructions)."""
-    return dense_products_pay(resolve_settings().torch_dtype, native_kernels())
-
-
-@pytest.mark.skipif(not copies_pay(), reason="no dense copy pays on this CPU")
-def test_dense_copies_only_within_the_budget(smollm2_gguf_path):
-    roomy = load_model(str(smollm2_gguf_path), memory=MemoryRequest(n_ctx=1024))
-    assert roomy.plan.copies > 0 and "bf16 copy" in roomy.decoder.describe()
-    tight = load_model(str(smollm2_gguf_path), memory=MemoryRequest(n_ctx=1024),
-                       memory_budget=roomy.plan.total - roomy.plan.copies + MiB)
-    assert tight.plan.copies == 0 and "copy" not in tight.decoder.describe()
-    assert tight.plan.copies_wanted == roomy.plan.copies
-
-
-@pytest.mark.skipif(copies_pay() or native_kernels() is None, reason="dense copies pay on this CPU")
-def test_without_bf16_the_weights_are_the_files_size(smollm2_gguf_path, qwen_gguf_path):
-    """float32 activations over the tile kernels: no copy is planned however much room there is, so the weights
+@pytest.mark.skipif(native_kernels() is None, reason="without the native kernels, weights are dense by design")
+def test_the_weights_are_the_files_size(smollm2_gguf_path, qwen_gguf_path):
+    """The default mode multiplies every quantized matrix in its file's blocks, with no dense copy, so the weights
     take what the file's tensors take (plus the float32 norms)."""
     for path in (smollm2_gguf_path, qwen_gguf_path):
         model = load_model(str(path), memory=MemoryRequest(n_ctx=1024))
-        assert model.plan.copies == model.plan.copies_wanted == 0 and "copy" not in model.decoder.describe()
+        assert "copy" not in model.decoder.describe()
         assert model.plan.weights == pytest.approx(path.stat().st_size, rel=0.03), path.name
+
+
+@pytest.mark.skipif(native_kernels() is None, reason="without the native kernels, weights are dense by design")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_folders_matrices_are_held_as_stored(tmp_path, dtype):
+    """The native dense product keeps a bfloat16 folder's matrices at 2 bytes a value (float32 ones at 4), and the
+    plan counts them so before loading."""
+    model = random_llama(llama_config(vocab_size=1000)).to(dtype)
+    loaded = load_model(str(save_hf_folder(model, tmp_path)), memory=MemoryRequest(n_ctx=256), progress=False)
+    assert {linear_kind(m) for m in loaded.decoder.matrices()} == {"dense native"}
+    matrices = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "embed" not in name)
+    assert sum(m.nbytes for m in loaded.decoder.matrices()[1:]) == matrices * dtype.itemsize
+    assert loaded.plan.weights == pytest.approx(loaded.decoder.nbytes, rel=0.01)
 
 
 @pytest.mark.parametrize("dtype", ["auto", "float32"])
@@ -104,7 +103,7 @@ def test_the_plan_is_what_the_decoder_holds(smollm2_gguf_path, qwen_gguf_path, d
     """Counted from the header before loading, compared with the loaded decoder's own tensors."""
     for path in (smollm2_gguf_path, qwen_gguf_path):
         model = load_model(str(path), dtype, memory=MemoryRequest(n_ctx=512))
-        assert model.plan.weights + model.plan.copies == pytest.approx(model.decoder.nbytes, rel=0.01), path.name
+        assert model.plan.weights == pytest.approx(model.decoder.nbytes, rel=0.01), path.name
 
 
 def test_llm_refuses_a_context_that_does_not_fit_a_loaded_model(smollm2_gguf_path, monkeypatch):

@@ -47,8 +47,8 @@ class LLM:
         the model's heads and MLP split over N processes (this one and N - 1 it starts; see kvlm.parallel).
 
         `n_ctx` None is the largest context that fits in memory, up to the model's own. `memory_budget` (bytes)
-        caps weights, their dense copies, the KV cache and buffers. What does not fit is refused before it is
-        loaded or allocated (MemoryPlanError, each part named).
+        caps weights, the KV cache and buffers. What does not fit is refused before it is loaded or allocated
+        (MemoryPlanError, each part named).
 
         `speculative_config`: vLLM's, e.g. {"method": "ngram", "num_speculative_tokens": 4} (prompt lookup) or
         {"model": "qwen2.5-coder-0.5b-instruct", "num_speculative_tokens": 4} (a draft model); the output is the

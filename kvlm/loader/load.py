@@ -1,7 +1,7 @@
 """From a model name or path to a ready model, in one path:
 
     name -> file (fetch) -> header: config, every tensor checked, nothing read (gguf_file / hf_folder)
-         -> memory plan: weights + copies + KV against what this process has (memory_plan)
+         -> memory plan: weights + KV against what this process has (memory_plan)
          -> tensors streamed one at a time into their kernels' form (Decoder) -> tokenizer -> Model
 
 A tensor-parallel model is the same path on every rank, each reading only its shard (shard.py); the ranks are
@@ -57,13 +57,14 @@ def load_model(
 
     The defaults are the fast setting for this CPU (see kvlm.model.settings): bfloat16 where it has native
     bf16 instructions, each matrix kept in the blocks its file stores it in. `dtype="float32"` is the reference
-    mode; `quant` ("int8" or "int4") requantizes every layer matrix; `batch_invariant` (float32) makes logits
-    independent of the batch (see `Decoder`). `compile` runs decode steps and prompt chunks through graphs
-    compiled by torch.compile (see kvlm.model.graphs). `tensor_parallel_size` N > 1 splits every layer's heads
-    and MLP over N processes (see kvlm.parallel): this one is rank 0 and starts the others.
+    mode; `quant` ("int8" or "int4") requantizes every layer matrix. Every mode but the reference one is
+    batch-invariant (see `Decoder`); `batch_invariant` makes the reference mode so too. `compile` runs decode
+    steps and prompt chunks through graphs compiled by torch.compile (see kvlm.model.graphs), which gives batch
+    invariance up. `tensor_parallel_size` N > 1 splits every layer's heads and MLP over N processes (see
+    kvlm.parallel): this one is rank 0 and starts the others.
 
     `memory` is the memory the model will be asked for (n_ctx None: the largest that fits); `memory_budget`
-    (bytes) caps weights + copies + KV + buffers. A model that does not fit is refused before any weight is read
+    (bytes) caps weights + KV + buffers. A model that does not fit is refused before any weight is read
     (MemoryPlanError, naming each part); `Model.plan` says what was planned.
     """
     if compile and batch_invariant:
@@ -74,7 +75,7 @@ def load_model(
                          "rank's all-reduce; a tensor-parallel model runs eagerly")
     if compile:
         check_compiler()
-    settings = resolve_settings(dtype, quant, batch_invariant)
+    settings = resolve_settings(dtype, quant, batch_invariant, compile=compile)
     source = resolve_model(spec, fetch=fetch, progress=progress)
     memory = memory or MemoryRequest()
     if tensor_parallel_size != 1:
@@ -95,11 +96,11 @@ def open_model(source: Path) -> tuple[ModelConfig, ModelWeights, Any]:
 
 def load_rank(spec: str, rank: int = 0, size: int = 1, settings: ComputeSettings | None = None,
               memory: MemoryRequest | None = None, budget: int | None = None, progress: bool = False,
-              dense_copies: bool | None = None) -> Model:
+              planned: bool = False) -> Model:
     """The model, or (size > 1) rank `rank`'s shard of it, read one tensor at a time.
 
-    A process of its own plans its memory first (`dense_copies` None); the ranks of a tensor-parallel group are
-    told rank 0's decision instead. Only rank 0 builds the tokenizer.
+    A process of its own plans its memory first; the ranks of a tensor-parallel group were planned for by rank 0
+    (`planned`). Only rank 0 builds the tokenizer.
     """
     settings = settings or resolve_settings()
     source = resolve_model(spec, progress=False)
@@ -107,14 +108,11 @@ def load_rank(spec: str, rank: int = 0, size: int = 1, settings: ComputeSettings
     if size > 1:
         weights.shard = make_shard(config, {n: weights.file_type(n) for n in weights.names()}, rank, size)
         weights.config = config = weights.shard.config
-    plan = None
-    if dense_copies is None:
-        plan = plan_memory(config, weights, settings, memory or MemoryRequest(), budget, native_kernels() is not None,
-                           where=source.name)
-        dense_copies = plan.dense_copies
+    plan = None if planned else plan_memory(config, weights, settings, memory or MemoryRequest(), budget,
+                                            native_kernels() is not None, where=source.name)
     with _progress_bar(source, weights, settings, plan, progress) as bar:
         weights.on_read = lambda name, nbytes: bar.update(nbytes)
-        decoder = Decoder(config, weights, settings, dense_copies)
+        decoder = Decoder(config, weights, settings)
     weights.source.close()
     if rank > 0:
         return Model(config, decoder, None, source)
@@ -139,7 +137,7 @@ def _progress_bar(source: Path, weights: ModelWeights, settings: ComputeSettings
 def _load_tensor_parallel(source: Path, settings: ComputeSettings, size: int, memory: MemoryRequest,
                           budget: int | None, progress: bool) -> Model:
     """Rank 0 plans for the whole group on this host (each rank's shard, and its share of the KV cache), then
-    every rank loads its shard with rank 0's decision on dense copies."""
+    every rank loads its shard."""
     from kvlm.parallel.launch import (
         launch_tensor_parallel,  # torch.distributed loads only for this
     )
@@ -147,10 +145,10 @@ def _load_tensor_parallel(source: Path, settings: ComputeSettings, size: int, me
     config, weights, _ = open_model(source)
     check_tensor_parallel(config, size)  # before any weight is read
     weights.shard = make_shard(config, {n: weights.file_type(n) for n in weights.names()}, 0, size)
-    held, copyable = weight_bytes(weights.shard.config, weights, settings, native_kernels() is not None)
-    plan = fit(weights.shard.config, held, copyable, settings, memory, budget, where=source.name, ranks=size)
+    held = weight_bytes(weights.shard.config, weights, settings, native_kernels() is not None)
+    plan = fit(weights.shard.config, held, settings, memory, budget, where=source.name, ranks=size)
     weights.source.close()
-    load = functools.partial(load_rank, str(source), size=size, settings=settings, dense_copies=plan.dense_copies)
+    load = functools.partial(load_rank, str(source), size=size, settings=settings, planned=True)
     model = launch_tensor_parallel(size, functools.partial(_rank, load, progress))
     model.plan = plan
     return model
@@ -164,7 +162,7 @@ def plan_for_loaded(model: Model, request: MemoryRequest, budget: int | None = N
     """The plan of a loaded model's memory (its weights as they are held), refused (MemoryPlanError) if it does not
     fit, before anything is allocated."""
     ranks = model.tensor_parallel.size if model.tensor_parallel is not None else 1
-    return fit(model.config, model.decoder.nbytes, 0, model.decoder.settings, request, budget, where=model.source.name,
+    return fit(model.config, model.decoder.nbytes, model.decoder.settings, request, budget, where=model.source.name,
                ranks=ranks, loaded=True)
 
 

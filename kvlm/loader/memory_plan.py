@@ -1,21 +1,17 @@
-"""The memory plan: before any weight is read, what the weights, their dense copies and the KV cache will take,
-and whether that fits the memory this process has.
+"""The memory plan: before any weight is read, what the weights and the KV cache will take, and whether that fits
+the memory this process has.
 
 From the file's header alone (each tensor's shape and stored type), the compute settings and the memory asked for
 (n_ctx, sequences, KV dtype), it counts:
 
 - weights: each matrix as the decoder will hold it (a quantized file's blocks as they are; dense in the activation
   dtype otherwise), vectors, the embedding (a tied LM head shares its blocks);
-- copies: packed dense copies of the quantized matrices, which make products of many rows (prefill, large
-  batches) 10-30% faster; made only within the budget;
 - KV: what the model's memory kind allocates for n_ctx cells and n_seq_max sequences (kvlm.memory.sizes);
-- compute: working buffers (logits of a whole micro-batch, a transient dequantized slice, activations).
+- compute: working buffers (logits of a whole micro-batch, activations).
 
 The limit is the memory this process may have: its cgroup's limit where there is one, else physical memory. A plan
 whose weights + KV + compute exceed what is left of it (less a margin) is refused with each part named and what
-would fit; `budget` (`--memory-budget`) caps it further. Dense copies are made only while weights + copies + KV +
-compute stay within three quarters of the limit and the copies within a quarter of it (or all within an explicit
-budget): a 1.5B's 2.4 GiB of copies, not a 7B's 12 GiB. When n_ctx is not given, it is the largest that fits, up
+would fit; `budget` (`--memory-budget`) caps it further. When n_ctx is not given, it is the largest that fits, up
 to the model's own context length (as llama.cpp's --fit).
 """
 from __future__ import annotations
@@ -23,7 +19,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvlm.errors import KvlmError
@@ -32,13 +28,9 @@ from kvlm.loader.config import ModelConfig
 from kvlm.loader.weights import ModelWeights
 from kvlm.memory.kv_store import AUTO, KV_DTYPES, resolve_kv_dtype
 from kvlm.memory.sizes import memory_bytes
-from kvlm.kernels import native_kernels
-from kvlm.model.linear import TRANSIENT_BYTES, dense_products_pay
 from kvlm.model.settings import FROM_FILE, ComputeSettings
 
 MiB = 1 << 20
-COPIES_FRACTION = 0.75  # dense copies only while everything stays within this share of the limit,
-COPIES_SHARE = 0.25  # and they themselves within this: they buy 10-30% of prefill speed, not worth crowding out more
 MARGIN_FRACTION = 0.05  # of the limit, kept free for the OS and whatever else runs
 CTX_STEP = 256  # a fitted n_ctx is a multiple of this
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -47,8 +39,10 @@ STACKED = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gate_
            "ffn_gate_shexp": "shared_gate_up", "ffn_up_shexp": "shared_gate_up",
            "attn_qkv": "delta_in", "attn_gate": "delta_in", "ssm_beta": "delta_in", "ssm_alpha": "delta_in"}
 LINEAR_PARTS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "ffn_gate_shexp",
-                "ffn_up_shexp", "ffn_down_shexp", "attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "ssm_out"}
-EXPERT_PARTS = {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"}  # in their blocks (or dense): never a dense copy
+                "ffn_up_shexp", "ffn_down_shexp", "attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "ssm_out", "ssm_in",
+                "shortconv.in_proj", "shortconv.out_proj"}
+HALF_TYPES = {"F16", "BF16", "float16", "bfloat16"}  # stored 2 bytes a value, as the native dense product keeps them
+EXPERT_PARTS = {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"}
 FLOAT32_PARTS = {"ffn_gate_inp", "ffn_gate_inp_shexp"}  # routers: float32 whatever the activations
 
 
@@ -71,8 +65,6 @@ class MemoryRequest:
 @dataclass(frozen=True)
 class MemoryPlan:
     weights: int
-    copies: int          # of the dense copies made (0 when none are)
-    copies_wanted: int   # what all of them would take
     kv: int
     compute: int
     limit: int
@@ -85,19 +77,13 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        return self.weights + self.copies + self.kv + self.compute
-
-    @property
-    def dense_copies(self) -> bool:
-        return self.copies > 0
+        return self.weights + self.kv + self.compute
 
     def lines(self) -> list[tuple[str, str]]:
         """(label, text) for `kvlm inspect` and the server's log."""
-        copies = (f"{_mib(self.copies)} (packed {_mib(self.copies)} for prefill and large batches)" if self.copies
-                  else f"none ({_mib(self.copies_wanted)} would exceed the budget)" if self.copies_wanted else "none")
         cap = f"budget {_mib(self.budget)}" if self.budget is not None else \
             f"{self.limit_source} {_mib(self.limit)}, {_mib(self.in_use)} in use"
-        return [("weights", _mib(self.weights)), ("copies", copies),
+        return [("weights", _mib(self.weights)),
                 ("kv cache", f"{_mib(self.kv)} (n_ctx {self.n_ctx}, {self.kv_dtype}, {self.n_seq_max} sequences)"),
                 ("buffers", _mib(self.compute)), ("total", f"{_mib(self.total)} of {cap}")]
 
@@ -106,15 +92,14 @@ def plan_memory(config: ModelConfig, weights: ModelWeights, settings: ComputeSet
                 budget: int | None = None, kernels: bool = True, where: str = "the model") -> MemoryPlan:
     """The plan for loading `weights` with `settings` and allocating `request`'s memory; MemoryPlanError if it
     does not fit (each part named, and what would)."""
-    held, copyable = weight_bytes(config, weights, settings, kernels)
-    return fit(config, held, copyable, settings, request, budget, where)
+    return fit(config, weight_bytes(config, weights, settings, kernels), settings, request, budget, where)
 
 
-def fit(config: ModelConfig, held: int, copyable: int, settings: ComputeSettings, request: MemoryRequest,
+def fit(config: ModelConfig, held: int, settings: ComputeSettings, request: MemoryRequest,
         budget: int | None = None, where: str = "the model", ranks: int = 1, loaded: bool = False) -> MemoryPlan:
-    """The plan for weights that take `held` bytes (`copyable` more with dense copies) and `request`'s memory.
+    """The plan for weights that take `held` bytes and `request`'s memory.
 
-    `ranks` > 1: `config`, `held` and `copyable` are one tensor-parallel rank's, and that many ranks share this
+    `ranks` > 1: `config` and `held` are one tensor-parallel rank's, and that many ranks share this
     machine (each with its share of the KV cache and buffers of its own). `loaded`: the weights are in this
     process's memory already (so not counted twice)."""
     if budget is not None and (not isinstance(budget, int) or budget <= 0):
@@ -126,54 +111,47 @@ def fit(config: ModelConfig, held: int, copyable: int, settings: ComputeSettings
     in_use = max(0, resident_bytes() - (held * ranks if loaded else 0))
     usable = budget if budget is not None else int(limit * (1 - MARGIN_FRACTION)) - in_use
     compute = compute_bytes(config, request) * ranks
-    held, copyable = held * ranks, copyable * ranks
+    held *= ranks
     kv_of = lambda n_ctx, dtype=kv_dtype: ranks * memory_bytes(  # noqa: E731
         config, n_ctx, request.n_seq_max, dtype, request.n_ubatch, request.swa_full, request.keep_extra)
     n_ctx = request.n_ctx if request.n_ctx is not None else _largest_ctx(config, usable - held - compute, kv_of)
-    plan = MemoryPlan(held, 0, copyable, kv_of(max(n_ctx, 1)), compute, limit, source, in_use, budget,
+    plan = MemoryPlan(held, kv_of(max(n_ctx, 1)), compute, limit, source, in_use, budget,
                       max(n_ctx, 1), kv_dtype, request.n_seq_max)
     if n_ctx < 1 or plan.total > usable:
         raise MemoryPlanError(_refusal(config, plan, usable, kv_of, where))
-    room = budget if budget is not None else int(limit * COPIES_FRACTION) - in_use
-    if copyable and plan.total + copyable <= room and (budget is not None or copyable <= limit * COPIES_SHARE):
-        plan = replace(plan, copies=copyable)
     return plan
 
 
 def weight_bytes(config: ModelConfig, weights: ModelWeights, settings: ComputeSettings,
-                 kernels: bool = True) -> tuple[int, int]:
-    """(bytes the decoder will hold, bytes its dense copies would add), from the tensors' entries alone."""
+                 kernels: bool = True) -> int:
+    """The bytes the decoder will hold, from the tensors' entries alone."""
     dtype_bytes = settings.torch_dtype.itemsize
     groups: dict[tuple, list[str]] = {}
-    held = copyable = 0
+    held = 0
     for name in weights.names():
         entry = weights.entry(name)
         parts = name.split(".")
-        part = parts[2] if name.startswith("blk.") and len(parts) > 3 else ""
-        if part in EXPERT_PARTS and parts[3] == "weight":
-            held += _entry_bytes([entry], settings, kernels, dtype_bytes)[0]
+        part, kind = (".".join(parts[2:-1]), parts[-1]) if name.startswith("blk.") and len(parts) > 3 else ("", "")
+        if part in EXPERT_PARTS and kind == "weight":
+            held += _entry_bytes([entry], settings, kernels, dtype_bytes)
         elif part in EXPERT_PARTS:  # gpt-oss's experts' biases: float32 for the native experts, else dense
             native = kernels and settings.quant is not None
             held += math.prod(entry.shape) * (4 if native else dtype_bytes)
         elif len(entry.shape) == 1 or (part not in LINEAR_PARTS and name not in ("token_embd.weight", "output.weight")):
             float32 = (len(entry.shape) == 1 and _float32_vector(name)) or part in FLOAT32_PARTS
             held += math.prod(entry.shape) * (4 if float32 else dtype_bytes)
-        elif part in LINEAR_PARTS and parts[3] == "weight":
+        elif part in LINEAR_PARTS and kind == "weight":
             groups.setdefault((parts[1], STACKED.get(part, part)), []).append(name)
     for names in groups.values():
-        matrix_held, matrix_copy = _entry_bytes([weights.entry(n) for n in names], settings, kernels, dtype_bytes)
-        held, copyable = held + matrix_held, copyable + matrix_copy
+        held += _entry_bytes([weights.entry(n) for n in names], settings, kernels, dtype_bytes)
     embedding = weights.entry("token_embd.weight")
     embedding_blocks = kernels and settings.matrix_storage([embedding.stored_as]) == FROM_FILE
     held += embedding.nbytes if embedding_blocks else math.prod(embedding.shape) * dtype_bytes
-    head = weights.head_entry()  # never a dense copy of a quantized head (Decoder._head)
-    if weights.output_name == "output.weight" or weights.shard is not None:  # a tensor of its own
-        head_held = _entry_bytes([head], settings, kernels, dtype_bytes, head=True)[0]
-    elif embedding_blocks:  # the tied head multiplies by the embedding's own blocks
-        head_held = 0
-    else:  # the embedding stays a table; the head gets a packed copy of it
-        head_held = math.prod(head.shape) * dtype_bytes
-    return held + head_held, copyable
+    head = weights.head_entry()
+    tied = weights.output_name != "output.weight" and weights.shard is None
+    if tied and embedding_blocks:  # the tied head multiplies by the embedding's own blocks
+        return held
+    return held + _entry_bytes([head], settings, kernels, dtype_bytes, head=True)  # a matrix of its own
 
 
 def _float32_vector(name: str) -> bool:
@@ -183,28 +161,28 @@ def _float32_vector(name: str) -> bool:
 
 
 def _entry_bytes(entries: list, settings: ComputeSettings, kernels: bool, dtype_bytes: int,
-                 head: bool = False) -> tuple[int, int]:
-    """(held, dense copy) bytes of one matrix stacked from parts with these entries."""
+                 head: bool = False) -> int:
+    """The bytes held of one matrix stacked from parts with these entries."""
     numel = sum(math.prod(e.shape) for e in entries)
     storage = settings.matrix_storage([e.stored_as for e in entries]) if kernels else None
     if head and storage == "int4":
         storage = "int8"
-    if storage is None:
-        return numel * dtype_bytes, 0
-    held = sum(e.nbytes for e in entries) if storage == FROM_FILE else numel // 32 * (34 if storage == "int8" else 20)
-    return held, numel * dtype_bytes if dense_products_pay(settings.torch_dtype, native_kernels()) else 0
+    if storage is None:  # dense: f16/bf16 kept as stored by the native dense product (batch-invariant modes)
+        native_dense = kernels and settings.batch_invariant and not settings.reference
+        return numel * (2 if native_dense and all(e.stored_as in HALF_TYPES for e in entries) else dtype_bytes)
+    return sum(e.nbytes for e in entries) if storage == FROM_FILE else numel // 32 * (34 if storage == "int8" else 20)
 
 
 def compute_bytes(config: ModelConfig, request: MemoryRequest) -> int:
-    """Working buffers: a micro-batch's logits (float32, every token an output at worst, as in perplexity), its
-    activations (float32 at worst), and the slice a product of many rows dequantizes at once."""
+    """Working buffers: a micro-batch's logits (float32, every token an output at worst, as in perplexity) and its
+    activations (float32 at worst)."""
     tokens = request.n_ubatch
     n_kv, head_dim = max(config.attention_geometry(kind) for kind in (ATTENTION, SLIDING))  # Gemma 4's full layers'
     q_width = config.n_head * head_dim * (2 if config.family.attention_output_gate else 1)  # + Qwen3.5's gate
     n_ff = max(config.layer_n_ff or (config.n_ff,))
     widest = max(n_ff * 2, q_width + 2 * n_kv * head_dim, config.n_layer * config.per_layer_embd,
                  config.ssm_inner * 2 + 2 * config.ssm_groups * config.ssm_state + config.n_head + 2 * config.ssm_heads)
-    return tokens * config.vocab_size * 4 + tokens * (widest + 4 * config.n_embd) * 4 + TRANSIENT_BYTES
+    return tokens * config.vocab_size * 4 + tokens * (widest + 4 * config.n_embd) * 4
 
 
 def _largest_ctx(config: ModelConfig, room: int, kv_of) -> int:

@@ -70,12 +70,21 @@ def _per_token_rows_group(visible: np.ndarray, cell_pos: np.ndarray, tokens: np.
 
 
 def _shared_rows_group(visible: np.ndarray, cell_pos: np.ndarray, tokens: np.ndarray) -> AttentionGroup:
+    """The tokens of one set of sequences over the cells any of them sees, gathered once in position order; each
+    token's own cells are then one run of them (its positions from the window's start up to its own)."""
     seen = visible if len(tokens) == len(visible) else visible[tokens]  # a prompt chunk alone: no copy
     cells = np.flatnonzero(seen.any(axis=0))
     cells = cells[np.argsort(cell_pos[cells], kind="stable")]
     if len(cells) != seen.shape[1] or np.any(cells != np.arange(len(cells))):
         seen = seen[:, cells]
-    return AttentionGroup(torch.from_numpy(tokens), torch.from_numpy(cells), None if seen.all() else _additive(seen))
+    if seen.all():
+        return AttentionGroup(torch.from_numpy(tokens), torch.from_numpy(cells), None)
+    starts, lengths = seen.argmax(axis=1), seen.sum(axis=1)
+    ends = seen.shape[1] - seen[:, ::-1].argmax(axis=1)
+    if np.any(ends - starts != lengths):  # a token whose cells are not one run of positions: rows of its own
+        return _per_token_rows_group(visible, cell_pos, tokens, int(lengths.max()))
+    return AttentionGroup(torch.from_numpy(tokens), torch.from_numpy(cells), _additive(seen),
+                          torch.from_numpy(lengths), torch.from_numpy(starts))
 
 
 class LendsCells:
@@ -280,6 +289,5 @@ class KVMemory(LendsCells):
         n_kv = self.cells.used_max
         visible = self.cells.visibility(ubatch.pos, ubatch.seq_mask, n_kv, window)
         groups = attention_groups(visible, ubatch.seq_mask, self.cells.pos[:n_kv])
-        if len(groups) == 1 and torch.equal(groups[0].index, torch.arange(n_kv)):
-            return KVView(self.store, rows, n_kv, groups[0].mask)  # every cell in cell order: no gather needed
-        return KVView(self.store, rows, n_kv, None, groups)
+        ordered = len(groups) == 1 and torch.equal(groups[0].index, torch.arange(n_kv))  # no gather needed
+        return KVView(self.store, rows, n_kv, groups, ordered)

@@ -18,43 +18,34 @@ def attend(q: torch.Tensor, layer: int, kv: KVView, batch_invariant: bool = Fals
     """q [T, n_head, d] over the rows of `layer` that `kv` makes visible; returns [T, n_head * d] in q's dtype.
     `sinks` [n_head] float32: attention sinks' logits (gpt-oss), or None.
 
-    With `native`, decode tokens (each alone in its sequence) attend in one native call per layer that reads K/V
-    in place in the cells (no gather, no conversion; float32 softmax); prompt chunks take torch's fused kernel."""
-    if native is not None:
-        out = _native_decode(q, layer, kv, native, sinks)
-        if out is not None:
-            return out
+    With `native`, every token attends in one native call per layer that reads K/V in place in the cells, per token
+    over its own cells in position order (no gather, no conversion; float32 softmax): a prompt's token computes what
+    it would compute as a decode token, bit for bit. Without, torch's fused kernel per group of gathered rows."""
+    if native is not None and q.shape[-1] % HEAD_DIM_STEP == 0:
+        planes = (kv.store.k.native(layer), kv.store.v.native(layer))
+        return native.attention(q.contiguous(), *planes, kv.token_cells, q.shape[-1] ** -0.5, sinks)
     keys, values = kv.read(layer)
     dtype = attention_dtype(q.dtype, keys.dtype, batch_invariant)
     q_in = q.to(dtype)
-    if kv.groups is None:
-        out = grouped_attention(q_in, keys.to(dtype), values.to(dtype), kv.mask, sinks)
+    if kv.ordered:
+        out = grouped_attention(q_in, keys.to(dtype), values.to(dtype), kv.groups[0].mask, sinks)
     else:  # only the rows each group reads are converted
         out = _attention_by_group(q_in, keys, values, kv.groups, sinks)
     return out.to(q.dtype)
 
 
 def attention_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype, batch_invariant: bool = False) -> torch.dtype:
-    """A bfloat16 model attends over a bf16 cache in bfloat16 (the fused kernel accumulates in float32, and
-    reads half the bytes), over any other cache in float32; so does a float32 model, whose only rounding is
-    then the cache's. In the batch-invariant mode a float32 model attends in float64: the kernel's rounding
-    then no longer depends on how many tokens and rows one call holds (a rounding cache would turn that
-    float32 noise into whole-ulp flips of the stored K/V, amplified over the layers), for about 2x the
-    attention time."""
+    """torch's attention (the reference mode, and where the native kernels are missing): a bfloat16 model attends
+    over a bf16 cache in bfloat16 (the fused kernel accumulates in float32, and reads half the bytes), over any
+    other cache in float32; so does a float32 model, whose only rounding is then the cache's. Batch-invariant, any
+    model attends in float64: the kernel's rounding then no longer shows in the float32 result, however many tokens
+    and rows one call holds (a rounding cache would turn that float32 noise into whole-ulp flips of the stored K/V,
+    amplified over the layers), for about 2x the attention time."""
+    if batch_invariant:
+        return torch.float64
     if q_dtype == torch.bfloat16:
         return torch.bfloat16 if kv_dtype == torch.bfloat16 else torch.float32
-    return torch.float64 if batch_invariant else torch.float32
-
-
-def _native_decode(q: torch.Tensor, layer: int, kv: KVView, native: NativeLayerOps,
-                   sinks: torch.Tensor | None) -> torch.Tensor | None:
-    """The native decode attention where every token of the step reads its own rows (or a few tokens read all
-    visible rows); None for anything else (prompt chunks, masked shared rows)."""
-    cells = kv.decode_cells
-    if cells is None or q.shape[-1] % HEAD_DIM_STEP:
-        return None
-    planes = (kv.store.k.native(layer), kv.store.v.native(layer))
-    return native.decode_attention(q.contiguous(), *planes, *cells, q.shape[-1] ** -0.5, sinks)
+    return torch.float32
 
 
 def _attention_by_group(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, groups,

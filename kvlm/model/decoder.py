@@ -10,7 +10,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kvlm.families import ATTENTION, CONV, GATED_DELTA, MAMBA, SLIDING
 from kvlm.kernels import BlockMatrix, dequantize, native_kernels
@@ -24,11 +23,11 @@ from kvlm.model.embedding import Embedding
 from kvlm.model.linear import (
     DenseLinear,
     Linear,
+    NativeDenseLinear,
     PackedLinear,
     QuantizedLinear,
     dense_linear,
     linear_kind,
-    quantized_linear,
 )
 from kvlm.model.fused import DecodeLayers, LayerOps
 from kvlm.model.moe import BlockExperts, DenseExperts, MoEWeights
@@ -124,26 +123,28 @@ class DeltaLayerWeights:
 class Decoder:
     """`settings` say the activation dtype and how each matrix is stored (see kvlm.model.settings).
 
-    The weights are read one tensor at a time, each turned into its kernel's form as it is read. A matrix kept in
-    its file's blocks also gets a packed copy in the activation dtype for many rows at once (prefill, large
-    batches) when `dense_copies` says the memory plan has room for them (see kvlm.loader.memory_plan).
+    The weights are read one tensor at a time, each turned into its kernel's form as it is read.
 
-    `settings.batch_invariant` (float32 only, as vLLM's VLLM_BATCH_INVARIANT) makes a token's logits independent of
-    what else is in its batch and of how the batch is cut into micro-batches, bit for bit on one machine:
-    oneDNN products and float64 attention. The default float32 instead uses the same MKL products as
-    transformers, whose logits it then matches to ~1e-5; the batch-invariant products round differently
-    (up to ~1.5e-4 from transformers on SmolLM2, about as far as transformers' own float32 is from float64).
+    `settings.batch_invariant` (every mode but the reference one) makes a token's logits independent of what else
+    is in its batch, of how the batch is cut into micro-batches and of whether its prefix came from the prefix
+    cache, bit for bit on one machine. With the native kernels that holds by construction: every token attends
+    through the native attention, per token over its own cells in position order; the native products give a row
+    the same bits at any row count (dense matrices go through oneDNN's packed products, which do too); the layer
+    ops compute an element from its row alone. Without them (and in the reference mode when asked), torch's
+    attention runs in float64 and dense products through oneDNN. The reference mode otherwise keeps
+    transformers' own MKL products and attention, whose logits it then matches to ~1e-5.
     """
 
-    def __init__(self, config: ModelConfig, weights: ModelWeights, settings: ComputeSettings,
-                 dense_copies: bool = False) -> None:
+    def __init__(self, config: ModelConfig, weights: ModelWeights, settings: ComputeSettings) -> None:
         self.settings = settings
         self.config = config
         self.dtype = self.settings.torch_dtype
         self.batch_invariant = self.settings.batch_invariant
-        self.dense_copies = dense_copies
-        kernels = native_kernels() if settings.quant is not None else None  # the reference mode stays on torch's ops
-        self.ops = LayerOps(kernels.layer_ops if kernels is not None else None)
+        kernels = None if settings.reference else native_kernels()  # the reference mode stays on torch's ops
+        self.kernels = kernels
+        # Recurrent layers step every token natively (a prompt as a run of decode steps) where the kernels are built.
+        self._recurrent = kernels.recurrent if kernels is not None else None
+        self.ops = LayerOps(kernels.layer_ops if kernels is not None else None, self.batch_invariant)
         self.layers = [self._layer(weights, i) for i in range(config.n_layer)]
         # Decode steps run each attention layer as one native call where its matrices are quantized.
         self.decode_layers = DecodeLayers(kernels, config, self.layers, self.dtype) if kernels is not None else None
@@ -200,20 +201,25 @@ class Decoder:
     def _vector(self, stored: Stored) -> torch.Tensor:
         return self._dense(stored)
 
-    def _matrix(self, parts: list[Stored], storage: str | None, dense_copy: bool = True) -> Linear:
-        """One matrix from parts stacked by rows, held as `storage` says (see ComputeSettings.matrix_storage); a
-        quantized one with a dense copy if the plan has room (`dense_copies`) and `dense_copy`."""
-        copy, kernels = self.dense_copies and dense_copy, native_kernels()
+    def _matrix(self, parts: list[Stored], storage: str | None) -> Linear:
+        """One matrix from parts stacked by rows, held as `storage` says (see ComputeSettings.matrix_storage)."""
+        kernels = native_kernels()
         if storage == FROM_FILE:  # parts read for this matrix alone: rearranged in place for the products
-            return quantized_linear([kernels.interleave(part) for part in parts], self.dtype, kernels, copy)
-        weight = torch.cat([self._dense(part) if storage is None else self._float(part) for part in parts])
-        if storage is not None and weight.shape[-1] % QUANT_BLOCK:  # rows not of whole blocks stay dense (Gemma 4's
-            # 16-wide per-layer inputs in a small model), in oneDNN's products: a row's result independent of the
-            # batch, as the native products' are
-            return dense_linear(weight.to(self.dtype), self.dtype, batch_invariant=True)
-        if storage is None:
-            return dense_linear(weight, self.dtype, self.batch_invariant)
-        return quantized_linear([kernels.interleave(QUANTIZERS[storage](weight))], self.dtype, kernels, copy)
+            return QuantizedLinear([kernels.interleave(part) for part in parts], self.dtype, kernels)
+        weight = torch.cat([self._unpacked(part) if storage is None else self._float(part) for part in parts])
+        if storage is None or weight.shape[-1] % QUANT_BLOCK:  # rows not of whole blocks stay dense when
+            # requantizing (Gemma 4's 16-wide per-layer inputs in a small model)
+            return self._dense_linear(weight)
+        return QuantizedLinear([kernels.interleave(QUANTIZERS[storage](weight))], self.dtype, kernels)
+
+    def _dense_linear(self, weight: torch.Tensor, dtype: torch.dtype | None = None) -> Linear:
+        """A dense matrix's product with activations in `dtype` (default: the model's); see linear.dense_linear."""
+        return dense_linear(weight, dtype or self.dtype, self.batch_invariant, self.kernels)
+
+    def _unpacked(self, stored: Stored) -> torch.Tensor:
+        """A dense matrix as its file stores it (float16 and bfloat16 kept: the native dense product reads them),
+        or dequantized to the activation dtype from a format the kernels do not read."""
+        return dequantize(stored, self.dtype) if isinstance(stored, BlockMatrix) else stored
 
     @staticmethod
     def _float(stored: Stored) -> torch.Tensor:
@@ -226,11 +232,9 @@ class Decoder:
         return self._matrix([weights.read(n) for n in names], storage)
 
     def _head(self, weights: ModelWeights, stored: Stored) -> Linear:
-        """The LM head: never requantized below 8 bits (a 4-bit head costs more quality than the rest), and with no
-        dense copy: it multiplies a step's output rows (one per sequence) natively, and a copy would be the
-        largest (a 7B's: 1 GiB) for products only perplexity makes (through dequantized slices instead)."""
+        """The LM head: never requantized below 8 bits (a 4-bit head costs more quality than the rest)."""
         storage = self.settings.matrix_storage([weights.file_type(weights.output_name)])
-        return self._matrix([stored], "int8" if storage == "int4" else storage, dense_copy=False)
+        return self._matrix([stored], "int8" if storage == "int4" else storage)
 
     def _layer(self, weights: ModelWeights, i: int) -> LayerWeights | ConvLayerWeights | MambaLayerWeights:
         if self.config.layer_kinds[i] == CONV:
@@ -276,9 +280,9 @@ class Decoder:
                               projection, self._vector(weights.read("per_layer_proj_norm.weight")), self.ops, self.dtype)
 
     def _moe(self, weights: ModelWeights, i: int) -> MoEWeights:
-        """A layer's router (float32, as the routing is computed), experts and shared expert. The router's products
-        are oneDNN's, whose rows do not depend on the batch (MKL's may, in their last bits): a token's experts and
-        their weights are then the same whatever else is in its batch."""
+        """A layer's router (float32, as the routing is computed), experts and shared expert. Batch-invariant, the
+        router's products give a row the same bits whatever the batch (MKL's may differ in their last bits): a
+        token's experts and their weights are then the same whatever else is in its batch."""
         c, router = self.config, self._float(weights.layer(i, "ffn_gate_inp"))
         shared = {}
         if c.n_ff_shexp:
@@ -286,14 +290,14 @@ class Decoder:
                       "shared_down": self._stacked(weights, i, ("ffn_down_shexp",))}
         if c.n_ff_shexp and c.family.shared_expert_gate:
             gate = self._float(weights.layer(i, "ffn_gate_inp_shexp"))
-            shared["shared_gate"] = dense_linear(gate, torch.float32, batch_invariant=True)
+            shared["shared_gate"] = self._dense_linear(gate, torch.float32)
         if c.family.expert_biases:
             shared["router_bias"] = self._float(weights.layer(i, "ffn_gate_inp", "bias"))
         if c.family.experts_beside_mlp:
             shared["router_input_scale"] = self._float(weights.layer(i, "ffn_gate_inp", "scale"))
             shared["expert_scale"] = self._float(weights.layer(i, "ffn_down_exps", "scale"))
             shared["router_norm_eps"] = c.rms_norm_eps
-        return MoEWeights(dense_linear(router, torch.float32, batch_invariant=True), self._experts(weights, i),
+        return MoEWeights(self._dense_linear(router, torch.float32), self._experts(weights, i),
                           c.n_expert_used, c.expert_weights_norm, **shared)
 
     def _experts(self, weights: ModelWeights, i: int) -> DenseExperts | BlockExperts:
@@ -315,8 +319,8 @@ class Decoder:
                                    biases, c.swiglu_alpha, c.swiglu_limit)
             return BlockExperts(native, (*blocks, biases))
         gate, up, down = (self._expert_values(weights.read(name), c.n_expert) for name in names)
-        return DenseExperts([dense_linear(torch.cat([g, u]), self.dtype, self.batch_invariant) for g, u in zip(gate, up)],
-                            [dense_linear(d, self.dtype, self.batch_invariant) for d in down],
+        return DenseExperts([self._dense_linear(torch.cat([g, u])) for g, u in zip(gate, up)],
+                            [self._dense_linear(d) for d in down],
                             self._expert_biases(weights, i, self.dtype), (c.swiglu_alpha, c.swiglu_limit))
 
     def _expert_biases(self, weights: ModelWeights, i: int, dtype: torch.dtype) -> ExpertBiases | None:
@@ -334,8 +338,9 @@ class Decoder:
         return values.reshape(n_expert, -1, values.shape[-1])
 
     def _conv_layer(self, weights: ModelWeights, i: int) -> ConvLayerWeights:
-        conv = ShortConvWeights(*(self._dense(weights.layer(i, f"shortconv.{part}"))
-                                  for part in ("in_proj", "conv", "out_proj")))
+        conv = ShortConvWeights(self._stacked(weights, i, ("shortconv.in_proj",)),
+                                self._dense(weights.layer(i, "shortconv.conv")),
+                                self._stacked(weights, i, ("shortconv.out_proj",)))
         return ConvLayerWeights(attn_norm=self._dense(weights.layer(i, "attn_norm")), conv=conv,
                                 ffn_norm=self._dense(weights.layer(i, "ffn_norm")),
                                 gate_up=self._stacked(weights, i, ("ffn_gate", "ffn_up")),
@@ -345,10 +350,12 @@ class Decoder:
         c, layer = self.config, lambda part, kind="weight": self._dense(weights.layer(i, part, kind))
         a = self._float(weights.read(f"blk.{i}.ssm_a"))
         mixer = Mamba2Weights(
-            in_proj=layer("ssm_in"), conv=layer("ssm_conv1d"), conv_bias=layer("ssm_conv1d", "bias"),
+            in_proj=self._stacked(weights, i, ("ssm_in",)), conv=layer("ssm_conv1d"),
+            conv_bias=layer("ssm_conv1d", "bias"),
             dt_bias=self._float(weights.layer(i, "ssm_dt", "bias")), A_log=torch.log(-a),
             D=self._float(weights.read(f"blk.{i}.ssm_d")),
-            norm=layer("ssm_norm"), out_proj=layer("ssm_out"), n_heads=c.n_head, head_dim=c.head_dim,
+            norm=layer("ssm_norm"), out_proj=self._stacked(weights, i, ("ssm_out",)), n_heads=c.n_head,
+            head_dim=c.head_dim,
             d_state=c.ssm_state, n_groups=c.ssm_groups, eps=c.rms_norm_eps, time_step_limit=c.ssm_dt_limit)
         return MambaLayerWeights(attn_norm=layer("attn_norm"), mixer=mixer)
 
@@ -379,6 +386,10 @@ class Decoder:
             return torch.cat([q_norm, k_norm])
         n_kv = c.attention_geometry(c.layer_kinds[i])[0] if k_norm is not None else 0
         return torch.cat([q_norm.expand(c.n_head, -1), *([k_norm.expand(n_kv, -1)] if n_kv else [])])
+
+    def _ones(self, n: int) -> torch.Tensor:
+        """The weight of a weightless RMSNorm (Gemma 4's V norm), for the layer ops' norm."""
+        return torch.ones(n, dtype=self.dtype)
 
     def _whole_qk_norm(self, qk: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """OLMoE's QK-norm: RMSNorm over each token's whole Q projection, and over its whole K projection."""
@@ -421,7 +432,7 @@ class Decoder:
         if self.config.logit_scale != 1.0:
             logits = logits / self.config.logit_scale
         cap = self.config.final_logit_softcap
-        logits = cap * torch.tanh(logits / cap) if cap else logits
+        logits = self.ops.softcap(logits.contiguous(), cap) if cap else logits
         return logits if self.gather_logits is None else self.gather_logits(logits)
 
     def layer_rope(self, kind: str) -> Rope:
@@ -474,7 +485,7 @@ class Decoder:
         eps = self.config.rms_norm_eps
         state = kv.recurrent(index)
         h = self.ops.norm(x, layer.attn_norm, eps).view(*state.shape, -1)
-        y, conv_state = short_conv(layer.conv, h, *state.read())
+        y, conv_state = short_conv(layer.conv, h, *state.read(), native=self._recurrent)
         state.write([conv_state])
         normed, x = self.ops.add_norm(x, y.reshape(x.shape), layer.ffn_norm, eps)
         return x + self.ops.gated_mlp(normed, layer.gate_up, layer.down, self.config.family.activation)
@@ -485,7 +496,7 @@ class Decoder:
         eps, state = self.config.rms_norm_eps, kv.recurrent(index)
         projected = layer.in_proj(self.ops.norm(x, layer.attn_norm, eps)).view(*state.shape, -1)
         y, conv_state, delta_state = gated_delta_net(layer.mixer, *projected.split(layer.in_sizes, dim=-1),
-                                                     *state.read(), step=self.ops.delta_step)
+                                                     *state.read(), step=self.ops.delta_step, native=self._recurrent)
         state.write([conv_state, delta_state])
         normed, x = self.ops.add_norm(x, layer.out_proj(y.reshape(x.shape[0], -1)), layer.ffn_norm, eps)
         return x + self._mlp(layer, normed)
@@ -493,7 +504,7 @@ class Decoder:
     def _mamba_block(self, index: int, layer: MambaLayerWeights, x, cos, sin, kv) -> torch.Tensor:
         state = kv.recurrent(index)
         h = self.ops.norm(x, layer.attn_norm, self.config.rms_norm_eps).view(*state.shape, -1)
-        y, conv_state, ssm_state = mamba2_mixer(layer.mixer, h, *state.read())
+        y, conv_state, ssm_state = mamba2_mixer(layer.mixer, h, *state.read(), native=self._recurrent)
         state.write([conv_state, ssm_state])
         return x + y.reshape(x.shape)
 
@@ -519,7 +530,7 @@ class Decoder:
             v = qk[:, q_size:]
         v = v.view(n_tokens, n_kv, head_dim) if n_kv else None
         if v is not None and family.value_norm:  # before the QK-norm, which may run in place on K
-            v = F.rms_norm(v, (head_dim,), eps=c.rms_norm_eps)
+            v = self.ops.norm(v.reshape(-1, head_dim).contiguous(), self._ones(head_dim), c.rms_norm_eps).view(v.shape)
         # Q and K heads side by side take their norm and rotation in one go.
         qk = qk.view(n_tokens, c.n_head + n_kv, head_dim)
         if layer.qk_norm is not None and family.qk_norm_whole:  # over each token's whole Q, then whole K
@@ -533,7 +544,7 @@ class Decoder:
         out = kv.attend(index, q, k if n_kv else None, v, self.batch_invariant, self.ops.attention_kernel(),
                         layer.sinks)
         if gate is not None:
-            out = out * torch.sigmoid(gate.reshape(n_tokens, -1))
+            out = self.ops.sigmoid_gate(out, gate.reshape(n_tokens, -1))
         return layer.attn_output(out)
 
 
@@ -549,8 +560,8 @@ def _held(value, seen: set[int]) -> int:
     if isinstance(value, Embedding):
         return _held(value.blocks if value.blocks is not None else value.dense, seen)
     if isinstance(value, QuantizedLinear):
-        return sum(_held(part, seen) for part in value.parts) + (value.dense.nbytes if value.dense is not None else 0)
-    if isinstance(value, (DenseLinear, PackedLinear)):
+        return sum(_held(part, seen) for part in value.parts)
+    if isinstance(value, (DenseLinear, PackedLinear, NativeDenseLinear)):
         return value.nbytes
     if isinstance(value, (list, tuple)):
         return sum(_held(item, seen) for item in value)

@@ -1,7 +1,7 @@
 """A layer's small ops, each one native call where the kernels are built (kvlm.kernels.layer_ops), torch's ops
-(kvlm.model.ops) otherwise: in the reference mode, in the batch-invariant mode, without a compiler, and while
-torch.compile traces a graph (it cannot trace a ctypes call). For decode tokens, `DecodeLayers` runs a whole
-attention layer as one native call (kvlm.kernels.decode_layer) where its matrices are read natively.
+(kvlm.model.ops) otherwise: in the reference mode, without a compiler, and while torch.compile traces a graph (it
+cannot trace a ctypes call). For a micro-batch of tokens, `DecodeLayers` runs a whole attention layer as one
+native call (kvlm.kernels.decode_layer) where its matrices are read natively.
 
 At batch 1 a small model's step is mostly such ops: an RMSNorm in bfloat16 is eight eager torch ops, RoPE five, the
 gated activation three. The native ones compute in float32 and round once at the end, where torch rounds after
@@ -25,8 +25,14 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 class LayerOps:
-    def __init__(self, native: NativeLayerOps | None) -> None:
+    """`batch_invariant`: where torch's ops run instead (no native kernels), their transcendental functions (the
+    activations, sigmoid, tanh) run in float64 and round once: torch rounds a value differently in a tensor's
+    vectorized body and in its scalar tail, which a float32 result would show and a rounded float64 one
+    practically never does."""
+
+    def __init__(self, native: NativeLayerOps | None, batch_invariant: bool = False) -> None:
         self.native = native
+        self.precise = torch.float64 if batch_invariant else None
 
     def _use_native(self) -> bool:
         return self.native is not None and not torch.compiler.is_compiling()
@@ -67,9 +73,32 @@ class LayerOps:
         if self._use_native() and both.is_contiguous():
             return down(self.native.gated(both, activation == "gelu_tanh"))
         gate, up = both.chunk(2, dim=-1)
-        gate = torch.nn.functional.silu(gate) if activation == "silu" else \
-            torch.nn.functional.gelu(gate, approximate="tanh")
-        return down(gate * up)
+        return down(self._torch(lambda g: F.silu(g) if activation == "silu" else F.gelu(g, approximate="tanh"),
+                                gate) * up)
+
+    def sigmoid_gate(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """x * sigmoid(gate), gate [rows, n] like x [rows, n] or [rows, 1] for each row (Qwen3.5's output gate,
+        Qwen2-MoE's shared expert's)."""
+        if self._use_native() and x.dim() == 2 and x.is_contiguous():
+            return self.native.sigmoid_gate(x, gate)
+        return x * self._torch(torch.sigmoid, gate).to(x.dtype)
+
+    def gelu_times(self, gate: torch.Tensor, vector: torch.Tensor) -> torch.Tensor:
+        """gelu(gate) * vector (tanh approximation; Gemma 4's per-layer inputs): the gated activation over the two
+        side by side."""
+        if self._use_native() and gate.dim() == 2:
+            return self.native.gated(torch.cat([gate, vector.to(gate.dtype)], dim=-1), True)
+        return self._torch(lambda g: F.gelu(g, approximate="tanh"), gate) * vector
+
+    def softcap(self, logits: torch.Tensor, cap: float) -> torch.Tensor:
+        """cap * tanh(logits / cap) for float32 logits [rows, n] (Gemma's final softcap)."""
+        if self._use_native() and logits.dim() == 2 and logits.is_contiguous():
+            return self.native.softcap_(logits, cap)
+        return cap * self._torch(torch.tanh, logits / cap)
+
+    def _torch(self, function, x: torch.Tensor) -> torch.Tensor:
+        """torch's `function` of x, in x's dtype: through float64 where batch-invariant (see the class)."""
+        return function(x) if self.precise is None else function(x.to(self.precise)).to(x.dtype)
 
     def delta_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                    state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,10 +111,10 @@ class LayerOps:
 
 class DecodeLayers:
     """The attention layers of a decoder whose matrices are quantized (read by the native kernels), each as one
-    native call for a micro-batch of decode tokens: every token alone in its sequence, reading its own cells, and
-    few enough that the products stay native (with a dense copy, prompt-sized batches go through it instead). A
-    layer of experts runs its attention so (up to its experts' input), its experts after. `run` returns None for
-    anything else, and the decoder runs the layer op by op. Not for what the native call does not compute:
+    native call for a micro-batch of tokens (decode tokens, prompt chunks, guesses: each reading its own run of
+    cells), computing what the layer computes op by op, bit for bit. A layer of experts runs its attention so (up to
+    its experts' input), its experts after. `run` returns None for anything else (a view that is not a KVView: a
+    compiled graph's), and the decoder runs the layer op by op. Not for what the native call does not compute:
     Granite's residual multiplier, a whole-projection QK-norm after Q/K/V biases, Qwen3.5's output gate, RoPE over
     part of each head, Gemma 4's attention."""
 
@@ -130,22 +159,19 @@ class DecodeLayers:
         native = self.layers.get(index)
         if native is None or torch.compiler.is_compiling() or x.dim() != 2:
             return None
-        if not all(m.native_for(x.shape[0]) for m in self._matrices(layer)):
-            return None
         view, local = kv.layer_view(index)
-        cells = view.decode_cells if isinstance(view, KVView) else None
-        if cells is None:
+        if not isinstance(view, KVView):
             return None
         normed = torch.empty_like(x) if layer.moe is not None else None
-        return native(x.contiguous(), self._step(view, cos, sin, cells), local, normed), normed
+        return native(x.contiguous(), self._step(view, cos, sin), local, normed), normed
 
-    def _step(self, view: KVView, cos: torch.Tensor, sin: torch.Tensor, cells) -> DecodeStep:
+    def _step(self, view: KVView, cos: torch.Tensor, sin: torch.Tensor) -> DecodeStep:
         """The step's description for this view and RoPE, made once per forward pass (a few per pass: iSWA layers
         attend through two views, with two RoPEs)."""
         for seen_view, seen_cos, step in self._steps:
             if seen_view is view and seen_cos is cos:
                 return step
         step = DecodeStep(cos.contiguous(), sin.contiguous(), view.rows.to(torch.int64).contiguous(),
-                          cells[0], cells[1].to(torch.int64).contiguous(), view.store)
+                          view.token_cells, view.store)
         self._steps = [*self._steps[-3:], (view, cos, step)]
         return step

@@ -111,6 +111,6 @@ class MoEWeights:
         if self.shared_gate_up is not None:
             shared = ops.gated_mlp(x, self.shared_gate_up, self.shared_down, activation)
             if self.shared_gate is not None:
-                shared = shared * torch.sigmoid(self.shared_gate(x.float())).to(shared.dtype)
+                shared = ops.sigmoid_gate(shared, self.shared_gate(x.float()))
             out = out + shared
         return out

@@ -8,7 +8,6 @@ post_norm(proj(gelu(gate(x)) * vector_i)) to the residual stream.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kvlm.model.embedding import Embedding
 from kvlm.model.linear import Linear
@@ -29,10 +28,10 @@ class PerLayerInputs:
         embeddings."""
         identity = (self.table(tokens) * self.table_scale).view(-1, self.n_layer, self.width)
         context = (self.projection(embedded) * self.projection_scale).view(-1, self.n_layer, self.width)
-        context = F.rms_norm(context, (self.width,), eps=self.eps) * self.projection_norm
+        context = self.ops.norm(context.reshape(-1, self.width), self.projection_norm, self.eps).view(context.shape)
         return (context + identity) * 2 ** -0.5
 
     def add(self, layer, x: torch.Tensor, vector: torch.Tensor) -> torch.Tensor:
         """x plus the layer's per-layer input term."""
-        gated = F.gelu(layer.gate(x), approximate="tanh") * vector
+        gated = self.ops.gelu_times(layer.gate(x), vector)
         return x + self.ops.norm(layer.proj(gated).contiguous(), layer.post_norm, self.eps)

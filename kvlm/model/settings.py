@@ -2,8 +2,10 @@
 
 The defaults ("auto") are the fast, faithful setting: bfloat16 activations where the CPU has native bf16 dot
 products (float32 elsewhere), and every matrix kept as its file stores it, in its quantized blocks, multiplied by
-kvlm's native kernels straight from them. `dtype="float32"` is the reference mode: dense float32 everywhere
-(gguf's dequantized values, as transformers reads them). Where the native kernels cannot be built (no compiler),
+kvlm's native kernels straight from them. They are batch-invariant: a token's logits do not depend on what else
+its batch holds nor on how its prompt reached the cache. `dtype="float32"` is the reference mode: dense float32
+everywhere (gguf's dequantized values, with transformers' own products, whose logits it then matches); it is
+batch-invariant only when asked (`batch_invariant=True`). Where the native kernels cannot be built (no compiler),
 matrices are dense in the activation dtype.
 """
 from __future__ import annotations
@@ -26,8 +28,9 @@ NATIVE_TYPE_NAMES = frozenset(t.name for t in NATIVE_TYPES)
 class ComputeSettings:
     dtype: str                  # "float32" or "bfloat16": activations, norms, attention
     quant: str | None = None    # None: dense; "file": as stored; "int8"/"int4": every layer matrix requantized
-    batch_invariant: bool = False
+    batch_invariant: bool = True  # a token's logits independent of its batch (see resolve_settings)
     reason: str = ""            # why these were chosen, for `kvlm inspect` and the server's log
+    reference: bool = False     # the float32 reference mode: torch's ops throughout, as transformers computes
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -42,25 +45,28 @@ class ComputeSettings:
 
     def describe(self) -> str:
         weights = {None: "dense", FROM_FILE: "as the file stores them (its quantized blocks, read by native kernels)"}
-        return f"{self.dtype} activations, weights {weights.get(self.quant, f'requantized {self.quant}')}: {self.reason}"
+        invariant = "batch-invariant" if self.batch_invariant else "not batch-invariant"
+        return (f"{self.dtype} activations, weights {weights.get(self.quant, f'requantized {self.quant}')}, "
+                f"{invariant}: {self.reason}")
 
 
 def resolve_settings(dtype: str = AUTO, quant: str | None = AUTO, batch_invariant: bool = False,
-                     cpu: CpuFeatures | None = None, kernels: bool | None = None) -> ComputeSettings:
+                     cpu: CpuFeatures | None = None, kernels: bool | None = None,
+                     compile: bool = False) -> ComputeSettings:
     """Checks the requested settings (before any weight is read) and fills in "auto" for this CPU.
 
+    Every mode but the reference one is batch-invariant, whatever `batch_invariant` says; the reference mode is when
+    asked. `compile` (graphs compiled by torch.compile, which sum as their shapes suit) gives that up.
     `kernels`: whether the native kernels are there (None: find out, building them if need be).
     """
-    _check(dtype, quant, batch_invariant)
+    _check(dtype, quant)
     cpu = cpu or detect()
     kernels = native_kernels() is not None if kernels is None else kernels
     if quant in QUANTS and not kernels:
         raise ValueError(f"quant {quant!r} needs kvlm's native kernels, which could not be built here (see the log); "
                          "use quant 'auto' or None")
-    reference = dtype == "float32" or batch_invariant  # dense float32, as transformers reads the file
-    if dtype == AUTO and batch_invariant:
-        dtype, why = "float32", "batch_invariant needs float32"
-    elif dtype == AUTO and cpu.fast_bfloat16:
+    reference = dtype == "float32" and quant in (AUTO, None)  # dense float32, as transformers reads the file
+    if dtype == AUTO and cpu.fast_bfloat16:
         dtype, why = "bfloat16", f"auto: native bf16 at AVX-512 on this CPU ({cpu.describe()})"
     elif dtype == AUTO:
         dtype, why = "float32", f"auto: this CPU has no native bf16 at AVX-512 ({cpu.describe()})"
@@ -70,13 +76,11 @@ def resolve_settings(dtype: str = AUTO, quant: str | None = AUTO, batch_invarian
         quant = FROM_FILE if kernels and not reference else None
         if not kernels and not reference:
             why += "; the native kernels are unavailable, so weights are dense"
-    return ComputeSettings(dtype, quant, batch_invariant, why)
+    return ComputeSettings(dtype, quant, not compile and (batch_invariant or not reference), why, reference)
 
 
-def _check(dtype: str, quant: str | None, batch_invariant: bool) -> None:
+def _check(dtype: str, quant: str | None) -> None:
     if dtype not in (AUTO, *DTYPES):
         raise ValueError(f"dtype must be one of {AUTO}, {', '.join(DTYPES)}, got {dtype!r}")
     if quant not in (AUTO, None, *QUANTS):
         raise ValueError(f"quant must be one of {AUTO}, None, {', '.join(QUANTS)}, got {quant!r}")
-    if batch_invariant and (dtype == "bfloat16" or quant in QUANTS):
-        raise ValueError(f"batch_invariant needs dense float32 weights, got dtype {dtype} and quant {quant!r}")

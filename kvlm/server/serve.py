@@ -37,7 +37,7 @@ class ServeSettings:
     served_model_name: str | None = None
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGINT/SIGTERM
     tensor_parallel_size: int = 1  # processes the model's heads and MLP are split over (kvlm.parallel)
-    memory_budget: int | None = None  # bytes for weights, copies, KV cache and buffers (None: the machine's)
+    memory_budget: int | None = None  # bytes for weights, KV cache and buffers (None: the machine's)
     speculative_config: SpeculativeConfig | None = None  # vLLM's (kvlm.speculative.config)
 
 
