@@ -77,6 +77,12 @@ class KVView:
         once."""
         return TokenCells.of(self.groups, len(self.rows))
 
+    @functools.cached_property
+    def per_token(self) -> bool:
+        """Whether every token reads rows of its own (decode tokens, short runs of guesses), no prompt chunk
+        sharing its sequence's rows."""
+        return all(group.index.dim() == 2 or len(group.tokens) == 1 for group in self.groups)
+
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.store.read(layer, self.n_visible)
 

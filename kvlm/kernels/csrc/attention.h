@@ -56,10 +56,19 @@ inline fvec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline void vstore(float* p, fvec v) { _mm256_storeu_ps(p, v); }
 inline fvec vfma(fvec a, fvec b, fvec c) { return _mm256_fmadd_ps(a, b, c); }
 inline fvec vmul(fvec a, fvec b) { return _mm256_mul_ps(a, b); }
+// The sum of a vector's lanes as ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)): the order vsums8 sums eight
+// vectors in, so a sum is the same bits whichever of the two computes it.
 inline float vsum(fvec v) {
-    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
+    const __m256 pairs = _mm256_hadd_ps(v, v);
+    const __m256 quads = _mm256_hadd_ps(pairs, pairs);
+    return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(quads), _mm256_extractf128_ps(quads, 1)));
+}
+// Lane i: vsum(v[i]), for 8 vectors at once (9 instructions where 8 vsums take 32).
+inline fvec vsums8(const fvec* v) {
+    const __m256 ab = _mm256_hadd_ps(v[0], v[1]), cd = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 ef = _mm256_hadd_ps(v[4], v[5]), gh = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 abcd = _mm256_hadd_ps(ab, cd), efgh = _mm256_hadd_ps(ef, gh);
+    return _mm256_add_ps(_mm256_permute2f128_ps(abcd, efgh, 0x20), _mm256_permute2f128_ps(abcd, efgh, 0x31));
 }
 inline fvec vhalves(const uint16_t* p, bool bf16) {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -82,14 +91,19 @@ inline fvec vhalves(const uint16_t* p, bool bf16) { return bf16 ? bf16_to_float(
 inline fvec vbytes(const int8_t* p) { return float(*p); }
 #endif
 
-// LANES values of one cached row (one KV head of one cell) from value `at` of the row, as float32.
-template <int TYPE> inline fvec row_values(const KVPlane& plane, int64_t cell, int head, int at) {
-    const int64_t first = (cell * plane.n_kv + head) * int64_t(plane.d) + at;
-    if constexpr (TYPE == KV_F32) return vload(static_cast<const float*>(plane.data) + first);
+// Where one cached row (one KV head of one cell) starts in its plane, in values.
+inline int64_t row_start(const KVPlane& plane, int64_t cell, int head) {
+    return (cell * plane.n_kv + head) * int64_t(plane.d);
+}
+
+// LANES values of the cached row starting at value `first` of its plane, from value `at` of the row, as float32.
+template <int TYPE> inline fvec row_values(const KVPlane& plane, int64_t first, int at) {
+    const int64_t value = first + at;
+    if constexpr (TYPE == KV_F32) return vload(static_cast<const float*>(plane.data) + value);
     else if constexpr (TYPE == KV_F16 || TYPE == KV_BF16)
-        return vhalves(static_cast<const uint16_t*>(plane.data) + first, TYPE == KV_BF16);
+        return vhalves(static_cast<const uint16_t*>(plane.data) + value, TYPE == KV_BF16);
     else  // LANES divides 32: the values share one scale
-        return vmul(vbytes(static_cast<const int8_t*>(plane.data) + first), vset(fp16_to_float(plane.scales[first / 32])));
+        return vmul(vbytes(static_cast<const int8_t*>(plane.data) + value), vset(fp16_to_float(plane.scales[value / 32])));
 }
 
 // exp(x) for x <= 0 (scores less their maximum), within 2 ulp: Cody-Waite reduction by ln 2 and Cephes' polynomial.
@@ -152,10 +166,10 @@ inline std::pair<float, float> exp_less_maximum(float* s, int64_t n) {
 
 constexpr int PREFETCH_CELLS = 8;  // how many cells ahead rows are fetched: cells are gathered, not streamed
 
-// Asks for the row of `cell` (one KV head, d values of the plane's type) to be brought into the cache.
-inline void prefetch_row(const KVPlane& plane, int64_t cell, int head) {
-    const int element = plane.type == KV_F32 ? 4 : plane.type == KV_Q8_0 ? 1 : 2;
-    const char* row = static_cast<const char*>(plane.data) + ((cell * plane.n_kv + head) * int64_t(plane.d)) * element;
+// Asks for the row starting at value `first` of the plane (d values of its type) to be brought into the cache.
+template <int TYPE> inline void prefetch_row(const KVPlane& plane, int64_t first) {
+    constexpr int element = TYPE == KV_F32 ? 4 : TYPE == KV_Q8_0 ? 1 : 2;
+    const char* row = static_cast<const char*>(plane.data) + first * element;
     for (int64_t line = 0; line < int64_t(plane.d) * element; line += 64) __builtin_prefetch(row + line, 0, 3);
 }
 
@@ -163,51 +177,87 @@ inline void prefetch_row(const KVPlane& plane, int64_t cell, int head) {
 // own chain): G query heads times UNROLL cells (scores) or column blocks (values).
 template <int G> constexpr int unroll_for() { return G >= 8 ? 1 : 8 / G; }
 
-// scores[g][j] = scale * q_g . K[cells[j]] for G query heads (q: [G][d]) and n cells.
+// Column blocks of LANES per pass over V's rows: as many as fit in registers beside the G hoisted weights (fewer
+// passes over the rows), at most 4.
+template <int G> constexpr int blocks_for() { return G >= 8 ? 1 : std::min(4, (15 - G) / G); }
+
+// Whether the G query heads' values fit in registers beside the scores' accumulators (16 vector registers): then
+// they are loaded once per step instead of once per cell.
+template <int G> constexpr bool hoisted() { return G * unroll_for<G>() + G + 1 <= 16; }
+
+// scores[g][c] = vsum(acc[c][g]) * scale for J cells of G query heads; 8 sums at a time where they fit.
+template <int G, int J> inline void store_scores(const fvec (&acc)[J][G], float scale, float* scores, int64_t stride) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    if constexpr (J * G <= 8) {
+        fvec sums[8];
+        for (int i = 0; i < 8; ++i) sums[i] = i < J * G ? acc[i / G][i % G] : vzero();
+        alignas(32) float values[8];
+        vstore(values, vmul(vsums8(sums), vset(scale)));
+        for (int i = 0; i < J * G; ++i) scores[(i % G) * stride + i / G] = values[i];
+        return;
+    }
+#endif
+    for (int c = 0; c < J; ++c)
+        for (int g = 0; g < G; ++g) scores[g * stride + c] = vsum(acc[c][g]) * scale;
+}
+
+// scores[g][j] = scale * q_g . K[rows[j]] for G query heads (q: [G][d]) and the n rows starting at values rows[j]
+// of the plane. Each score is one chain of FMAs over the head's values, LANES at a time, then vsum: how the loops
+// are unrolled changes which chains run side by side, never a chain.
 template <int TYPE, int G>
-inline void scores_of(const float* q, int d, float scale, const int64_t* cells, int64_t n, const KVPlane& k,
-                      int head, float* scores, int64_t stride) {
+inline void scores_of(const float* q, int d, float scale, const int64_t* rows, int64_t n, const KVPlane& k,
+                      float* scores, int64_t stride) {
     constexpr int J = unroll_for<G>();
     int64_t j = 0;
     for (; j + J <= n; j += J) {  // J cells at a time
-        for (int c = 0; c < J && j + PREFETCH_CELLS + c < n; ++c) prefetch_row(k, cells[j + PREFETCH_CELLS + c], head);
+        for (int c = 0; c < J && j + PREFETCH_CELLS + c < n; ++c) prefetch_row<TYPE>(k, rows[j + PREFETCH_CELLS + c]);
         fvec acc[J][G];
         for (int c = 0; c < J; ++c)
             for (int g = 0; g < G; ++g) acc[c][g] = vzero();
-        for (int at = 0; at < d; at += LANES)
+        for (int at = 0; at < d; at += LANES) {
+            fvec query[G];
+            if constexpr (hoisted<G>())
+                for (int g = 0; g < G; ++g) query[g] = vload(q + g * d + at);
             for (int c = 0; c < J; ++c) {
-                const fvec row = row_values<TYPE>(k, cells[j + c], head, at);
-                for (int g = 0; g < G; ++g) acc[c][g] = vfma(vload(q + g * d + at), row, acc[c][g]);
+                const fvec row = row_values<TYPE>(k, rows[j + c], at);
+                for (int g = 0; g < G; ++g)
+                    acc[c][g] = vfma(hoisted<G>() ? query[g] : vload(q + g * d + at), row, acc[c][g]);
             }
-        for (int c = 0; c < J; ++c)
-            for (int g = 0; g < G; ++g) scores[g * stride + j + c] = vsum(acc[c][g]) * scale;
+        }
+        store_scores<G, J>(acc, scale, scores + j, stride);
     }
     for (; j < n; ++j) {
         fvec acc[G];
         for (int g = 0; g < G; ++g) acc[g] = vzero();
         for (int at = 0; at < d; at += LANES) {
-            const fvec row = row_values<TYPE>(k, cells[j], head, at);
+            const fvec row = row_values<TYPE>(k, rows[j], at);
             for (int g = 0; g < G; ++g) acc[g] = vfma(vload(q + g * d + at), row, acc[g]);
         }
         for (int g = 0; g < G; ++g) scores[g * stride + j] = vsum(acc[g]) * scale;
     }
 }
 
-// out[g] = sum over j of p[g][j] V[cells[j]] for G query heads (out: [G][d]), B column blocks of LANES at a time.
+// out[g] = sum over j of p[g][j] V[rows[j]] for G query heads (out: [G][d]), B column blocks of LANES at a time:
+// per output value one chain of FMAs over the rows in order.
 template <int TYPE, int G>
-inline void values_of(const float* p, int d, const int64_t* cells, int64_t n, const KVPlane& v, int head,
-                      int64_t stride, float* out) {
-    constexpr int B = unroll_for<G>();
+inline void values_of(const float* p, int d, const int64_t* rows, int64_t n, const KVPlane& v, int64_t stride,
+                      float* out) {
+    constexpr int B = blocks_for<G>();
     int at = 0;
     for (; at + B * LANES <= d; at += B * LANES) {
         fvec acc[B][G];
         for (int b = 0; b < B; ++b)
             for (int g = 0; g < G; ++g) acc[b][g] = vzero();
         for (int64_t j = 0; j < n; ++j) {
-            if (at == 0 && j + PREFETCH_CELLS < n) prefetch_row(v, cells[j + PREFETCH_CELLS], head);
+            if (at == 0 && j + PREFETCH_CELLS < n) prefetch_row<TYPE>(v, rows[j + PREFETCH_CELLS]);
+            constexpr bool hoist = B * G + G + 1 <= 16;  // the weights in registers beside the accumulators
+            fvec weight[G];
+            if constexpr (hoist)
+                for (int g = 0; g < G; ++g) weight[g] = vset(p[g * stride + j]);
             for (int b = 0; b < B; ++b) {
-                const fvec row = row_values<TYPE>(v, cells[j], head, at + b * LANES);
-                for (int g = 0; g < G; ++g) acc[b][g] = vfma(vset(p[g * stride + j]), row, acc[b][g]);
+                const fvec row = row_values<TYPE>(v, rows[j], at + b * LANES);
+                for (int g = 0; g < G; ++g)
+                    acc[b][g] = vfma(hoist ? weight[g] : vset(p[g * stride + j]), row, acc[b][g]);
             }
         }
         for (int b = 0; b < B; ++b)
@@ -217,7 +267,7 @@ inline void values_of(const float* p, int d, const int64_t* cells, int64_t n, co
         fvec acc[G];
         for (int g = 0; g < G; ++g) acc[g] = vzero();
         for (int64_t j = 0; j < n; ++j) {
-            const fvec row = row_values<TYPE>(v, cells[j], head, at);
+            const fvec row = row_values<TYPE>(v, rows[j], at);
             for (int g = 0; g < G; ++g) acc[g] = vfma(vset(p[g * stride + j]), row, acc[g]);
         }
         for (int g = 0; g < G; ++g) vstore(out + g * d + at, acc[g]);
@@ -252,19 +302,21 @@ inline void attend_chunk(const float* q, int group, int d, float scale, const in
                          const KVPlane& k, const KVPlane& v, int head, float* maxima, float* sums, float* out,
                          std::vector<float>& scores) {
     scores.resize(size_t(group) * n);
+    int64_t rows[CHUNK_CELLS];  // where each cell's row of this KV head starts (K and V planes share the layout)
+    for (int64_t j = 0; j < n; ++j) rows[j] = row_start(k, cells[j], head);
     with_kv_type(k.type, [&](auto type) {
         constexpr int TYPE = decltype(type)::value;
         for (int g0 = 0; g0 < group; g0 += MAX_GROUP)
             with_group(std::min(MAX_GROUP, group - g0), [&](auto width) {
                 constexpr int G = decltype(width)::value;
-                scores_of<TYPE, G>(q + int64_t(g0) * d, d, scale, cells, n, k, head, scores.data() + g0 * n, n);
+                scores_of<TYPE, G>(q + int64_t(g0) * d, d, scale, rows, n, k, scores.data() + g0 * n, n);
             });
         for (int g = 0; g < group; ++g)
             std::tie(maxima[g], sums[g]) = exp_less_maximum(scores.data() + int64_t(g) * n, n);
         for (int g0 = 0; g0 < group; g0 += MAX_GROUP)
             with_group(std::min(MAX_GROUP, group - g0), [&](auto width) {
                 constexpr int G = decltype(width)::value;
-                values_of<TYPE, G>(scores.data() + g0 * n, d, cells, n, v, head, n, out + int64_t(g0) * d);
+                values_of<TYPE, G>(scores.data() + g0 * n, d, rows, n, v, n, out + int64_t(g0) * d);
             });
     });
 }
