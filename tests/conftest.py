@@ -2,6 +2,8 @@
 references, transformers' own readings of the same files; and the helpers tests share (`from conftest import`)."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import kvlm  # noqa: F401  (first: it sets up OpenMP before torch loads)
 import pytest
 import torch
@@ -86,6 +88,28 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@contextmanager
+def native_kernels_off():
+    """Models loaded inside run on torch's ops alone, as on a machine where no compiler builds kvlm's kernels."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVLM_NATIVE", "0")
+        yield
+
+
+def load_on(path, native: bool, *args, **kwargs):
+    """load_model with kvlm's native kernels, or without them (torch's ops alone); skips where native is asked for
+    and cannot be built."""
+    from kvlm.kernels import native_kernels
+    from kvlm.loader.load import load_model
+
+    if not native:
+        with native_kernels_off():
+            return load_model(str(path), *args, progress=False, **kwargs)
+    if native_kernels() is None:
+        pytest.skip("kvlm's native kernels cannot be built here")
+    return load_model(str(path), *args, progress=False, **kwargs)
 
 
 @pytest.fixture

@@ -8,7 +8,8 @@ beside another sequence's decode token (a last token and its guesses being verif
 another sequence's decode token. Every token's logits must be equal, exactly: by construction, every token attends
 per token over its own cells in position order through the same native kernel, every product gives a row the same
 bits at any row count, and every elementwise op computes an element from its row alone (see docs/ARCHITECTURE.md,
-"Batch invariance"). The random-weight models of every memory kind, MoE and weight type are in
+"Batch invariance"). The same on torch's ops alone (no compiler), where attention and transcendental functions run in
+float64 and round once. The random-weight models of every memory kind, MoE and weight type are in
 test_batch_invariance_kinds.py; the engine and the server in test_batch_invariance_engine.py.
 """
 from __future__ import annotations
@@ -16,10 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import decode_ok
+from conftest import decode_ok, load_on
 from kvlm import Batch, Context
-from kvlm.kernels import native_kernels
-from kvlm.loader.load import load_model
 
 KV_DTYPES = ["f32", "f16", "bf16", "q8_0"]
 LAYOUTS = ["ubatch_1", "ubatch_7", "ubatch_64", "cached_prefix", "beside_others", "guesses", "decode"]
@@ -29,7 +28,6 @@ TEXT = ("The capital of France is a city that has long been known for its art, i
 OTHER = "def square(x):\n    return x * x\n\nprint(square(3))"
 RUN = 5  # a last token and its 4 guesses
 
-pytestmark = pytest.mark.skipif(native_kernels() is None, reason="the exact guarantee needs kvlm's native kernels")
 
 
 def all_logits(tokens: list[int], seq_id: int, start: int) -> Batch:
@@ -80,7 +78,7 @@ def assert_every_layout_equal(model, kv_dtype: str, prompt: list[int], other: li
 
 @pytest.fixture(scope="module")
 def default_smollm2(smollm2_gguf_path):
-    return load_model(str(smollm2_gguf_path), progress=False)
+    return load_on(smollm2_gguf_path, native=True)
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
@@ -91,18 +89,27 @@ def test_smollm2_every_layout_gives_the_same_logits(default_smollm2, kv_dtype):
 
 def test_smollm2_in_bfloat16_every_layout_gives_the_same_logits(smollm2_gguf_path):
     """bfloat16 activations: the default on CPUs with native bf16 (AVX-512 BF16, AMX), checked here on any CPU."""
-    model = load_model(str(smollm2_gguf_path), "bfloat16", progress=False)
+    model = load_on(smollm2_gguf_path, True, "bfloat16")
     tokenizer = model.tokenizer
     assert_every_layout_equal(model, "bf16", tokenizer.encode(TEXT), tokenizer.encode(OTHER))
 
 
 @pytest.mark.parametrize("kv_dtype", ["f16", "q8_0"])
 def test_qwen25_every_layout_gives_the_same_logits(qwen_gguf_path, kv_dtype):
-    model = load_model(str(qwen_gguf_path), progress=False)  # Q4_K, Q5_0, Q6_K and Q8_0 matrices
+    model = load_on(qwen_gguf_path, True)  # Q4_K, Q5_0, Q6_K and Q8_0 matrices
     assert_every_layout_equal(model, kv_dtype, model.tokenizer.encode(TEXT), model.tokenizer.encode(OTHER))
 
 
 @pytest.mark.parametrize("kv_dtype", ["f16", "bf16"])
 def test_gemma3_every_layout_gives_the_same_logits(gemma_gguf_path, kv_dtype):
-    model = load_model(str(gemma_gguf_path), progress=False)  # iSWA; Q4_K, Q6_K and Q8_0 matrices; GeGLU, softcap-free
+    model = load_on(gemma_gguf_path, True)  # iSWA; Q4_K, Q6_K and Q8_0 matrices; GeGLU, softcap-free
     assert_every_layout_equal(model, kv_dtype, model.tokenizer.encode(TEXT), model.tokenizer.encode(OTHER))
+
+
+@pytest.mark.parametrize("name", ["smollm2", "qwen", "gemma"])
+def test_on_torch_ops_alone_every_layout_gives_the_same_logits(name, smollm2_gguf_path, qwen_gguf_path,
+                                                                gemma_gguf_path):
+    """Where no compiler builds kvlm's kernels: matrices dequantized, products, attention and activations in torch."""
+    path = {"smollm2": smollm2_gguf_path, "qwen": qwen_gguf_path, "gemma": gemma_gguf_path}[name]
+    model = load_on(path, native=False)
+    assert_every_layout_equal(model, "f16", model.tokenizer.encode(TEXT), model.tokenizer.encode(OTHER))

@@ -6,7 +6,8 @@ one token per step), for every KV cache dtype.
 unified: Llama (Q4_0 file), Qwen3 (F32 file: dense products); iSWA: Gemma 3 (F32, window 8, crossed many times),
 Gemma 4 (Q8_0: two row sizes, shared K/V, per-layer inputs); hybrid: LFM2 (short convolutions), Qwen3.5 (the gated
 delta rule, an output gate); recurrent: Mamba2; experts: Qwen2-MoE (Q8_0, a sigmoid-gated shared expert), gpt-oss
-(MXFP4 experts, sinks, sliding layers).
+(MXFP4 experts, sinks, sliding layers). Each with kvlm's native kernels and with torch's ops alone, as where no
+compiler builds them.
 """
 from __future__ import annotations
 
@@ -21,15 +22,13 @@ from gptoss_factory import random_gpt_oss, write_gpt_oss_gguf
 from moe_factory import SPECS as MOE_SPECS
 from moe_factory import random_moe, save_moe_folder, write_moe_gguf
 from qwen35_factory import random_qwen35, write_qwen35_gguf
+from conftest import load_on
 from test_batch_invariance import KV_DTYPES, assert_every_layout_equal
 from test_gemma3 import gguf_of as gemma3_gguf
 from test_gemma3 import random_gemma3
 from test_recurrent_models import lfm2_gguf, mamba2_gguf, random_lfm2, random_mamba2
-from kvlm.kernels import native_kernels
-from kvlm.loader.load import load_model
 
-pytestmark = [pytest.mark.skipif(native_kernels() is None, reason="the exact guarantee needs kvlm's native kernels"),
-              pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _family(name: str, quant: T):
@@ -59,10 +58,13 @@ FILES = {  # name: (how its file is written, the memory kind, whether it holds a
 }
 
 
-@pytest.fixture(scope="module", params=sorted(FILES))
+@pytest.fixture(scope="module", params=[(name, ops) for name in sorted(FILES) for ops in ("native", "torch")],
+                ids="-".join)
 def model(request, tmp_path_factory):
-    write, _ = FILES[request.param]
-    return request.param, load_model(str(write(tmp_path_factory.mktemp(request.param))), progress=False)
+    """Each file loaded with kvlm's native kernels, and with torch's ops alone (a machine without a compiler)."""
+    name, ops = request.param
+    write, _ = FILES[name]
+    return name, load_on(write(tmp_path_factory.mktemp(name)), ops == "native")
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)

@@ -57,7 +57,7 @@ class Layer:
     for n_seq sequences, and a run of it over them."""
     inputs: Callable[[int, int, int], list[torch.Tensor]]  # (n_seq, n_tokens, seed) -> [n_seq, n_tokens, ...] each
     states: Callable[[int, int], list[torch.Tensor]]  # (n_seq, seed) -> [n_seq, ...] each
-    run: Callable  # (inputs, states, native) -> (y, new states)
+    run: Callable  # (inputs, states, stepped ops or None) -> (y, new states)
 
 
 def generator(seed: int) -> torch.Generator:
@@ -82,8 +82,8 @@ def short_conv_layer(dtype: torch.dtype, channels: int = 24, taps: int = 3) -> L
     def states(n_seq: int, seed: int) -> list[torch.Tensor]:
         return [conv_state(n_seq, channels, taps, generator(seed))]
 
-    def run(inputs, states, native):
-        y, state = short_conv(w, *inputs, *states, native=native)
+    def run(inputs, states, stepped):
+        y, state = short_conv(w, *inputs, *states, stepped=stepped)
         return y, [state]
 
     return Layer(projected(3 * channels, dtype), states, run)
@@ -106,8 +106,8 @@ def mamba2_layer(dtype: torch.dtype, heads: int = 4, head_dim: int = 8, d_state:
         gen = generator(seed)
         return [conv_state(n_seq, conv_dim, taps, gen), torch.randn(n_seq, heads, head_dim, d_state, generator=gen)]
 
-    def run(inputs, states, native):
-        y, *states = mamba2_mixer(w, *inputs, *states, native=native)
+    def run(inputs, states, stepped):
+        y, *states = mamba2_mixer(w, *inputs, *states, stepped=stepped)
         return y, states
 
     return Layer(projected(d_inner + conv_dim + heads, dtype), states, run)
@@ -132,8 +132,8 @@ def delta_net_layer(dtype: torch.dtype, v_heads_tiled: bool = False, k_heads: in
         gen = generator(seed)
         return [conv_state(n_seq, w.conv_dim, taps, gen), torch.randn(n_seq, v_heads, dim, dim, generator=gen)]
 
-    def run(inputs, states, native):
-        y, *states = gated_delta_net(w, *inputs, *states, native=native)
+    def run(inputs, states, stepped):
+        y, *states = gated_delta_net(w, *inputs, *states, stepped=stepped)
         return y, states
 
     return Layer(inputs, states, run)
@@ -148,11 +148,11 @@ LAYERS = {
 }
 
 
-def in_pieces(layer: Layer, inputs: list[torch.Tensor], states: list[torch.Tensor], sizes: list[int], native):
+def in_pieces(layer: Layer, inputs: list[torch.Tensor], states: list[torch.Tensor], sizes: list[int], stepped):
     """The layer over its inputs cut into pieces of `sizes` tokens, each from the states the one before left."""
     ys = []
     for piece in zip(*(t.split(sizes, dim=1) for t in inputs)):
-        y, states = layer.run(piece, states, native)
+        y, states = layer.run(piece, states, stepped)
         ys.append(y)
     return torch.cat(ys, dim=1), states
 

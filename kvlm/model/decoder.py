@@ -40,6 +40,7 @@ from kvlm.model.recurrent import (
     mamba2_mixer,
     short_conv,
 )
+from kvlm.model.recurrent_steps import SteppedRecurrentOps
 from kvlm.model.per_layer import PerLayerInputs
 from kvlm.model.rope import Rope
 from kvlm.model.settings import FROM_FILE, ComputeSettings
@@ -142,8 +143,10 @@ class Decoder:
         self.batch_invariant = self.settings.batch_invariant
         kernels = None if settings.reference else native_kernels()  # the reference mode stays on torch's ops
         self.kernels = kernels
-        # Recurrent layers step every token natively (a prompt as a run of decode steps) where the kernels are built.
-        self._recurrent = kernels.recurrent if kernels is not None else None
+        # Recurrent layers step every token (a prompt as a run of decode steps) natively where the kernels are built,
+        # else in torch where batch-invariant; otherwise prompts take torch's chunked scans.
+        self._recurrent = (kernels.recurrent if kernels is not None
+                           else SteppedRecurrentOps() if self.batch_invariant else None)
         self.ops = LayerOps(kernels.layer_ops if kernels is not None else None, self.batch_invariant)
         self.layers = [self._layer(weights, i) for i in range(config.n_layer)]
         # Decode steps run each attention layer as one native call where its matrices are quantized.
@@ -485,7 +488,7 @@ class Decoder:
         eps = self.config.rms_norm_eps
         state = kv.recurrent(index)
         h = self.ops.norm(x, layer.attn_norm, eps).view(*state.shape, -1)
-        y, conv_state = short_conv(layer.conv, h, *state.read(), native=self._recurrent)
+        y, conv_state = short_conv(layer.conv, h, *state.read(), stepped=self._recurrent)
         state.write([conv_state])
         normed, x = self.ops.add_norm(x, y.reshape(x.shape), layer.ffn_norm, eps)
         return x + self.ops.gated_mlp(normed, layer.gate_up, layer.down, self.config.family.activation)
@@ -496,7 +499,7 @@ class Decoder:
         eps, state = self.config.rms_norm_eps, kv.recurrent(index)
         projected = layer.in_proj(self.ops.norm(x, layer.attn_norm, eps)).view(*state.shape, -1)
         y, conv_state, delta_state = gated_delta_net(layer.mixer, *projected.split(layer.in_sizes, dim=-1),
-                                                     *state.read(), step=self.ops.delta_step, native=self._recurrent)
+                                                     *state.read(), step=self.ops.delta_step, stepped=self._recurrent)
         state.write([conv_state, delta_state])
         normed, x = self.ops.add_norm(x, layer.out_proj(y.reshape(x.shape[0], -1)), layer.ffn_norm, eps)
         return x + self._mlp(layer, normed)
@@ -504,7 +507,7 @@ class Decoder:
     def _mamba_block(self, index: int, layer: MambaLayerWeights, x, cos, sin, kv) -> torch.Tensor:
         state = kv.recurrent(index)
         h = self.ops.norm(x, layer.attn_norm, self.config.rms_norm_eps).view(*state.shape, -1)
-        y, conv_state, ssm_state = mamba2_mixer(layer.mixer, h, *state.read(), native=self._recurrent)
+        y, conv_state, ssm_state = mamba2_mixer(layer.mixer, h, *state.read(), stepped=self._recurrent)
         state.write([conv_state, ssm_state])
         return x + y.reshape(x.shape)
 

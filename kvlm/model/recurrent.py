@@ -7,11 +7,11 @@ in pieces, each piece continuing from the states the previous one returned, give
 Projections run in x's dtype, the scans and their states in float32. They match transformers' Lfm2ShortConv,
 Mamba2Mixer and Qwen3_5GatedDeltaNet (whose projections the caller does: gated_delta_net takes their outputs).
 
-Given `native` (kvlm.kernels.recurrent's ops), everything between the projections runs in native kernels that step
-every token in order with one fixed sequence of float operations, a prompt as a run of decode steps: a token's
-output then has the same bits however its sequence was cut into calls and whatever shares the call. Without it
-(the reference mode, or no compiler), torch runs prompts through chunked algorithms and single tokens through the
-recurrence, which agree only up to float rounding.
+Given `stepped` (kvlm.kernels.recurrent's native ops, or kvlm.model.recurrent_steps' torch ones where those cannot
+be built), everything between the projections steps every token in order with one fixed sequence of float
+operations, a prompt as a run of decode steps: a token's output then has the same bits however its sequence was cut
+into calls and whatever shares the call. Without it (the reference mode), torch runs prompts through chunked
+algorithms and single tokens through the recurrence, which agree only up to float rounding.
 """
 from __future__ import annotations
 
@@ -25,6 +25,9 @@ import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from kvlm.kernels.recurrent import NativeRecurrentOps
+    from kvlm.model.recurrent_steps import SteppedRecurrentOps
+
+    RecurrentSteps = NativeRecurrentOps | SteppedRecurrentOps
 
 # A projection: a weight [out, in] for F.linear, or a kvlm Linear (e.g. native products over a GGUF's blocks)
 # taking [rows, in] to [rows, out].
@@ -58,19 +61,19 @@ def _project(proj: Projection, x: torch.Tensor, bias: torch.Tensor | None) -> to
 
 
 def short_conv(w: ShortConvWeights, x: torch.Tensor, conv_state: torch.Tensor,
-               native: NativeRecurrentOps | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               stepped: RecurrentSteps | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """LFM2's gated short convolution: out_proj(C * conv(B * x)).
 
     conv_state [n_seq, d, L-1] holds the last L-1 inputs of the convolution. Returns y [n_seq, T, d] and the
     new conv_state. The gates are products, whose bits torch computes the same anywhere: only the convolution
-    differs with `native`.
+    differs with `stepped`.
     """
     b, c, h = _project(w.in_proj, x, w.in_proj_bias).chunk(3, dim=-1)
-    if native is None:
+    if stepped is None:
         conv_out, conv_state = causal_conv((b * h).transpose(1, 2), conv_state, w.conv, w.conv_bias)
         conv_out = conv_out.transpose(1, 2)
     else:
-        conv_out, conv_state = native.causal_conv(b * h, conv_state, w.conv, w.conv_bias)
+        conv_out, conv_state = stepped.causal_conv(b * h, conv_state, w.conv, w.conv_bias)
     return _project(w.out_proj, c * conv_out, w.out_proj_bias), conv_state
 
 
@@ -134,17 +137,17 @@ class Mamba2Weights:
 
 
 def mamba2_mixer(w: Mamba2Weights, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
-                 native: NativeRecurrentOps | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 stepped: RecurrentSteps | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Mamba2's mixer: in_proj, causal conv + SiLU, selective scan with D skip, gated RMS norm, out_proj.
 
     conv_state [n_seq, conv_dim, K-1] holds the last K-1 inputs of the convolution; ssm_state [n_seq, H, P, N]
     the scan's state (float32). Returns y [n_seq, T, d_model] and both new states.
     """
     z, xbc, dt = _project(w.in_proj, x, w.in_proj_bias).split([w.d_inner, w.conv_dim, w.n_heads], dim=-1)
-    if native is not None:
-        xbc, conv_state = native.causal_conv(xbc, conv_state, w.conv, w.conv_bias, silu=True,
+    if stepped is not None:
+        xbc, conv_state = stepped.causal_conv(xbc, conv_state, w.conv, w.conv_bias, silu=True,
                                              out_dtype=torch.float32)
-        y, ssm_state = native.mamba2_scan(w, xbc, z, dt, ssm_state)
+        y, ssm_state = stepped.mamba2_scan(w, xbc, z, dt, ssm_state)
         return _project(w.out_proj, y, w.out_proj_bias), conv_state, ssm_state
     xbc, conv_state = causal_conv(xbc.transpose(1, 2), conv_state, w.conv, w.conv_bias)
     bc_size = w.n_groups * w.d_state
@@ -212,10 +215,10 @@ def _segment_sums(a: torch.Tensor) -> torch.Tensor:
 
 
 def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, n_groups: int,
-                   eps: float) -> torch.Tensor:
+                   eps: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """transformers' MambaRMSNormGated: y * silu(z), RMS-normalized within each of n_groups equal slices of the
-    last dim, times weight; in float32."""
-    g = (y.float() * F.silu(z.float())).unflatten(-1, (n_groups, -1))
+    last dim, times weight; in float32 (or `dtype`)."""
+    g = (y.to(dtype) * F.silu(z.to(dtype))).unflatten(-1, (n_groups, -1))
     g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
     return weight * g.flatten(-2)
 
@@ -267,42 +270,43 @@ class DeltaNetWeights:
 
 def gated_delta_net(w: DeltaNetWeights, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
                     conv_state: torch.Tensor, state: torch.Tensor, step=None,
-                    native: NativeRecurrentOps | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    stepped: RecurrentSteps | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Qwen3.5's linear attention between its projections: causal conv + SiLU, the gated delta rule, gated RMS norm.
 
     qkv [n_seq, T, conv_dim] (in_proj_qkv's output: the rows of q, then k, then v), z [n_seq, T, Hv*Dv],
     b and a [n_seq, T, Hv]; conv_state [n_seq, conv_dim, K-1] holds the last K-1 inputs of the convolution,
     state [n_seq, Hv, Dk, Dv] the delta rule's (float32). Returns y [n_seq, T, Hv*Dv] in qkv's dtype (out_proj's
     input) and both new states. `step`: gated_delta_rule's one-token step (default: delta_step, in torch), unused
-    with `native`.
+    with `stepped`.
     """
-    if native is not None:
-        mixed, conv_state = native.causal_conv(qkv, conv_state, w.conv, None, silu=True, out_dtype=torch.float32)
-        y, state = native.gated_delta_net(w, mixed, z, b, a, state)
+    if stepped is not None:
+        mixed, conv_state = stepped.causal_conv(qkv, conv_state, w.conv, None, silu=True, out_dtype=torch.float32)
+        y, state = stepped.gated_delta_net(w, mixed, z, b, a, state)
         return y, conv_state, state
     mixed, conv_state = causal_conv(qkv.transpose(1, 2), conv_state, w.conv, None)
     q, k, v = F.silu(mixed.float()).transpose(1, 2).split([w.key_dim, w.key_dim, w.value_dim], dim=-1)
     # Normalized per key head, before each is copied to the value heads that read it.
-    q, k = (w.to_value_heads(_l2_normalize(t.unflatten(-1, (w.n_k_heads, w.k_head_dim)))) for t in (q, k))
+    q, k = (w.to_value_heads(l2_normalize(t.unflatten(-1, (w.n_k_heads, w.k_head_dim)))) for t in (q, k))
     v = v.unflatten(-1, (w.n_v_heads, w.v_head_dim))
     beta = torch.sigmoid(b.float())
     g = w.A.float() * F.softplus(a.float() + w.dt_bias.float())  # the log of each step's decay, <= 0
     core, state = gated_delta_rule(q * w.k_head_dim ** -0.5, k, v, g, beta, state, step)
-    y = _norm_then_gate(core, z.unflatten(-1, (w.n_v_heads, w.v_head_dim)), w.norm, w.eps)
+    y = norm_then_gate(core, z.unflatten(-1, (w.n_v_heads, w.v_head_dim)), w.norm, w.eps)
     return y.flatten(-2).to(qkv.dtype), conv_state, state
 
 
-def _l2_normalize(x: torch.Tensor) -> torch.Tensor:
+def l2_normalize(x: torch.Tensor) -> torch.Tensor:
     """x / |x| over the last dim, with transformers' (and FLA's) 1e-6 inside the square root."""
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
 
 
-def _norm_then_gate(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' Qwen3_5RMSNormGated, in float32: RMSNorm(y) * weight * silu(z) over the last dim (one value
-    head). Unlike Mamba2's gated norm, the gate comes after the norm."""
-    y = y.float()
+def norm_then_gate(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """transformers' Qwen3_5RMSNormGated, in float32 (or `dtype`): RMSNorm(y) * weight * silu(z) over the last dim
+    (one value head). Unlike Mamba2's gated norm, the gate comes after the norm."""
+    y = y.to(dtype)
     y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
-    return y * weight.float() * F.silu(z.float())
+    return y * weight.to(dtype) * F.silu(z.to(dtype))
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
