@@ -1,6 +1,7 @@
 """The native dense product (kvlm/kernels/csrc/dense.h) against a float64 product, for every weight and activation
 dtype, in this CPU's build and in plain C++ (no AVX2): close to the exact result, and each output row the same bits
-whatever other rows share the call and whatever the number of threads."""
+whatever other rows share the call and whatever the number of threads. Every build test_kernels makes (this CPU's,
+AVX2, plain C++ with one value at a time, AVX-512 where it runs)."""
 from __future__ import annotations
 
 import ctypes
@@ -8,26 +9,14 @@ import ctypes
 import pytest
 import torch
 
-from kvlm.kernels.native import BuildError, NativeKernels, build, compiler
+from test_kernels import kernels  # noqa: F401  - the library built for each -march
 
-# gcc -march values: this CPU's (AVX2 and F16C on any recent x86-64), and plain x86-64 (one value at a time)
-MARCHES = ["native", "x86-64"]
 WEIGHT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 ACTIVATION_DTYPES = [torch.float32, torch.bfloat16]
 # (out, in): in never a multiple of 8 (333: two chains of FMAs, the second partial), out with rows after its whole
 # panels of 8 (and one with fewer than 8 rows)
 SHAPES = [(77, 203), (5, 33), (130, 333), (16, 1)]
 ROW_COUNTS = [*range(1, 10), 13, 31, 70, 300]
-
-
-@pytest.fixture(scope="module", params=MARCHES)
-def kernels(request) -> NativeKernels:
-    if compiler() is None:
-        pytest.skip("no C++ compiler here: the dense products stay on torch")
-    try:
-        return NativeKernels(build(request.param))
-    except BuildError as exc:
-        pytest.skip(f"cannot build for -march={request.param}: {exc}")
 
 
 @pytest.fixture
@@ -58,7 +47,7 @@ def assert_close_to_exact(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
 
 @pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES, ids=str)
 @pytest.mark.parametrize("x_dtype", ACTIVATION_DTYPES, ids=str)
-def test_product_matches_float64(kernels, weight_dtype, x_dtype):
+def test_product_matches_float64(kernels, weight_dtype, x_dtype):  # noqa: F811
     for out_features, in_features in SHAPES:
         weight = random_weight(out_features, in_features, weight_dtype)
         product = kernels.dense(weight)
@@ -73,7 +62,7 @@ def test_product_matches_float64(kernels, weight_dtype, x_dtype):
 
 @pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES, ids=str)
 @pytest.mark.parametrize("x_dtype", ACTIVATION_DTYPES, ids=str)
-def test_rows_do_not_depend_on_the_batch_or_threads(kernels, weight_dtype, x_dtype, restore_threads):
+def test_rows_do_not_depend_on_the_batch_or_threads(kernels, weight_dtype, x_dtype, restore_threads):  # noqa: F811
     weight = random_weight(93, 333, weight_dtype)  # 11 panels and 5 rows after them, shared by 1 or 2 threads
     product = kernels.dense(weight)
     x = random_x(300, 333, x_dtype)
@@ -87,12 +76,12 @@ def test_rows_do_not_depend_on_the_batch_or_threads(kernels, weight_dtype, x_dty
         assert torch.equal(shifted, alone[7:]), f"rows 7.. of 300, {threads} threads"
 
 
-def test_no_rows(kernels):
+def test_no_rows(kernels):  # noqa: F811
     product = kernels.dense(random_weight(9, 20, torch.float32))
     assert product(torch.empty(0, 20)).shape == (0, 9)
 
 
-def test_bad_shapes_are_refused(kernels):
+def test_bad_shapes_are_refused(kernels):  # noqa: F811
     product = kernels.dense(random_weight(12, 40, torch.bfloat16))
     with pytest.raises(ValueError, match=r"\[m, 40\].*\[12, 40\].*\[3, 41\]"):
         product(torch.zeros(3, 41))
@@ -106,7 +95,7 @@ def test_bad_shapes_are_refused(kernels):
         kernels.dense(torch.zeros(480))
 
 
-def test_c_api_refuses_bad_arguments(kernels):
+def test_c_api_refuses_bad_arguments(kernels):  # noqa: F811
     """What the C side says about arguments the Python class never passes: BAD_SHAPE (2)."""
     lib = kernels._lib
     weight, y = torch.zeros(8, 4), torch.zeros(1, 8)

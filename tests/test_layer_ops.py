@@ -285,13 +285,13 @@ def test_decoder_with_native_ops_matches_torch_ops(smollm2):
     tested op by op above."""
     from kvlm.kernels import native_kernels
 
-    kernels = native_kernels()
-    if kernels is None:
+    library = native_kernels()
+    if library is None:
         pytest.skip("the native kernels are not built here")
     assert smollm2.decoder.ops.native is None  # the reference mode runs torch's ops
     prompt = [1, 504, 3575, 282, 4649, 314, 253, 1345, 28, 653, 1584, 11164, 12816, 288, 9568, 2026]
     torch_ops = prompt_then_steps(smollm2, prompt, 8, "f32")
-    smollm2.decoder.ops = LayerOps(kernels.layer_ops)
+    smollm2.decoder.ops = LayerOps(library.layer_ops)
     try:
         native = prompt_then_steps(smollm2, prompt, 8, "f32")
     finally:
@@ -308,18 +308,18 @@ def test_qwen35_decoder_with_the_native_delta_step_matches_torch(tmp_path, monke
     from qwen35_factory import random_qwen35, write_qwen35_gguf
     from test_random_models import token_ids
 
-    kernels = native_kernels()
-    if kernels is None:
+    library = native_kernels()
+    if library is None:
         pytest.skip("the native kernels are not built here")
     model = load_model(str(write_qwen35_gguf(random_qwen35(), tmp_path / "model.gguf")), "float32")
     assert model.decoder.ops.native is None
     prompt = token_ids(1000, 16, seed=3)
     torch_ops = prompt_then_steps(model, prompt, 8, "f32")
     calls = []
-    native_step = type(kernels.layer_ops).delta_step
-    monkeypatch.setattr(type(kernels.layer_ops), "delta_step",
+    native_step = type(library.layer_ops).delta_step
+    monkeypatch.setattr(type(library.layer_ops), "delta_step",
                         lambda self, *args: calls.append(1) or native_step(self, *args))
-    model.decoder.ops = LayerOps(kernels.layer_ops)
+    model.decoder.ops = LayerOps(library.layer_ops)
     try:
         native = prompt_then_steps(model, prompt, 8, "f32")
     finally:

@@ -7,7 +7,7 @@ Prometheus and the timings report (vLLM's spec_decode_* names).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvlm.batch import Batch
 from kvlm.context import Context, DecodeStatus
