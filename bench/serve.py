@@ -76,7 +76,7 @@ from bench.common import add_model_option, machine_line, markdown_table, model_g
 from bench.llama_cpp_driver import N_BATCH  # noqa: E402
 from bench.throughput import CELL_SLACK, CORPUS, QUESTIONS, WARMUP_TEXT, make_prompts  # noqa: E402
 from kvlm.loader.gguf_reader import read_gguf_metadata  # noqa: E402
-from kvlm.tokenizer import Tokenizer  # noqa: E402
+from kvlm.text.tokenizer import Tokenizer  # noqa: E402
 
 HOST = "127.0.0.1"
 WARMUP_TOKENS = 4
@@ -167,9 +167,9 @@ def free_port() -> int:
 
 
 def kvlm_server(path: Path, port: int, n_ctx: int, concurrency: int, extra_args: list[str]) -> Server:
-    script = Path(sys.executable).with_name("kvlm")  # kvlm/cli.py has no __main__ guard: its console script
+    script = Path(sys.executable).with_name("kvlm")  # kvlm/cli/commands.py has no __main__ guard: its console script
     command = [str(script)] if script.exists() else [sys.executable, "-c",
-                                                     "import sys; from kvlm.cli import main; sys.exit(main())"]
+                                                     "import sys; from kvlm.cli.commands import main; sys.exit(main())"]
     command += ["serve", "--model", str(path), "--host", HOST, "--port", str(port), "--dtype", "bfloat16",
                 "--n-ctx", str(n_ctx), "--max-num-seqs", str(concurrency), "--max-num-batched-tokens",
                 str(N_BATCH), *extra_args]

@@ -17,7 +17,7 @@ import argparse
 
 from bench.common import add_model_option, machine_line, markdown_table, model_gguf
 from kvlm.engine.llm import LLM
-from kvlm.engine.sampling_params import SamplingParams
+from kvlm.sampling.params import SamplingParams
 
 SCHEMA = {"type": "array", "items": {"type": "string", "minLength": 2}, "minItems": 64}
 PROMPT = "List English words as a JSON array of strings, starting with the letter number {i} of the alphabet."

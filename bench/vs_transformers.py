@@ -14,7 +14,7 @@ import argparse
 import torch
 
 from bench.common import add_model_option, machine_line, markdown_table, median_seconds, model_gguf
-from kvlm.generate import GenerationSettings, generate
+from kvlm.runtime.generate import GenerationSettings, generate
 from kvlm.loader.load import load_model
 
 PROMPT = "Explain in a few paragraphs why the sky is blue and why sunsets are red."

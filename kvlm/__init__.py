@@ -1,10 +1,10 @@
 """kvlm: a small LLM inference engine for the CPU, built around its KV cache."""
 from kvlm import startup  # noqa: F401  - first: it pins OpenMP threads before torch starts them
 
-from kvlm.batch import Batch  # noqa: E402
-from kvlm.context import Context, DecodeStatus  # noqa: E402
+from kvlm.core.batch import Batch  # noqa: E402
+from kvlm.runtime.context import Context, DecodeStatus  # noqa: E402
 from kvlm.engine.llm import LLM  # noqa: E402
-from kvlm.engine.sampling_params import SamplingParams  # noqa: E402
+from kvlm.sampling.params import SamplingParams  # noqa: E402
 from kvlm.loader.load import load_model  # noqa: E402
 from kvlm.structured.params import StructuredOutputsParams  # noqa: E402
 

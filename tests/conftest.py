@@ -186,18 +186,18 @@ def prefill_then_decode_logits(model, ids: list[int], n_prompt: int, **context) 
 
 
 def generation_logits(model, prompt_ids: list[int], settings):
-    """kvlm.generate.generate's result and the logits it sampled each token from: [n_tokens, vocab]."""
-    import kvlm.generate
+    """kvlm.runtime.generate.generate's result and the logits it sampled each token from: [n_tokens, vocab]."""
+    import kvlm.runtime.generate
 
-    sampled, sample_token = [], kvlm.generate.sample_token
+    sampled, sample_token = [], kvlm.runtime.generate.sample_token
 
     def recording(logits, temperature, generator):
         sampled.append(logits.clone())
         return sample_token(logits, temperature, generator)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(kvlm.generate, "sample_token", recording)
-        result = kvlm.generate.generate(model, prompt_ids, settings)
+        patch.setattr(kvlm.runtime.generate, "sample_token", recording)
+        result = kvlm.runtime.generate.generate(model, prompt_ids, settings)
     return result, torch.stack(sampled)
 
 

@@ -97,7 +97,7 @@ def byte_level_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
 def template_folder_tokenizers(folder: Path, template: bytes):
     """A Hugging Face folder of the byte-level tokenizer with `template` as its chat_template.jinja (as recent models
     ship it), read by kvlm and by transformers: (kvlm's Tokenizer, transformers' tokenizer)."""
-    from kvlm.tokenizer import Tokenizer
+    from kvlm.text.tokenizer import Tokenizer
 
     byte_level_tokenizer(1000).save_pretrained(folder)
     (folder / "chat_template.jinja").write_bytes(template)

@@ -9,7 +9,7 @@ from typing import Any
 from gguf_factory import SPECIAL_TOKENS, byte_level_vocab, gguf_metadata, gguf_tensors, llama_config, random_llama, \
     write_gguf
 
-from kvlm.tokenizer import Tokenizer
+from kvlm.text.tokenizer import Tokenizer
 
 TEMPLATE = (Path(__file__).parent / "data" / "gpt-oss-chat-template.jinja").read_bytes().decode("utf-8")
 HARMONY_TOKENS = ("<|return|>", "<|constrain|>", "<|channel|>", "<|start|>", "<|end|>", "<|message|>", "<|call|>")

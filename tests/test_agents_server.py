@@ -209,7 +209,7 @@ def test_metrics_count_constrained_requests_and_masks(server, client):
 
 def test_llm_chat_with_tools_returns_openai_messages(qwen_engine):
     from kvlm.engine.llm import LLM
-    from kvlm.engine.sampling_params import SamplingParams
+    from kvlm.sampling.params import SamplingParams
 
     llm = LLM(qwen_engine.model, n_ctx=1024, max_num_seqs=2)
     greedy = SamplingParams(max_tokens=80, temperature=0)

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlm.batch import Batch, InvalidBatch, SanitizedBatch, sanitize
-from kvlm.errors import KvlmError
+from kvlm.core.batch import Batch, InvalidBatch, SanitizedBatch, sanitize
+from kvlm.core.errors import KvlmError
 
 VOCAB, N_SEQ, N_BATCH = 100, 4, 2048
 

@@ -7,7 +7,7 @@ import pytest
 
 from kvlm.server.errors import _validation_message
 from kvlm.server.protocol import ChatCompletionRequest, ChatMessage
-from kvlm.tokenizer import _content_format
+from kvlm.text.tokenizer import _content_format
 
 
 @pytest.mark.parametrize("template, expected", [

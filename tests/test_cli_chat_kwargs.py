@@ -11,11 +11,11 @@ import json
 
 import pytest
 
-import kvlm.cli
+import kvlm.cli.commands
 import kvlm.engine.llm
 from kvlm.engine.chat_session import ChatSession
 from kvlm.engine.llm import LLM
-from kvlm.engine.sampling_params import SamplingParams
+from kvlm.sampling.params import SamplingParams
 
 # The tail is Qwen3's chat template word for word.
 QWEN3_STYLE_TEMPLATE = (
@@ -44,7 +44,7 @@ def thinking_model(smollm2, monkeypatch):
 @pytest.fixture
 def cli_model(thinking_model, monkeypatch):
     """The CLI loads the already loaded model whatever --model says."""
-    monkeypatch.setattr(kvlm.cli, "load_model", lambda *args, **kwargs: thinking_model)
+    monkeypatch.setattr(kvlm.cli.commands, "load_model", lambda *args, **kwargs: thinking_model)
     monkeypatch.setattr(kvlm.engine.llm, "load_model", lambda *args, **kwargs: thinking_model)
     return thinking_model
 
@@ -94,7 +94,7 @@ def test_chat_session_passes_chat_template_kwargs_every_turn(thinking_model):
     (["--chat-template-kwargs", '{"enable_thinking": false}'], False),
 ])
 def test_generate_chat_passes_the_flag(cli_model, capsys, flag, thinks):
-    assert kvlm.cli.main(["generate", "--chat", "Hi", "--max-tokens", "1", "--json", *flag]) == 0
+    assert kvlm.cli.commands.main(["generate", "--chat", "Hi", "--max-tokens", "1", "--json", *flag]) == 0
     prompt_ids = json.loads(capsys.readouterr().out)["prompt_token_ids"]
     assert prompt_text(cli_model, prompt_ids).endswith(NO_THINKING) != thinks
 
@@ -110,7 +110,7 @@ def test_chat_command_passes_the_flag(cli_model, monkeypatch):
     monkeypatch.setattr(LLM, "stream", recording_stream)
     monkeypatch.setattr("sys.stdin", io.StringIO("Hi\nAgain\n\n"))
     argv = ["chat", "--max-tokens", "1", "--chat-template-kwargs", '{"enable_thinking": false}']
-    assert kvlm.cli.main(argv) == 0
+    assert kvlm.cli.commands.main(argv) == 0
     assert len(prompts) == 2 and all(prompt_text(cli_model, p).endswith(NO_THINKING) for p in prompts)
 
 
@@ -123,12 +123,12 @@ def test_chat_command_passes_the_flag(cli_model, monkeypatch):
 ])
 def test_bad_chat_template_kwargs_name_the_flag(command, value, words, capsys):
     with pytest.raises(SystemExit) as exit_:
-        kvlm.cli.main([*command, "--chat-template-kwargs", value])
+        kvlm.cli.commands.main([*command, "--chat-template-kwargs", value])
     assert exit_.value.code == 2
     error = capsys.readouterr().err
     assert "--chat-template-kwargs" in error and words in error
 
 
 def test_chat_template_kwargs_with_a_plain_prompt_is_refused(capsys):
-    assert kvlm.cli.main(["generate", "--prompt", "x", "--chat-template-kwargs", '{"enable_thinking": false}']) == 1
+    assert kvlm.cli.commands.main(["generate", "--prompt", "x", "--chat-template-kwargs", '{"enable_thinking": false}']) == 1
     assert "--chat-template-kwargs applies to --chat only" in capsys.readouterr().err

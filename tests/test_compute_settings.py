@@ -13,7 +13,7 @@ import torch
 from kvlm import Batch, Context, DecodeStatus
 from kvlm.loader.load import load_model, load_summary
 from kvlm.model.cpu import CpuFeatures, detect
-from kvlm.generate import GenerationSettings, generate
+from kvlm.runtime.generate import GenerationSettings, generate
 from kvlm.kernels import native_kernels
 from kvlm.kernels.quantize import quantize_q4_0
 from kvlm.model.linear import QuantizedLinear
@@ -133,7 +133,7 @@ import json, logging, kvlm
 logging.basicConfig(level=logging.INFO)
 from kvlm.model.settings import resolve_settings
 from kvlm.loader.load import load_model
-from kvlm.generate import GenerationSettings, generate
+from kvlm.runtime.generate import GenerationSettings, generate
 auto = resolve_settings()
 model = load_model({path!r}, "bfloat16")  # asked for explicitly: must still work, just slower
 ids = model.tokenizer.encode("The capital of France is")

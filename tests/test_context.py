@@ -8,7 +8,7 @@ import torch
 
 from conftest import decode_ok, memory_state, one_batch, single_sequence_context
 from kvlm import Batch, Context, DecodeStatus
-from kvlm.errors import CacheError
+from kvlm.core.errors import CacheError
 
 TOLERANCE = 1e-4
 PROMPTS = ["The capital of France is", "def square(x):\n    return", "Rain falls when", "My favourite colour is"]
@@ -228,7 +228,7 @@ def test_context_shift_keeps_n_keep_and_drops_the_oldest_half(smollm2):
 
 
 def test_seq_div_rotates_cached_keys_by_the_position_change(smollm2):
-    from kvlm.model.ops import apply_rope
+    from kvlm.core.rope import apply_rope
 
     tokens = smollm2.tokenizer.encode("one two three four five six")
     ctx = new_context(smollm2)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvlm.engine.llm import LLM
-from kvlm.engine.sampling_params import SamplingParams
+from kvlm.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 TOPICS = ["rivers", "mountains", "the moon", "bread", "music", "trains", "bees", "winter",

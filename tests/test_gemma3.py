@@ -19,8 +19,9 @@ from conftest import (
 from family_factory import rope_scaling_metadata
 from gguf_factory import BOS_ID, EOS_ID, gguf_metadata, save_hf_folder, write_gguf
 from kvlm import LLM, Batch, Context, SamplingParams, load_model
-from kvlm.families import SLIDING, gemma3
-from kvlm.loader.config import ModelConfig
+from kvlm.core.family import SLIDING
+from kvlm.families import gemma3
+from kvlm.core.config import ModelConfig
 from kvlm.loader.hf_folder import gguf_name
 from test_random_models import token_ids
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-import kvlm.cli
+import kvlm.cli.commands
 from conftest import (
     assert_greedy_generate_equals_transformers,
     decode_ok,
@@ -32,11 +32,11 @@ from gemma4_factory import (
     write_gemma4_gguf,
 )
 from kvlm import LLM, Batch, Context, DecodeStatus, SamplingParams, load_model
-from kvlm.families import ATTENTION, SLIDING
-from kvlm.loader.config import ModelConfig
+from kvlm.core.family import ATTENTION, SLIDING
+from kvlm.core.config import ModelConfig
 from kvlm.memory.iswa import ISWAMemory
 from kvlm.memory.kv_store import BYTES_PER_ELEMENT
-from kvlm.memory.sizes import memory_bytes
+from kvlm.memory.layout import memory_bytes
 from test_iswa import assert_same_state, pool_state
 from test_random_models import token_ids
 
@@ -130,7 +130,7 @@ def test_kv_bytes_count_only_the_layers_that_write_them(files):
 
 
 def test_inspect_prints_the_bytes_the_sharing_saves(files, capsys):
-    assert kvlm.cli.main(["inspect", str(files["gguf"]), "--ctx", "512"]) == 0
+    assert kvlm.cli.commands.main(["inspect", str(files["gguf"]), "--ctx", "512"]) == 0
     rows = {line[:20].strip(): line[20:].strip() for line in capsys.readouterr().out.splitlines()}
     config = load_model(str(files["gguf"]), "float32").config
     saved = 512 * (3 * kv_row_bytes(config, SLIDING, "f16") + kv_row_bytes(config, ATTENTION, "f16"))

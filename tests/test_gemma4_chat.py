@@ -47,7 +47,7 @@ from test_qwen35_chat import ASK, CALL, RESULT, TIME, TIME_CALL, TOOL_TURNS, USE
 
 from kvlm.server.chat_turn import chat_prompt
 from kvlm.server.protocol import ChatCompletionRequest
-from kvlm.tokenizer import Tokenizer
+from kvlm.text.tokenizer import Tokenizer
 
 TEMPLATE_PATH = Path(__file__).parent / "data" / "gemma4-chat-template.jinja"
 TEMPLATE_SHA256 = "85a08664d16d8f3be4416c92427b3ac10df1024ac566cc0b4bc3bab409393f98"

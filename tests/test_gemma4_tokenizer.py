@@ -14,7 +14,7 @@ from tokenizers import Regex, models, normalizers, pre_tokenizers, trainers
 from transformers import GemmaTokenizer
 
 from gguf_factory import gguf_metadata, gguf_tensors, llama_config, random_llama, write_gguf
-from kvlm.tokenizer import StreamDecoder, Tokenizer
+from kvlm.text.tokenizer import StreamDecoder, Tokenizer
 
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>", "<|tool_response>"]
 BYTES = [f"<0x{b:02X}>" for b in range(256)]

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from kvlm.tool_calls.formats import GEMMA4, format_for_template
 from kvlm.tool_calls.reasoning import Gemma4Reasoning, ReasoningStream, reasoning_for_template
 from kvlm.loader.load import load_model
-from kvlm.tokenizer import Tokenizer
+from kvlm.text.tokenizer import Tokenizer
 from gguf_factory import gguf_metadata, gguf_tensors, llama_config, random_llama, write_gguf
 from test_gemma4_chat import BYTE_LEVEL_SIZE, TEMPLATE, gemma4_chat_metadata, reference_tokenizer  # noqa: F401 (a fixture)
 from test_qwen35_chat import MODEL, client, reference, script, write  # noqa: F401 (client, script: fixtures)

@@ -16,7 +16,7 @@ from test_gemma_tokenizer import metadata, tokenizer  # noqa: F401 - the real fi
 
 from kvlm import LLM, SamplingParams, load_model
 from kvlm.families import gemma3
-from kvlm.tokenizer import Tokenizer
+from kvlm.text.tokenizer import Tokenizer
 
 BOS, EOS, START_OF_TURN, END_OF_TURN = 2, 1, 105, 106
 NEW_TOKENS = 16

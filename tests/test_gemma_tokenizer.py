@@ -15,10 +15,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlm.errors import ModelFileError
+from kvlm.core.errors import ModelFileError
 from kvlm.families import gemma3
 from kvlm.loader.gguf_reader import read_gguf_metadata
-from kvlm.tokenizer import StreamDecoder, Tokenizer
+from kvlm.text.tokenizer import StreamDecoder, Tokenizer
 
 SPACE = "\u2581"
 BOS, EOS, START_OF_TURN, END_OF_TURN, NEWLINE = 2, 1, 105, 106, 107

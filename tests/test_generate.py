@@ -1,4 +1,4 @@
-"""kvlm.generate on the real SmolLM2: the single-sequence loop through Context, its limits and its errors.
+"""kvlm.runtime.generate on the real SmolLM2: the single-sequence loop through Context, its limits and its errors.
 
 Its logits against transformers, cached and recomputed, are checked in test_smollm2_vs_transformers.
 """
@@ -9,10 +9,10 @@ from dataclasses import replace
 
 import pytest
 
-import kvlm.cli
+import kvlm.cli.commands
 from kvlm import DecodeStatus
-from kvlm.errors import CacheError
-from kvlm.generate import GenerationError, GenerationSettings, generate
+from kvlm.core.errors import CacheError
+from kvlm.runtime.generate import GenerationError, GenerationSettings, generate
 
 PROMPT = "The capital of France is"
 
@@ -61,10 +61,10 @@ def test_a_failed_step_names_the_status_and_the_reason(smollm2, fail_forward_at,
 
 
 def test_no_cache_command_prints_the_cached_tokens(smollm2, monkeypatch, capsys):
-    monkeypatch.setattr(kvlm.cli, "load_model", lambda *args, **kwargs: smollm2)
+    monkeypatch.setattr(kvlm.cli.commands, "load_model", lambda *args, **kwargs: smollm2)
     outputs = {}
     for flag in ([], ["--no-cache"]):
-        assert kvlm.cli.main(["generate", "--prompt", PROMPT, "--max-tokens", "6", "--json", *flag]) == 0
+        assert kvlm.cli.commands.main(["generate", "--prompt", PROMPT, "--max-tokens", "6", "--json", *flag]) == 0
         outputs[bool(flag)] = json.loads(capsys.readouterr().out)
     assert outputs[True]["token_ids"] == outputs[False]["token_ids"]
     assert outputs[True]["text"] == outputs[False]["text"]

@@ -31,10 +31,10 @@ from gptoss_factory import (
     write_gpt_oss_gguf,
 )
 from kvlm import Batch, Context, load_model
-from kvlm.families import ATTENTION, SLIDING
+from kvlm.core.family import ATTENTION, SLIDING
 from kvlm.kernels import BlockMatrix, native_kernels
 from kvlm.model.moe import BlockExperts
-from kvlm.model.rope import Rope
+from kvlm.core.rope import Rope
 from test_random_models import token_ids
 
 TOLERANCE = 1e-4

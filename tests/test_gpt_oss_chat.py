@@ -26,7 +26,7 @@ import jinja2
 import pytest
 import transformers.utils.chat_template_utils
 
-import kvlm.tokenizer
+import kvlm.text.tokenizer
 from gguf_factory import (
     BOS_ID, SPECIAL_TOKENS, byte_level_tokenizer, gguf_metadata, gguf_tensors, llama_config, random_llama,
     template_folder_tokenizers, write_gguf,
@@ -34,7 +34,7 @@ from gguf_factory import (
 from kvlm import LLM, SamplingParams, load_model
 from kvlm.server.chat_turn import chat_prompt
 from kvlm.server.protocol import ChatCompletionRequest
-from kvlm.tokenizer import Tokenizer
+from kvlm.text.tokenizer import Tokenizer
 
 TEMPLATE_PATH = Path(__file__).parent / "data" / "gpt-oss-chat-template.jinja"
 TEMPLATE_SHA256 = "a4c9919cbbd4acdd51ccffe22da049264b1b73e59055fa58811a99efbd7c8146"
@@ -136,7 +136,7 @@ class _PinnedClock(datetime):
 @pytest.fixture
 def pinned_clock(monkeypatch):
     """Both renderers' strftime_now read `datetime` from their module when called; the same fixed instant for both."""
-    monkeypatch.setattr(kvlm.tokenizer, "datetime", _PinnedClock)
+    monkeypatch.setattr(kvlm.text.tokenizer, "datetime", _PinnedClock)
     monkeypatch.setattr(transformers.utils.chat_template_utils, "datetime", _PinnedClock)
 
 

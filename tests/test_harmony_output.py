@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_tool_call_streaming import arguments, names
 
-from kvlm.tokenizer import StreamDecoder, Tokenizer
+from kvlm.text.tokenizer import StreamDecoder, Tokenizer
 from kvlm.tool_calls.chat_output import ChatOutputSpec, ChoiceStream
 from kvlm.tool_calls.formats import HARMONY, format_for_template
 from kvlm.tool_calls.harmony import answer_start, read_header

@@ -21,8 +21,8 @@ from server_helpers import serving
 
 from kvlm.engine.engine import Engine
 from kvlm.engine.llm import LLM
-from kvlm.engine.sampler import RequestSampler
-from kvlm.engine.sampling_params import SamplingParams
+from kvlm.sampling.sampler import RequestSampler
+from kvlm.sampling.params import SamplingParams
 from kvlm.loader.load import load_model
 from kvlm.server.app import create_app
 

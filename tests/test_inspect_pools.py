@@ -13,11 +13,11 @@ from gguf_factory import save_hf_folder
 from test_gemma3 import WINDOW, random_gemma3
 from test_recurrent_models import random_lfm2, random_mamba2
 
-import kvlm.cli
+import kvlm.cli.commands
 import kvlm.engine.llm
 import kvlm.server.serve
 from kvlm import Context, load_model
-from kvlm.memory.sizes import iswa_pools, recurrent_state
+from kvlm.memory.layout import HYBRID, ISWA, RECURRENT, UNIFIED, memory_layout
 from kvlm.engine.engine import Engine
 from kvlm.memory.kv_store import KV_DTYPES, kv_bytes_for
 
@@ -27,7 +27,7 @@ ISWA_ROW = re.compile(r"(\d+) \([\d.]+ MiB\) = full (\d+) \([\d.]+ MiB\) \+ slid
 
 
 def inspect_rows(capsys, argv: list[str]) -> dict[str, str]:
-    assert kvlm.cli.main(["inspect", *argv]) == 0
+    assert kvlm.cli.commands.main(["inspect", *argv]) == 0
     return {line[:20].strip(): line[20:].strip() for line in capsys.readouterr().out.splitlines()}
 
 
@@ -80,7 +80,11 @@ def gemma(tmp_path_factory, one_thread):
 @pytest.mark.parametrize("n_ctx", [2048, 300])
 def test_inspect_sizes_are_what_the_memory_allocates(gemma, dtype, n_ctx):
     config = gemma.config
-    (_, full_layers, full_cells), (_, sliding_layers, sliding_cells) = iswa_pools(config, n_ctx)
+    layout = memory_layout(config, n_ctx)
+    assert layout.kind == ISWA
+    full_pool, sliding_pool = layout.pools
+    full_layers, full_cells = len(full_pool.layers), full_pool.n_cells
+    sliding_layers, sliding_cells = len(sliding_pool.layers), sliding_pool.n_cells
     assert (full_layers, sliding_layers) == (1, 6) and full_cells == n_ctx
     assert sliding_cells == min(n_ctx, WINDOW + 512)
     memory = Context(gemma, n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_seq_max=1, kv_dtype=dtype).memory
@@ -88,12 +92,16 @@ def test_inspect_sizes_are_what_the_memory_allocates(gemma, dtype, n_ctx):
     assert (full.n_cells, sliding.n_cells) == (full_cells, sliding_cells)
     assert full.kv_bytes == kv_bytes_for(config, full_cells, dtype, full_layers)
     assert sliding.kv_bytes == kv_bytes_for(config, sliding_cells, dtype, sliding_layers)
+    assert memory.kv_bytes == layout.nbytes(config, dtype, 1)
     kept = Context(gemma, n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_seq_max=1, kv_dtype=dtype, swa_full=True).memory
-    assert kept.kv_bytes == kv_bytes_for(config, n_ctx, dtype)
+    assert kept.kv_bytes == kv_bytes_for(config, n_ctx, dtype) == memory_layout(config, n_ctx, swa_full=True).nbytes(
+        config, dtype, 1)
 
 
-def test_a_model_without_sliding_layers_has_no_iswa_pools(smollm2):
-    assert iswa_pools(smollm2.config, 4096) is None
+def test_a_model_without_sliding_layers_has_one_pool(smollm2):
+    layout = memory_layout(smollm2.config, 4096)
+    assert layout.kind == UNIFIED and [(pool.name, len(pool.layers), pool.n_cells) for pool in layout.pools] == [
+        ("kv", smollm2.config.n_layer, 4096)]
 
 
 # --- models with recurrent layers ---
@@ -149,7 +157,9 @@ def test_inspect_recurrent_sizes_are_what_the_memory_allocates(recurrent_folder,
     name, c, folder = recurrent_folder
     model = load_model(str(folder), "float32")
     n_attention, state, kv = expected_sizes(name, c, 300)
-    assert recurrent_state(model.config) == (n_attention, state)
+    layout = memory_layout(model.config, 300)
+    assert layout.kind == (HYBRID if n_attention else RECURRENT)
+    assert (sum(len(pool.layers) for pool in layout.pools), layout.state_bytes) == (n_attention, state)
     memory = Context(model, n_ctx=300, n_batch=512, n_ubatch=512, n_seq_max=1, kv_dtype=dtype).memory
     slots = memory.recurrent if name == "lfm2" else memory
     assert slots.kv_bytes == state
@@ -172,7 +182,7 @@ def engines(gemma, monkeypatch) -> list[Engine]:
             super().__init__(*args, **kwargs)
             built.append(self)
 
-    for module in (kvlm.cli, kvlm.engine.llm, kvlm.server.serve):
+    for module in (kvlm.cli.commands, kvlm.engine.llm, kvlm.server.serve):
         monkeypatch.setattr(module, "load_model", lambda *args, **kwargs: gemma, raising=False)
     monkeypatch.setattr(kvlm.engine.llm, "Engine", RecordingEngine)
     monkeypatch.setattr(kvlm.server.serve, "Engine", RecordingEngine)
@@ -182,7 +192,7 @@ def engines(gemma, monkeypatch) -> list[Engine]:
 @pytest.mark.parametrize("flag, kind", [([], "iswa"), (["--swa-full"], "unified")])
 def test_generate_passes_swa_full(engines, capsys, flag, kind):
     argv = ["generate", "--prompt", "abc", "--max-tokens", "3", "--n-ctx", "64", "--json", *flag]
-    assert kvlm.cli.main(argv) == 0
+    assert kvlm.cli.commands.main(argv) == 0
     [engine] = engines
     assert engine.context.memory.kind == kind
     assert [pool.name for pool in engine.context.memory.pools] == (["full", "sliding"] if kind == "iswa" else ["kv"])
@@ -191,7 +201,7 @@ def test_generate_passes_swa_full(engines, capsys, flag, kind):
 @pytest.mark.parametrize("flag, kind", [([], "iswa"), (["--swa-full"], "unified")])
 def test_chat_passes_swa_full(engines, monkeypatch, flag, kind):
     monkeypatch.setattr("sys.stdin", io.StringIO(""))  # ends at once: only the engine is built
-    assert kvlm.cli.main(["chat", "--n-ctx", "64", *flag]) == 0
+    assert kvlm.cli.commands.main(["chat", "--n-ctx", "64", *flag]) == 0
     [engine] = engines
     assert engine.context.memory.kind == kind
 
@@ -204,7 +214,7 @@ def test_serve_passes_swa_full(engines, monkeypatch, caplog, flag, kind):
     monkeypatch.setattr(kvlm.server.serve.uvicorn, "Server", lambda config: type("S", (), {"run": lambda s: None})())
     monkeypatch.setattr(kvlm.server.serve.signal, "signal", lambda *args: None)
     with caplog.at_level(logging.INFO, logger="kvlm"):
-        assert kvlm.cli.main(["serve", "--n-ctx", "256", "--max-num-seqs", "2", *flag]) == 0
+        assert kvlm.cli.commands.main(["serve", "--n-ctx", "256", "--max-num-seqs", "2", *flag]) == 0
     [engine] = engines
     assert engine.context.memory.kind == kind
     pools = ("KV cache (iswa): full pool 256 cells x 1 layer, sliding pool 256 cells x 6 layers (window 8)"
@@ -215,7 +225,7 @@ def test_serve_passes_swa_full(engines, monkeypatch, caplog, flag, kind):
 
 
 def test_swa_full_is_off_unless_asked_and_documented():
-    parser = kvlm.cli._parser()
+    parser = kvlm.cli.commands._parser()
     for command in (["generate", "--prompt", "x"], ["chat"], ["serve"]):
         assert parser.parse_args(command).swa_full is False
         assert parser.parse_args([*command, "--swa-full"]).swa_full is True

@@ -10,7 +10,7 @@ import torch
 from conftest import decode_ok, max_diff, one_batch, reference_logits
 from gguf_factory import save_hf_folder
 from kvlm import LLM, Batch, Context, DecodeStatus, SamplingParams, load_model
-from kvlm.errors import CacheError
+from kvlm.core.errors import CacheError
 from kvlm.memory.iswa import ISWAMemory
 from kvlm.memory.kv_store import BYTES_PER_ELEMENT
 from kvlm.memory.seq_state import StateError

@@ -17,7 +17,7 @@ from kvlm.loader.fetch import DEFAULT_MODEL, pull
 from kvlm.loader.gguf_reader import read_gguf_metadata
 from kvlm.structured.compiler import GrammarCompiler, GrammarError
 from kvlm.structured.params import StructuredOutputsParams
-from kvlm.tokenizer import Tokenizer
+from kvlm.text.tokenizer import Tokenizer
 
 SUITE = Path(__file__).parent / "data" / "json_schema_test_suite"
 

@@ -22,7 +22,7 @@ from test_server_api import CHROMIUM, render_page
 
 from kvlm import load_model
 from kvlm.engine.engine import PREFIX_CACHE_SEQ, Engine
-from kvlm.engine.sampling_params import SamplingParams
+from kvlm.sampling.params import SamplingParams
 from kvlm.memory.iswa import sliding_pool_cells
 from kvlm.server.kv_report import kv_report
 from kvlm.server.metrics import ServerMetrics

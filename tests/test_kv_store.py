@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from kvlm import Context
-from kvlm.errors import CacheError
-from kvlm.loader.config import ModelConfig
+from kvlm.core.errors import CacheError
+from kvlm.core.config import ModelConfig
 from kvlm.memory.kv_store import KVStore, kv_bytes_for
 
 SMALL = ModelConfig(

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from kvlm.memory.kv_store import Q8Plane
 from kvlm.memory.view import TokenCells
 from kvlm.model.fused import LayerOps
-from kvlm.model.ops import apply_rope, grouped_attention, rms_norm
+from kvlm.core.rope import apply_rope
+from kvlm.model.ops import grouped_attention, rms_norm
 from kvlm.model.recurrent import delta_step
 from test_kernels import kernels  # noqa: F401  - the library built for each -march
 

@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import save_file
 
 from gguf_factory import gguf_metadata, gguf_tensors, llama_config, random_llama, write_gguf
-from kvlm.errors import ModelFileError, UnsupportedModelError
+from kvlm.core.errors import ModelFileError, UnsupportedModelError
 from kvlm.loader.load import load_model
-from kvlm.loader.config import ModelConfig
+from kvlm.core.config import ModelConfig
 from kvlm.loader.gguf_file import open_gguf_model, read_gguf_config
 from kvlm.loader.hf_folder import open_hf_folder
 from kvlm.loader.tensors import GGUFTensors, SafetensorsTensors
@@ -308,7 +308,7 @@ def test_partial_rotary_embeddings_of_llama_files_are_refused(gguf_path, metadat
 
 
 def test_model_config_checks_the_number_of_rope_frequency_factors():
-    from kvlm.model.rope import RopeScaling
+    from kvlm.core.rope import RopeScaling
 
     with pytest.raises(ValueError, match="3 frequency factors; head_dim 16 needs 8"):
         replace(VALID, rope=RopeScaling(freq_factors=(1.0, 2.0, 4.0)))

@@ -204,7 +204,7 @@ def test_other_mixtures_of_experts_are_refused_by_name(tmp_path):
     """DeepSeek (MLA), ERNIE, AFMoE and Phi-MoE folders: the architecture named, and what is supported."""
     import json
 
-    from kvlm.errors import UnsupportedModelError
+    from kvlm.core.errors import UnsupportedModelError
     from kvlm.loader.hf_folder import config_from_hf
 
     for architecture, model_type in [("DeepseekV2ForCausalLM", "deepseek_v2"), ("Ernie4_5_MoeForCausalLM",
@@ -221,7 +221,7 @@ def test_other_mixtures_of_experts_are_refused_by_name(tmp_path):
 def test_routing_a_file_asks_for_and_kvlm_lacks_is_refused(zoo, tmp_path, key, value):
     """Sigmoid gating, scaled expert weights, group-limited routing: refused with the key and value named."""
     from gguf_factory import write_gguf
-    from kvlm.errors import UnsupportedModelError
+    from kvlm.core.errors import UnsupportedModelError
     from moe_factory import moe_gguf_metadata, moe_gguf_tensors
 
     reference, spec = zoo.reference("qwen3moe"), SPECS["qwen3moe"]
@@ -237,11 +237,11 @@ def test_routing_a_file_asks_for_and_kvlm_lacks_is_refused(zoo, tmp_path, key, v
 def test_inspect_shows_the_experts_and_the_share_of_the_file_a_token_reads(zoo, capsys):
     """Qwen3-MoE with a plain MLP in layer 1, Q8_0: experts per layer, used, width, weighting, the dense layer; the
     bytes a token reads are every tensor's but the embedding's, and 2 of 6 experts' of each layer of experts."""
-    import kvlm.cli
+    import kvlm.cli.commands
     from kvlm.loader.gguf_reader import GGUFFile
 
     path = zoo.path("qwen3moe-dense-layer", "gguf", GGMLQuantizationType.Q8_0)
-    assert kvlm.cli.main(["inspect", str(path), "--ctx", "128"]) == 0
+    assert kvlm.cli.commands.main(["inspect", str(path), "--ctx", "128"]) == 0
     rows = {line[:20].strip(): line[20:].strip() for line in capsys.readouterr().out.splitlines()}
     assert rows["experts"] == ("6 per layer, 2 used per token, each 32 wide; weights as routed (not renormalised); "
                                "1 layer with a plain MLP")

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from conftest import reference_logits
-from kvlm.cli import main
-from kvlm.perplexity import (
+from kvlm.cli.commands import main
+from kvlm.runtime.perplexity import (
     Accumulator, ChunkReport, ChunkScore, PerplexityError, PerplexityResult, iter_perplexity, perplexity, plan_chunks,
     score_chunk, tokenize, top1_agreement,
 )
@@ -208,7 +208,7 @@ def text_file(tmp_path):
 @pytest.fixture
 def loads(monkeypatch, smollm2):
     """The command's load_model, answered with the already loaded float32 SmolLM2; the calls it got."""
-    import kvlm.cli
+    import kvlm.cli.commands
 
     calls = []
 
@@ -216,7 +216,7 @@ def loads(monkeypatch, smollm2):
         calls.append((spec, dtype, settings))
         return smollm2
 
-    monkeypatch.setattr(kvlm.cli, "load_model", load_model)
+    monkeypatch.setattr(kvlm.cli.commands, "load_model", load_model)
     return calls
 
 

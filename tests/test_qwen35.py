@@ -19,7 +19,7 @@ from conftest import (
 )
 from kvlm import load_model
 from kvlm.memory.hybrid import HybridMemory
-from kvlm.memory.sizes import recurrent_state
+from kvlm.memory.layout import memory_layout
 from qwen35_factory import (
     random_qwen35,
     random_qwen35_moe,
@@ -93,7 +93,9 @@ def test_the_memory_is_hybrid_and_sized_by_the_formula(ours):
 
     ctx = Context(ours, n_ctx=64, n_seq_max=2)
     assert isinstance(ctx.memory, HybridMemory)
-    assert recurrent_state(ours.config) == (2, 6 * (128 * 3 + 4 * 16 * 16) * 4)
+    layout = memory_layout(ours.config, 64, n_seq_max=2)
+    assert [len(pool.layers) for pool in layout.pools] == [2]
+    assert layout.state_bytes == 6 * (128 * 3 + 4 * 16 * 16) * 4
     assert [tuple(s.shape) for s in ctx.memory.recurrent.states[0]] == [(2, 128, 3), (2, 4, 16, 16)]
 
 
@@ -145,7 +147,7 @@ def test_a_wrong_layer_pattern_differs(fresh, prompt, expected):
 
 
 def test_rope_over_the_whole_head_differs(fresh, prompt, expected):
-    from kvlm.model.rope import Rope
+    from kvlm.core.rope import Rope
 
     fresh.decoder.rope = Rope(fresh.config.rope, fresh.config.head_dim)
     assert _diff(fresh, prompt, expected) > 1e-2

@@ -52,12 +52,12 @@ from test_chat_output import streamed
 from test_tool_call_formats import xml_call
 
 from kvlm.engine.engine import Engine
-from kvlm.engine.sampler import RequestSampler
+from kvlm.sampling.sampler import RequestSampler
 from kvlm.loader.load import load_model
 from kvlm.server.app import create_app
 from kvlm.server.chat_turn import chat_prompt
 from kvlm.server.protocol import ChatCompletionRequest
-from kvlm.tokenizer import Tokenizer
+from kvlm.text.tokenizer import Tokenizer
 from kvlm.tool_calls.chat_output import ChatOutputSpec, ChoiceStream
 from kvlm.tool_calls.formats import QWEN3_XML, format_for_template
 from kvlm.tool_calls.reasoning import QWEN35_CALL, ReasoningParser, reasoning_for_template

@@ -1,4 +1,4 @@
-"""kvlm.tokenizer on the real Qwen2.5-Coder-0.5B-Instruct GGUF against transformers' tokenizer for the same file.
+"""kvlm.text.tokenizer on the real Qwen2.5-Coder-0.5B-Instruct GGUF against transformers' tokenizer for the same file.
 
 Qwen2's pre-tokenizer ("qwen2") cuts every numeral into single digits and keeps code indentation as whitespace
 runs; its chat template adds a default system message and renders tools, tool calls and tool responses.
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlm.loader.gguf_reader import read_gguf_metadata
-from kvlm.tokenizer import StreamDecoder, Tokenizer
+from kvlm.text.tokenizer import StreamDecoder, Tokenizer
 
 TEXTS = [
     "",

@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType
 
 from conftest import full_sequence_logits, max_diff, prefill_then_decode_logits, reference_logits
 from gguf_factory import llama_config, random_llama, save_hf_folder, write_model_gguf
-from kvlm.generate import GenerationSettings, generate
+from kvlm.runtime.generate import GenerationSettings, generate
 from kvlm.loader.load import load_model
 from kvlm.kernels import BlockMatrix, dequantize
 from kvlm.loader.gguf_file import open_gguf_model

@@ -17,7 +17,7 @@ from transformers import Lfm2Config, Lfm2ForCausalLM, Mamba2Config, Mamba2ForCau
 from conftest import decode_ok, max_diff, reference_logits
 from gguf_factory import gguf_metadata, save_hf_folder, write_gguf
 from kvlm import LLM, Batch, Context, DecodeStatus, SamplingParams, load_model
-from kvlm.errors import CacheError
+from kvlm.core.errors import CacheError
 from kvlm.memory.hybrid import HybridMemory
 from kvlm.memory.recurrent import RecurrentMemory
 from qwen35_factory import random_qwen35, write_qwen35_gguf

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from family_factory import llama3_rope_factors
-from kvlm.errors import UnsupportedModelError
-from kvlm.model.ops import apply_rope
-from kvlm.model.rope import KINDS, Rope, RopeScaling, hf_rotary_dims, rope_from_gguf, rope_from_hf_config
+from kvlm.core.errors import UnsupportedModelError
+from kvlm.core.rope import apply_rope
+from kvlm.core.rope import KINDS, Rope, RopeScaling, hf_rotary_dims, rope_from_gguf, rope_from_hf_config
 
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig, Qwen3Config  # noqa: E402

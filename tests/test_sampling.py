@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from kvlm.engine.sampler import RequestSampler, SampledToken, _nucleus
-from kvlm.engine.sampling_params import SamplingParams
-from kvlm.sampling import sample_token
+from kvlm.sampling.sampler import RequestSampler, SampledToken, _nucleus
+from kvlm.sampling.params import SamplingParams
+from kvlm.sampling.sampler import sample_token
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])  # softmax: .561 .206 .125 .076 .028 .004
 N_DRAWS = 20_000

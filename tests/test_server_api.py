@@ -22,7 +22,7 @@ from test_cli_chat_kwargs import NO_THINKING, QWEN3_STYLE_TEMPLATE
 
 from kvlm.engine.engine import Engine
 from kvlm.engine.llm import LLM
-from kvlm.engine.sampling_params import SamplingParams
+from kvlm.sampling.params import SamplingParams
 from kvlm.server.app import create_app
 
 MODEL = "smollm2-test"

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import full_sequence_logits, generation_logits, max_diff, prefill_then_decode_logits, reference_logits
-from kvlm.generate import GenerationSettings, generate
+from kvlm.runtime.generate import GenerationSettings, generate
 
 TOLERANCE = 1e-4
 

@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-import kvlm.cli
+import kvlm.cli.commands
 import kvlm.engine.llm
 from kvlm import LLM, SamplingParams, load_model
 from kvlm.engine.engine import Engine
@@ -76,11 +76,11 @@ def test_a_differing_token_is_named(qwen_gguf_path, monkeypatch):
 
 def test_cli_generate_takes_the_flag_and_reports_acceptance(smollm2_gguf_path, monkeypatch, capsys):
     model = exact_model(smollm2_gguf_path, default=True)
-    monkeypatch.setattr(kvlm.cli, "load_model", lambda *args, **kwargs: model)
+    monkeypatch.setattr(kvlm.cli.commands, "load_model", lambda *args, **kwargs: model)
     base = ["generate", "--chat", EDIT, "--max-tokens", "64", "--temperature", "0", "--json"]
-    assert kvlm.cli.main(base) == 0
+    assert kvlm.cli.commands.main(base) == 0
     plain = json.loads(capsys.readouterr().out)
-    assert kvlm.cli.main([*base, "--speculative-config", json.dumps(NGRAM)]) == 0
+    assert kvlm.cli.commands.main([*base, "--speculative-config", json.dumps(NGRAM)]) == 0
     speculated = json.loads(capsys.readouterr().out)
     assert speculated["token_ids"] == plain["token_ids"]
     assert speculated["timings"]["mean_acceptance_length"] > 1.0 and "mean_acceptance_length" not in plain["timings"]
@@ -88,7 +88,7 @@ def test_cli_generate_takes_the_flag_and_reports_acceptance(smollm2_gguf_path, m
 
 def test_cli_refuses_a_bad_config_naming_it(capsys):
     with pytest.raises(SystemExit):
-        kvlm.cli.main(["generate", "--prompt", "x", "--speculative-config", '{"method": "ngram"}'])
+        kvlm.cli.commands.main(["generate", "--prompt", "x", "--speculative-config", '{"method": "ngram"}'])
     assert "num_speculative_tokens" in capsys.readouterr().err
 
 

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlm.engine.sampling_params import SamplingParams
+from kvlm.sampling.params import SamplingParams
 from kvlm.engine.stop import StopChecker, StopResult
 
 TEXT = "The quick brown fox jumps over the lazy dog. Then it sleeps."

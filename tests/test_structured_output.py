@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from kvlm.engine.llm import LLM
-from kvlm.engine.sampler import RequestSampler
-from kvlm.engine.sampling_params import SamplingParams
+from kvlm.sampling.sampler import RequestSampler
+from kvlm.sampling.params import SamplingParams
 from kvlm.structured.compiler import MAX_JSON_WHITESPACE, GrammarCompiler, GrammarError
 from kvlm.structured.params import StructuredOutputsParams
 from kvlm.structured.request_grammar import RequestGrammar, TokenMask

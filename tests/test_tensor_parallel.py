@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gguf_factory import llama_config, random_llama, save_hf_folder
-from kvlm.families import CONV
+from kvlm.core.family import CONV
 from kvlm.kernels import BlockMatrix, dequantize
 from kvlm.loader.gguf_file import open_gguf_model
 from kvlm.loader.hf_folder import open_hf_folder

@@ -27,7 +27,7 @@ from test_random_models import token_ids
 
 from kvlm import Batch, Context, DecodeStatus, load_model
 from kvlm.engine.llm import LLM
-from kvlm.engine.sampling_params import SamplingParams
+from kvlm.sampling.params import SamplingParams
 from kvlm.memory.protocol import Memory
 from kvlm.loader.tensors import GGUFTensors
 from kvlm.parallel import launch
@@ -318,7 +318,7 @@ STOPPED_SCRIPT = """
 import sys
 from kvlm import load_model
 from kvlm.engine.llm import LLM
-from kvlm.engine.sampling_params import SamplingParams
+from kvlm.sampling.params import SamplingParams
 if __name__ == "__main__":
     model = load_model(sys.argv[1], "float32", tensor_parallel_size=2)
     model.tensor_parallel.stop()

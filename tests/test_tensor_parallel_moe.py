@@ -14,7 +14,7 @@ from test_tensor_parallel_engine import VOCAB, assert_same_outputs
 
 from kvlm import load_model
 from kvlm.engine.llm import LLM
-from kvlm.engine.sampling_params import SamplingParams
+from kvlm.sampling.params import SamplingParams
 
 
 def save_model(name: str, folder):

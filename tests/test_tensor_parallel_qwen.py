@@ -16,7 +16,7 @@ from server_helpers import free_port
 from kvlm import Batch, Context, load_model
 from kvlm.engine.engine import Engine
 from kvlm.engine.llm import LLM
-from kvlm.engine.sampling_params import SamplingParams
+from kvlm.sampling.params import SamplingParams
 from kvlm.server.app import create_app
 
 TOLERANCE = 1e-4

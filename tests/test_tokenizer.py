@@ -1,4 +1,4 @@
-"""kvlm.tokenizer against the tokenizer transformers builds from the same GGUF file.
+"""kvlm.text.tokenizer against the tokenizer transformers builds from the same GGUF file.
 
 One known difference: transformers' GGUF loader has no entry for the "smollm" pre-tokenizer and falls
 back to GPT-2's regex, while SmolLM's own tokenizer.json (and llama.cpp) first cut out every numeral on
@@ -20,9 +20,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as Backend
 
-from kvlm.errors import KvlmError, ModelFileError
+from kvlm.core.errors import KvlmError, ModelFileError
 from kvlm.loader.gguf_reader import read_gguf_metadata
-from kvlm.tokenizer import StreamDecoder, Tokenizer
+from kvlm.text.tokenizer import StreamDecoder, Tokenizer
 
 transformers = pytest.importorskip("transformers")
 

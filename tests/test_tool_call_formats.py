@@ -10,7 +10,7 @@ import pytest
 
 from kvlm.loader.fetch import pull
 from kvlm.loader.gguf_reader import read_gguf_metadata
-from kvlm.tokenizer import Tokenizer
+from kvlm.text.tokenizer import Tokenizer
 from kvlm.tool_calls.calls import new_call_id
 from kvlm.tool_calls.formats import (
     FORMATS, HERMES, JSON_FALLBACK, LFM2, LLAMA3_JSON, PYTHONIC, QWEN3_XML, format_for_template,

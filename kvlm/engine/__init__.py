@@ -1,1 +1,2 @@
-"""The serving engine: per-request sampling parameters, samplers and stop handling, and the scheduler."""
+"""The serving engine: requests, the scheduler, prefix reuse, stop handling and the step loop (its samplers are in
+kvlm.sampling)."""

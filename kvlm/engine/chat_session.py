@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from kvlm.engine.llm import LLM, StreamChunk
-from kvlm.engine.sampling_params import SamplingParams
-from kvlm.tokenizer import checked_template_kwargs
+from kvlm.sampling.params import SamplingParams
+from kvlm.text.tokenizer import checked_template_kwargs
 
 
 class ChatSession:

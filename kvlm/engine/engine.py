@@ -8,15 +8,15 @@ from collections.abc import Callable
 
 import torch
 
-from kvlm.batch import Batch
-from kvlm.context import Context, DecodeStatus
+from kvlm.core.batch import Batch
+from kvlm.runtime.context import Context, DecodeStatus
 from kvlm.engine.prefix_cache import PrefixCache
 from kvlm.engine.request import Request, RequestOutput, RequestState, StepEvent
-from kvlm.engine.sampler import RequestSampler, SampledToken
-from kvlm.engine.sampling_params import SamplingParams
+from kvlm.sampling.sampler import RequestSampler, SampledToken
+from kvlm.sampling.params import SamplingParams
 from kvlm.engine.scheduler import Scheduled, Scheduler
 from kvlm.engine.stop import StopChecker
-from kvlm.errors import KvlmError
+from kvlm.core.errors import KvlmError
 from kvlm.loader.load import Model, plan_for_loaded
 from kvlm.loader.memory_plan import MemoryRequest
 from kvlm.memory.kv_store import AUTO, resolve_kv_dtype

@@ -10,13 +10,13 @@ from tqdm.auto import tqdm
 
 from kvlm.engine.engine import Engine, memory_request
 from kvlm.engine.request import RequestOutput
-from kvlm.engine.sampling_params import SamplingParams
+from kvlm.sampling.params import SamplingParams
 from kvlm.loader.fetch import DEFAULT_MODEL
 from kvlm.loader.load import Model, load_model
 from kvlm.memory.kv_store import AUTO
 from kvlm.speculative.config import SpeculativeConfig
 from kvlm.structured.params import StructuredOutputsParams
-from kvlm.tokenizer import checked_template_kwargs
+from kvlm.text.tokenizer import checked_template_kwargs
 from kvlm.tool_calls.chat_output import ChatOutputSpec
 from kvlm.tool_calls.reasoning import reasoning_for_template
 from kvlm.tool_calls.tool_choice import plan_tools

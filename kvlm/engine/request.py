@@ -5,8 +5,8 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
-from kvlm.engine.sampler import RequestSampler, SampledToken
-from kvlm.engine.sampling_params import SamplingParams
+from kvlm.sampling.sampler import RequestSampler, SampledToken
+from kvlm.sampling.params import SamplingParams
 from kvlm.engine.stop import StopChecker
 from kvlm.speculative.stats import SpecStats
 from kvlm.structured.request_grammar import RequestGrammar

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvlm.engine.sampling_params import SamplingParams
-from kvlm.tokenizer import StreamDecoder, Tokenizer
+from kvlm.sampling.params import SamplingParams
+from kvlm.text.tokenizer import StreamDecoder, Tokenizer
 
 _INCOMPLETE = "\N{REPLACEMENT CHARACTER}"
 

@@ -1,32 +1,24 @@
-"""The registry of model families: from a file's architecture name to what the decoder needs to know."""
+"""The model families, registered by architecture name in kvlm.core.family (which maps a file's architecture name to
+what the decoder needs to know); and the lookup of a Hugging Face config.json's family."""
 from __future__ import annotations
 
-from kvlm.errors import UnsupportedModelError
+from kvlm.core.errors import UnsupportedModelError
+from kvlm.core.family import FAMILIES, Family
 from kvlm.families import (gemma3, gemma4, gptoss, granitemoe, lfm2, llama, mamba2, olmoe, qwen2, qwen2moe, qwen3, qwen3moe,
                            qwen35)
-from kvlm.families.family import ATTENTION, CONV, GATED_DELTA, LAYER_KINDS, MAMBA, RECURRENT_KINDS, SLIDING, Family
 
-FAMILIES: dict[str, Family] = {
+FAMILIES.update({
     family.name: family for family in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma3.FAMILY, lfm2.FAMILY,
                                        mamba2.FAMILY, qwen3moe.FAMILY, qwen2moe.FAMILY, olmoe.FAMILY,
                                        granitemoe.FAMILY, gptoss.FAMILY, qwen35.FAMILY, qwen35.MOE_FAMILY,
                                        gemma4.FAMILY)
-}
+})
 _BY_HF_NAME = {
     name: family for family in FAMILIES.values() for name in (*family.hf_architectures, family.hf_model_type)
 } | {"mixtral": llama.FAMILY, "granitemoeshared": granitemoe.FAMILY,  # model types of a family's second architecture
      "qwen3_5": qwen35.FAMILY, "qwen3_5_moe": qwen35.MOE_FAMILY, "gemma4": gemma4.FAMILY}
 
-__all__ = ["ATTENTION", "CONV", "GATED_DELTA", "FAMILIES", "LAYER_KINDS", "MAMBA", "RECURRENT_KINDS", "SLIDING", "Family", "family_named", "family_for_hf"]
-
-
-def family_named(architecture: object, where: object = "the model") -> Family:
-    """The family of a GGUF `general.architecture` (or a ModelConfig's `architecture`)."""
-    if architecture not in FAMILIES:
-        raise UnsupportedModelError(
-            f"{where}: architecture {architecture!r} is not supported (supported: {', '.join(FAMILIES)})"
-        )
-    return FAMILIES[architecture]
+__all__ = ["family_for_hf"]
 
 
 def family_for_hf(config: dict, where: object) -> Family:

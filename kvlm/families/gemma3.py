@@ -1,6 +1,6 @@
 """Gemma 3 (text): QK-norm, norms before and after attention and MLP, GeGLU, scaled embeddings, and five
 sliding-window layers for every full one, whose RoPE has its own base."""
-from kvlm.families.family import Family
+from kvlm.core.family import Family
 
 # Google's chat template for Gemma 3, byte for byte as google/gemma-3-270m-it ships it in tokenizer_config.json and
 # chat_template.jinja (older copies of the larger models' take a system message only as a list of parts; this one

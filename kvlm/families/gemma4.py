@@ -15,9 +15,9 @@ sliding-window layers between full ones) with these of its own:
 """
 from __future__ import annotations
 
-from kvlm.errors import UnsupportedModelError
-from kvlm.families.family import ATTENTION, SLIDING, Family
-from kvlm.model.rope import RopeScaling, rope_from_hf_config
+from kvlm.core.errors import UnsupportedModelError
+from kvlm.core.family import ATTENTION, SLIDING, Family
+from kvlm.core.rope import RopeScaling, rope_from_hf_config
 
 _HF_KINDS = {"full_attention": ATTENTION, "sliding_attention": SLIDING}
 _DEFAULT_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},

@@ -6,7 +6,7 @@ a bias) pick the top k, a softmax over those k weighs them (the same as a softma
 expert's gate and up products (with biases) meet in a clamped SwiGLU, (up + 1) * gate * sigmoid(1.702 gate) with the
 gate clamped above at 7 and up to [-7, 7], before its down product (with a bias). Its chat format (harmony) comes
 from the file's template."""
-from kvlm.families.family import Family
+from kvlm.core.family import Family
 
 FAMILY = Family(
     name="gpt-oss", hf_architectures=("GptOssForCausalLM",), hf_model_type="gpt_oss", qkv_bias=True,

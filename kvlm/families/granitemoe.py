@@ -2,7 +2,7 @@
 and experts (softmax over the top k's logits: renormalised), and Granite's multipliers: embeddings times one,
 attention scores scaled by another (in place of 1/sqrt(head_dim)), each layer output times a third before its
 residual add, logits divided by a fourth."""
-from kvlm.families.family import Family
+from kvlm.core.family import Family
 
 FAMILY = Family(name="granitemoe", hf_architectures=("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM"),
                 hf_model_type="granitemoe", gguf_expert_weights_norm=True, hf_expert_weights_norm=True,

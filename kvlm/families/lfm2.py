@@ -1,6 +1,6 @@
 """LFM2 (Liquid AI): a hybrid of gated short-convolution layers and GQA attention layers with QK-norm, each
 followed by a SwiGLU MLP; the final norm is the one transformers names embedding_norm."""
-from kvlm.families.family import Family
+from kvlm.core.family import Family
 
 
 def hf_ff_size(config: dict) -> int:

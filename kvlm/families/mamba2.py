@@ -2,8 +2,8 @@
 and no MLP. Its config's heads are the SSM's (n_head = n_head_kv = heads, head_dim = their width)."""
 import torch
 
-from kvlm.errors import UnsupportedModelError
-from kvlm.families.family import MAMBA, Family
+from kvlm.core.errors import UnsupportedModelError
+from kvlm.core.family import MAMBA, Family
 
 def hf_config(raw: dict) -> dict:
     """transformers' Mamba2Config as ModelConfig fields: the mixer's heads stand in for attention heads."""

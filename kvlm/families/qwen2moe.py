@@ -1,7 +1,7 @@
 """Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): Qwen2's attention with Q/K/V biases, experts routed as
 Qwen3-MoE's (not renormalised unless the file says), and a shared expert every token goes through, its output
 times sigmoid(w . x)."""
-from kvlm.families.family import Family
+from kvlm.core.family import Family
 
 FAMILY = Family(name="qwen2moe", hf_architectures=("Qwen2MoeForCausalLM",), hf_model_type="qwen2_moe", qkv_bias=True,
                 shared_expert_gate=True,

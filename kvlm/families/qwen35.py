@@ -9,7 +9,7 @@ reads the same position. The MoE models put experts on every layer, delta-rule l
 expert gated by sigmoid(w . x), the chosen experts' weights renormalised."""
 import torch
 
-from kvlm.families.family import Family
+from kvlm.core.family import Family
 
 _LAYER_NAMES = (("linear_attn.in_proj_qkv", "attn_qkv"), ("linear_attn.in_proj_z", "attn_gate"),
                 ("linear_attn.in_proj_b", "ssm_beta"), ("linear_attn.in_proj_a", "ssm_alpha"),

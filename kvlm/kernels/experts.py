@@ -24,7 +24,7 @@ class ExpertsSpec(ctypes.Structure):
                 ("gate_up_bias", _ptr), ("down_bias", _ptr)]
 
 
-# The experts' activations (csrc/experts.h ExpertActivation), by kvlm's names (kvlm.families.family.ACTIVATIONS)
+# The experts' activations (csrc/experts.h ExpertActivation), by kvlm's names (kvlm.core.family.ACTIVATIONS)
 ACTIVATION_IDS = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2}
 
 

@@ -19,7 +19,7 @@ from typing import BinaryIO
 
 from tqdm import tqdm
 
-from kvlm.errors import ModelFetchError
+from kvlm.core.errors import ModelFetchError
 from kvlm.home import kvlm_home
 
 _CHUNK = 1 << 20

@@ -7,13 +7,13 @@ from typing import Any
 
 import numpy as np
 
-from kvlm.errors import ModelFileError, UnsupportedModelError
-from kvlm.families import ATTENTION, CONV, GATED_DELTA, family_named
-from kvlm.loader.config import ModelConfig
+from kvlm.core.errors import ModelFileError, UnsupportedModelError
+from kvlm.core.family import ATTENTION, CONV, GATED_DELTA, family_named
+from kvlm.core.config import ModelConfig
 from kvlm.loader.gguf_reader import GGUFFile, TensorInfo
 from kvlm.loader.tensors import ExpertParts, GGUFTensors
 from kvlm.loader.weights import ModelWeights, expected_shapes
-from kvlm.model import rope
+from kvlm.core import rope
 
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.x: per-dimension divisors of the RoPE frequencies
 

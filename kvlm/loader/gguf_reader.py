@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from kvlm.errors import ModelFileError
+from kvlm.core.errors import ModelFileError
 
 MAGIC = b"GGUF"
 READ_BYTES = 64 << 20  # per read call

@@ -8,12 +8,13 @@ from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
-from kvlm.errors import ModelFileError, UnsupportedModelError
-from kvlm.families import ATTENTION, CONV, GATED_DELTA, SLIDING, family_for_hf
-from kvlm.loader.config import ModelConfig
+from kvlm.core.errors import ModelFileError, UnsupportedModelError
+from kvlm.core.family import ATTENTION, CONV, GATED_DELTA, SLIDING
+from kvlm.families import family_for_hf
+from kvlm.core.config import ModelConfig
 from kvlm.loader.tensors import HFSource, SafetensorsTensors
 from kvlm.loader.weights import ModelWeights, expected_shapes
-from kvlm.model import rope
+from kvlm.core import rope
 
 _LAYER_NAMES = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",

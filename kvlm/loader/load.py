@@ -18,7 +18,7 @@ from typing import Any
 from tqdm import tqdm
 
 from kvlm.kernels import native_kernels
-from kvlm.loader.config import ModelConfig
+from kvlm.core.config import ModelConfig
 from kvlm.loader.fetch import DEFAULT_MODEL, resolve_model
 from kvlm.loader.gguf_file import open_gguf_model, read_gguf_summary
 from kvlm.loader.hf_folder import config_from_hf, open_hf_folder
@@ -34,7 +34,7 @@ from kvlm.loader.weights import ModelWeights
 from kvlm.model.decoder import Decoder
 from kvlm.model.graphs import StepGraphs, check_compiler
 from kvlm.model.settings import AUTO, ComputeSettings, resolve_settings
-from kvlm.tokenizer import Tokenizer
+from kvlm.text.tokenizer import Tokenizer
 
 
 @dataclass

@@ -6,7 +6,7 @@ From the file's header alone (each tensor's shape and stored type), the compute 
 
 - weights: each matrix as the decoder will hold it (a quantized file's blocks as they are; dense in the activation
   dtype otherwise), vectors, the embedding (a tied LM head shares its blocks);
-- KV: what the model's memory kind allocates for n_ctx cells and n_seq_max sequences (kvlm.memory.sizes);
+- KV: what the model's memory kind allocates for n_ctx cells and n_seq_max sequences (kvlm.memory.layout);
 - compute: working buffers (logits of a whole micro-batch, activations).
 
 The limit is the memory this process may have: its cgroup's limit where there is one, else physical memory. A plan
@@ -22,12 +22,12 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvlm.errors import KvlmError
-from kvlm.families import ATTENTION, SLIDING
-from kvlm.loader.config import ModelConfig
+from kvlm.core.errors import KvlmError
+from kvlm.core.family import ATTENTION, SLIDING
+from kvlm.core.config import ModelConfig
 from kvlm.loader.weights import ModelWeights
 from kvlm.memory.kv_store import AUTO, KV_DTYPES, resolve_kv_dtype
-from kvlm.memory.sizes import memory_bytes
+from kvlm.memory.layout import memory_bytes
 from kvlm.model.settings import FROM_FILE, ComputeSettings
 
 MiB = 1 << 20

@@ -25,8 +25,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from kvlm.families import RECURRENT_KINDS
-from kvlm.loader.config import ModelConfig
+from kvlm.core.family import RECURRENT_KINDS
+from kvlm.core.config import ModelConfig
 from kvlm.loader.tensors import block_weights
 from kvlm.parallel.collectives import vocab_shares
 

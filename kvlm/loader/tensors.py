@@ -21,7 +21,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from safetensors import SafetensorError, safe_open
 
-from kvlm.errors import ModelFileError
+from kvlm.core.errors import ModelFileError
 from kvlm.kernels import NATIVE_TYPES, BlockMatrix
 from kvlm.loader.gguf_reader import GGUFFile, TensorInfo
 

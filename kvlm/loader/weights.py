@@ -14,7 +14,7 @@ from functools import cached_property
 
 import torch
 
-from kvlm.loader.config import ModelConfig
+from kvlm.core.config import ModelConfig
 from kvlm.loader.tensors import Entry, GGUFTensors, SafetensorsTensors, Stored
 
 

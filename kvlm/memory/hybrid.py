@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvlm.loader.config import ModelConfig
+from kvlm.core.config import ModelConfig
 from kvlm.memory.memory import KVMemory, LendsCells
 from kvlm.memory.recurrent import RecurrentMemory
 from kvlm.memory.seq_state import load_sequence, save_sequence
 from kvlm.memory.view import LayerViews
-from kvlm.model.rope import Rope
+from kvlm.core.rope import Rope
 
 
 class HybridMemory(LendsCells):

@@ -10,15 +10,20 @@ is still whole, as in llama.cpp.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from kvlm.errors import CacheError
-from kvlm.families import SLIDING
-from kvlm.loader.config import ModelConfig
+from kvlm.core.errors import CacheError
+from kvlm.core.family import SLIDING
+from kvlm.core.config import ModelConfig
 from kvlm.memory.memory import KVMemory, LendsCells
 from kvlm.memory.seq_state import load_sequence, save_sequence
 from kvlm.memory.view import LayerViews
-from kvlm.model.rope import Rope
+from kvlm.core.rope import Rope
+
+if TYPE_CHECKING:
+    from kvlm.memory.layout import PoolLayout
 
 
 def sliding_pool_cells(n_ctx: int, window: int, n_seq_max: int, n_ubatch: int, keep_extra: int = 0) -> int:
@@ -29,25 +34,24 @@ def sliding_pool_cells(n_ctx: int, window: int, n_seq_max: int, n_ubatch: int, k
 class ISWAMemory(LendsCells):
     kind = "iswa"
 
-    def __init__(self, config: ModelConfig, n_ctx: int, n_seq_max: int, n_ubatch: int, kv_dtype: str,
-                 layer_ropes: list[Rope], sliding: list[bool], keep_extra: int = 0, swa_full: bool = False) -> None:
-        """`sliding[i]`: whether layer i is a sliding-window layer; `keep_extra`: positions each sequence keeps
-        beyond its window (the engine keeps a prefix-cache block's worth, so a cached prefix can end anywhere);
-        `swa_full`: the sliding pool as large as the full one, keeping every cell (for a model whose two kinds of
-        layers have K/V rows of different sizes, which one pool cannot hold). Only layers that hold their own K/V
-        get rows (see ModelConfig.kv_source): a layer reading another's goes through that one's."""
-        window, owners = config.sliding_window, config.kv_layers
-        full_layers = [i for i in owners if not sliding[i]]
-        sliding_layers = [i for i in owners if sliding[i]]
-        n_sliding = n_ctx if swa_full else sliding_pool_cells(n_ctx, window, n_seq_max, n_ubatch, keep_extra)
-        self.full = KVMemory(config, n_ctx, n_seq_max, kv_dtype, [layer_ropes[i] for i in full_layers], name="full")
-        self.sliding = KVMemory(config, n_sliding, n_seq_max, kv_dtype, [layer_ropes[i] for i in sliding_layers],
-                                layer_windows=[window] * len(sliding_layers),
+    def __init__(self, config: ModelConfig, full: PoolLayout, sliding: PoolLayout, n_seq_max: int, n_ubatch: int,
+                 kv_dtype: str, layer_ropes: list[Rope], keep_extra: int = 0, swa_full: bool = False) -> None:
+        """The two pools kvlm.memory.layout decided (their layers, those holding their own K/V, and cells);
+        `keep_extra`: positions each sequence keeps beyond its window (the engine keeps a prefix-cache block's
+        worth, so a cached prefix can end anywhere); `swa_full`: the sliding pool keeps every cell (for a model
+        whose two kinds of layers have K/V rows of different sizes, which one pool cannot hold). A layer reading
+        another's K/V (see ModelConfig.kv_source) goes through that one's rows."""
+        window = config.sliding_window
+        self.full = KVMemory(config, full.n_cells, n_seq_max, kv_dtype, [layer_ropes[i] for i in full.layers],
+                             name="full")
+        self.sliding = KVMemory(config, sliding.n_cells, n_seq_max, kv_dtype, [layer_ropes[i] for i in sliding.layers],
+                                layer_windows=[window] * len(sliding.layers),
                                 kept_window=0 if swa_full else window + keep_extra, name="sliding", kind=SLIDING)
         self.window = window
         self.n_ubatch = n_ubatch
-        home = {i: (0, full_layers.index(i)) if i in full_layers else (1, sliding_layers.index(i)) for i in owners}
-        self.layer_home = [home[config.kv_source(i)] for i in range(len(sliding))]
+        home = {i: (0, full.layers.index(i)) if i in full.layers else (1, sliding.layers.index(i))
+                for i in full.layers + sliding.layers}
+        self.layer_home = [home[config.kv_source(i)] for i in range(config.n_layer)]
 
     @property
     def pools(self) -> tuple[KVMemory, KVMemory]:

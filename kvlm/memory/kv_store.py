@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from kvlm.errors import CacheError
-from kvlm.families import ATTENTION
-from kvlm.loader.config import ModelConfig
+from kvlm.core.errors import CacheError
+from kvlm.core.family import ATTENTION
+from kvlm.core.config import ModelConfig
 
 DENSE_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 Q8_BLOCK = 32

@@ -6,14 +6,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvlm.families import ATTENTION
-from kvlm.loader.config import ModelConfig
+from kvlm.core.family import ATTENTION
+from kvlm.core.config import ModelConfig
 from kvlm.memory.cells import Cells
 from kvlm.memory.kv_store import KVStore
 from kvlm.memory.seq_state import load_sequence, save_sequence
 from kvlm.memory.view import AttentionGroup, KVView, LayerViews
-from kvlm.model.ops import apply_rope
-from kvlm.model.rope import Rope
+from kvlm.core.rope import apply_rope
+from kvlm.core.rope import Rope
 
 
 # Lone decode tokens each gather their own rows; beyond this many rows in all, they are grouped one by one.

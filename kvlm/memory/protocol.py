@@ -1,4 +1,5 @@
-"""The memory protocol (after llama.cpp's llama_memory_i) and the choice of a memory kind for a model.
+"""The memory protocol (after llama.cpp's llama_memory_i): an interface only (kvlm.memory.layout decides which
+memory a model gets).
 
 Context and the engine talk only to this protocol. A decode plans the whole batch as a dry run (nothing changes
 if it does not fit), then for each micro-batch `place`s it and runs the forward pass through the view it gets,
@@ -7,16 +8,11 @@ so (seq_rm answers False; other operations raise CacheError) and changes nothing
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from kvlm.families import CONV, GATED_DELTA, MAMBA, RECURRENT_KINDS, SLIDING
-from kvlm.loader.config import ModelConfig
-from kvlm.memory.hybrid import HybridMemory
-from kvlm.memory.iswa import ISWAMemory
-from kvlm.memory.memory import KVMemory
-from kvlm.memory.recurrent import RecurrentMemory
-from kvlm.memory.view import KVView, LayerViews
-from kvlm.model.rope import Rope
+if TYPE_CHECKING:
+    from kvlm.memory.memory import KVMemory
+    from kvlm.memory.view import KVView, LayerViews
 
 
 class Memory(Protocol):
@@ -74,46 +70,3 @@ class Memory(Protocol):
     def commit(self) -> None: ...
     def roll_back(self) -> None: ...
 
-
-def make_memory(config: ModelConfig, layer_ropes: list[Rope], n_ctx: int, n_seq_max: int, n_ubatch: int,
-                kv_dtype: str, swa_full: bool = False, swa_keep_extra: int = 0) -> Memory:
-    """Recurrent state slots for a model of recurrent layers only, hybrid (KV cache + slots) for a mix; iSWA for
-    a model with sliding-window layers (unless `swa_full`, llama.cpp's option to keep every cell: then one unified
-    pool whose sliding layers mask by window); else the unified KV cache."""
-    state_shapes = [recurrent_state_shapes(config, kind) for kind in config.layer_kinds]
-    if all(shapes is not None for shapes in state_shapes):
-        return RecurrentMemory(config, n_seq_max, state_shapes)
-    if any(shapes is not None for shapes in state_shapes):
-        return HybridMemory(config, n_ctx, n_seq_max, kv_dtype, layer_ropes, state_shapes)
-    sliding = [kind == SLIDING for kind in config.layer_kinds]
-    if any(sliding) and (not swa_full or config.full_head_dim):  # rows of two sizes need two pools
-        return ISWAMemory(config, n_ctx, n_seq_max, n_ubatch, kv_dtype, layer_ropes, sliding, swa_keep_extra,
-                          swa_full)
-    owners = config.kv_layers
-    windows = [config.sliding_window if sliding[i] else 0 for i in owners]
-    readers = [owners.index(config.kv_source(i)) for i in range(config.n_layer)] if config.n_kv_shared else None
-    return KVMemory(config, n_ctx, n_seq_max, kv_dtype, [layer_ropes[i] for i in owners], layer_windows=windows,
-                    readers=readers)
-
-
-def memory_for(decoder, n_ctx: int, n_seq_max: int, n_ubatch: int, kv_dtype: str, swa_full: bool = False,
-               swa_keep_extra: int = 0) -> Memory:
-    """`make_memory` for a decoder's model, each layer re-rotated by the decoder's RoPE for its kind."""
-    layer_ropes = [decoder.layer_rope(kind) for kind in decoder.config.layer_kinds]
-    return make_memory(decoder.config, layer_ropes, n_ctx, n_seq_max, n_ubatch, kv_dtype, swa_full, swa_keep_extra)
-
-
-def recurrent_state_shapes(config: ModelConfig, kind: str) -> list[tuple[int, ...]] | None:
-    """The state a recurrent layer keeps per sequence; None for an attention layer."""
-    if kind not in RECURRENT_KINDS:
-        return None
-    if kind == CONV:
-        return [(config.n_embd, config.conv_kernel - 1)]  # the convolution's last inputs
-    if kind == MAMBA:
-        conv_dim = config.ssm_inner + 2 * config.ssm_groups * config.ssm_state
-        return [(conv_dim, config.conv_kernel - 1), (config.n_head, config.head_dim, config.ssm_state)]
-    if kind == GATED_DELTA:  # the convolution's last Q/K/V inputs; per value head, a key-size x value-size state
-        conv_dim = 2 * config.ssm_groups * config.ssm_state + config.ssm_inner
-        return [(conv_dim, config.conv_kernel - 1),
-                (config.ssm_heads, config.ssm_state, config.ssm_inner // config.ssm_heads)]
-    raise AssertionError(f"no state shapes for layer kind {kind!r}")

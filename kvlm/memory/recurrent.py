@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvlm.batch import InvalidBatch
-from kvlm.errors import CacheError
-from kvlm.loader.config import ModelConfig
+from kvlm.core.batch import InvalidBatch
+from kvlm.core.errors import CacheError
+from kvlm.core.config import ModelConfig
 from kvlm.memory.seq_state import load_sequence, save_sequence
 
 EMPTY = -1

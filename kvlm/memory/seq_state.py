@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kvlm.errors import CacheError
-from kvlm.families import ATTENTION
-from kvlm.loader.config import ModelConfig
+from kvlm.core.errors import CacheError
+from kvlm.core.family import ATTENTION
+from kvlm.core.config import ModelConfig
 
 if TYPE_CHECKING:
     from kvlm.memory.memory import KVMemory

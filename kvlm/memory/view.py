@@ -1,4 +1,5 @@
-"""What one forward pass may do with the KV store: write its own rows, read the visible ones."""
+"""What one forward pass may do with the KV store: write its own rows, read the visible ones. The memory hands out
+rows and which tokens read them; the layers attend (kvlm.model.attention)."""
 from __future__ import annotations
 
 import functools
@@ -7,7 +8,6 @@ from dataclasses import dataclass
 import torch
 
 from kvlm.memory.kv_store import KVStore
-from kvlm.model.attention import attend
 
 
 @dataclass
@@ -86,15 +86,6 @@ class KVView:
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.store.read(layer, self.n_visible)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               batch_invariant: bool = False, native=None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """Write the step's K/V [n_tokens, n_kv, d] of `layer` (none for a layer reading another's: k, v None),
-        then attend q over the visible rows (`native`: the native layer ops, which every token then attends
-        through; `sinks`: attention sinks' logits per head, or None)."""
-        if k is not None:
-            self.write(layer, k, v)
-        return attend(q, layer, self, batch_invariant, native, sinks)
-
 
 @dataclass
 class LayerViews:
@@ -102,11 +93,6 @@ class LayerViews:
     pool or in two; attention and recurrent layers): layer i goes through `by_layer[i] = (view, its index there)`."""
 
     by_layer: list[tuple[object, int]]
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               batch_invariant: bool = False, native=None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        view, local = self.by_layer[layer]
-        return view.attend(local, q, k, v, batch_invariant, native, sinks)
 
     def recurrent(self, layer: int):
         """A recurrent layer's state for this micro-batch (see kvlm.memory.recurrent)."""

@@ -10,7 +10,31 @@ from kvlm.model.ops import gathered_attention, grouped_attention
 
 if TYPE_CHECKING:
     from kvlm.kernels.layer_ops import NativeLayerOps
-    from kvlm.memory.view import KVView
+    from kvlm.memory.view import KVView, LayerViews
+
+
+class TracedView:
+    """A view that attends itself: a compiled step's (kvlm.model.graphs.StepKV), which reads the cache's rows and the
+    step's own K/V side by side in traced torch ops and writes nothing during the step."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch_invariant: bool = False,
+               native: NativeLayerOps | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def attend_layer(kv: KVView | LayerViews | TracedView, layer: int, q: torch.Tensor, k: torch.Tensor | None,
+                 v: torch.Tensor | None, batch_invariant: bool = False, native: NativeLayerOps | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Layer `layer`'s attention through the memory's view of the micro-batch: the step's K/V [n_tokens, n_kv, d]
+    written first (none for a layer reading another's: k, v None), so every token reads the stored values, then q
+    over the rows the view makes visible (`native`: the native layer ops, which every token then attends through;
+    `sinks`: attention sinks' logits per head, or None). `kv`: a KVView, or LayerViews (a view per layer)."""
+    if isinstance(kv, TracedView):
+        return kv.attend(layer, q, k, v, batch_invariant, native, sinks)
+    view, local = kv.layer_view(layer)
+    if k is not None:
+        view.write(local, k, v)
+    return attend(q, local, view, batch_invariant, native, sinks)
 
 
 def attend(q: torch.Tensor, layer: int, kv: KVView, batch_invariant: bool = False,

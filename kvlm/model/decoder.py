@@ -8,17 +8,17 @@ import dataclasses
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvlm.families import ATTENTION, CONV, GATED_DELTA, MAMBA, SLIDING
+from kvlm.core.family import ATTENTION, CONV, GATED_DELTA, MAMBA, SLIDING
 from kvlm.kernels import BlockMatrix, dequantize, native_kernels
 from kvlm.kernels.quantize import BLOCK as QUANT_BLOCK
 from kvlm.kernels.quantize import QUANTIZERS
-from kvlm.loader.config import ModelConfig
-from kvlm.loader.tensors import Stored
-from kvlm.loader.weights import ModelWeights
+from kvlm.core.config import ModelConfig
 from kvlm.memory.view import KVView
+from kvlm.model.attention import attend_layer
 from kvlm.model.embedding import Embedding
 from kvlm.model.linear import (
     DenseLinear,
@@ -42,8 +42,12 @@ from kvlm.model.recurrent import (
 )
 from kvlm.model.recurrent_steps import SteppedRecurrentOps
 from kvlm.model.per_layer import PerLayerInputs
-from kvlm.model.rope import Rope
+from kvlm.core.rope import Rope
 from kvlm.model.settings import FROM_FILE, ComputeSettings
+
+if TYPE_CHECKING:  # the loader's records of the weights the decoder is built from (the loader imports the model)
+    from kvlm.loader.tensors import Stored
+    from kvlm.loader.weights import ModelWeights
 
 
 @dataclass
@@ -416,7 +420,8 @@ class Decoder:
 
     def logits(self, tokens: torch.Tensor, positions: torch.Tensor, kv,
                output_rows: torch.Tensor | None) -> torch.Tensor:
-        """`forward` without its inference mode, for graphs to trace; `kv` is anything with KVView's `attend`."""
+        """`forward` without its inference mode, for graphs to trace; `kv`: the memory's view, or a graph's
+        TracedView."""
         x = self.token_embd(tokens)
         if self.embedding_scale is not None:
             x = x * self.embedding_scale
@@ -544,8 +549,8 @@ class Decoder:
         scale = c.query_scale * (head_dim ** 0.5 if family.unscaled_attention else 1.0)  # scores: q.k scale / sqrt(d)
         if scale != 1.0:
             q = q * scale
-        out = kv.attend(index, q, k if n_kv else None, v, self.batch_invariant, self.ops.attention_kernel(),
-                        layer.sinks)
+        out = attend_layer(kv, index, q, k if n_kv else None, v, self.batch_invariant, self.ops.attention_kernel(),
+                           layer.sinks)
         if gate is not None:
             out = self.ops.sigmoid_gate(out, gate.reshape(n_tokens, -1))
         return layer.attn_output(out)

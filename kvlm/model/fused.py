@@ -15,10 +15,11 @@ import torch.nn.functional as F
 from kvlm.kernels.decode_layer import DecodeStep, LayerShape, NativeDecodeLayer
 from kvlm.kernels.layer_ops import HEAD_DIM_STEP, NativeLayerOps
 from kvlm.kernels.native import NativeKernels
-from kvlm.loader.config import ModelConfig
+from kvlm.core.config import ModelConfig
 from kvlm.memory.view import KVView
 from kvlm.model.linear import QuantizedLinear
-from kvlm.model.ops import apply_rope, rms_norm
+from kvlm.core.rope import apply_rope
+from kvlm.model.ops import rms_norm
 from kvlm.model.recurrent import delta_step
 
 ACTIVATIONS = ("silu", "gelu_tanh")

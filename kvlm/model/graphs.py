@@ -22,7 +22,7 @@ import torch
 
 from kvlm.home import kvlm_home
 from kvlm.memory.view import KVView
-from kvlm.model.attention import attention_dtype
+from kvlm.model.attention import TracedView, attention_dtype
 from kvlm.model.ops import attention_with_own_rows
 
 # Prompt chunks shorter than this run eagerly: the row-adaptive products change kernel at 4 rows, and a
@@ -45,7 +45,7 @@ def check_compiler() -> None:
                            "PATH, or named by $CXX); none was found. Install one or run without --compile") from error
 
 
-class StepKV:
+class StepKV(TracedView):
     """What a graph's step reads instead of the cache, and what it hands back to be written after it."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, old_mask: torch.Tensor,
@@ -60,7 +60,7 @@ class StepKV:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                batch_invariant: bool = False, native=None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """As KVView.attend, traced in torch ops (`native` cannot be traced, so it is not used)."""
+        """As attention.attend_layer, traced in torch ops (`native` cannot be traced, so it is not used)."""
         self.new_k.append(k)
         self.new_v.append(v)
         batch, n_old = self.index.shape

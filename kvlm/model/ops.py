@@ -10,17 +10,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (i, i + d/2) of x [n_tokens, n_heads, head_dim] (the Hugging Face layout); with cos, sin
-    narrower than the head (partial RoPE), pairs of its first d dimensions alone, the rest as they are."""
-    rotated_dims = cos.shape[-1]
-    if rotated_dims < x.shape[-1]:
-        return torch.cat((apply_rope(x[..., :rotated_dims], cos, sin), x[..., rotated_dims:]), dim=-1)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 def grouped_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, sinks: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from kvlm.memory.protocol import memory_for
+from kvlm.memory.layout import memory_for
 from kvlm.parallel.collectives import make_collectives, vocab_shares
 from kvlm.parallel.group import COLLECTIVE_TIMEOUT, loaded_barrier
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kvlm.errors import KvlmError
+from kvlm.core.errors import KvlmError
 from kvlm.parallel import collectives
 from kvlm.startup import START_CPUS
 

@@ -14,7 +14,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 
 from kvlm.engine.engine import Engine
 from kvlm.engine.request import RequestOutput
-from kvlm.engine.sampling_params import SamplingParams
+from kvlm.sampling.params import SamplingParams
 from kvlm.server.async_engine import AsyncEngine, EngineFailure, Finished
 from kvlm.server.errors import error_body, install_error_handlers
 from kvlm.server.kv_report import kv_report

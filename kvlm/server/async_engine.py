@@ -17,7 +17,7 @@ from typing import Any
 
 from kvlm.engine.engine import Engine
 from kvlm.engine.request import RequestOutput, StepEvent
-from kvlm.engine.sampling_params import SamplingParams
+from kvlm.sampling.params import SamplingParams
 
 log = logging.getLogger("kvlm")
 

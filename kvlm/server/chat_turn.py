@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import jinja2
 
-from kvlm.errors import KvlmError
+from kvlm.core.errors import KvlmError
 from kvlm.tool_calls.chat_output import ChatOutputSpec
 from kvlm.server.protocol import BadRequest, ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from kvlm.structured.compiler import GrammarCompiler, GrammarError
 from kvlm.structured.params import StructuredOutputsParams
-from kvlm.tokenizer import Tokenizer
+from kvlm.text.tokenizer import Tokenizer
 from kvlm.tool_calls.reasoning import reasoning_for_template
 from kvlm.tool_calls.tool_choice import plan_tools
 

@@ -15,9 +15,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
-from kvlm.engine.sampling_params import SamplingParams
+from kvlm.sampling.params import SamplingParams
 from kvlm.structured.params import StructuredOutputsParams
-from kvlm.tokenizer import checked_template_kwargs
+from kvlm.text.tokenizer import checked_template_kwargs
 
 MAX_N = 16  # choices per request
 MAX_STOP_STRINGS, MAX_STOP_LENGTH = 4, 256  # OpenAI takes up to 4 stop sequences

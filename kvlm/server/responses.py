@@ -5,9 +5,9 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from kvlm.engine.sampler import SampledToken
+from kvlm.sampling.sampler import SampledToken
 from kvlm.tool_calls.chat_output import ChatOutputSpec
-from kvlm.tokenizer import Tokenizer
+from kvlm.text.tokenizer import Tokenizer
 
 
 @dataclass

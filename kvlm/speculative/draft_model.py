@@ -13,15 +13,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvlm.batch import Batch
-from kvlm.context import Context, DecodeStatus
-from kvlm.errors import KvlmError
+from kvlm.core.batch import Batch
+from kvlm.runtime.context import Context, DecodeStatus
+from kvlm.core.errors import KvlmError
 from kvlm.loader.load import Model
 from kvlm.memory.kv_store import resolve_kv_dtype
 from kvlm.speculative.stats import n_matching
 from kvlm.speculative.tuning import StepCosts
 from kvlm.speculative.vocab import check_vocabularies
-from kvlm.tokenizer import Tokenizer
+from kvlm.text.tokenizer import Tokenizer
 
 
 class DraftError(KvlmError):

@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from kvlm.batch import Batch
-from kvlm.context import Context, DecodeStatus
+from kvlm.core.batch import Batch
+from kvlm.runtime.context import Context, DecodeStatus
 from kvlm.loader.load import Model, load_model
 from kvlm.loader.memory_plan import MemoryRequest
 from kvlm.speculative.config import SpeculativeConfig

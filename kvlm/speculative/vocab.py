@@ -1,8 +1,8 @@
 """Whether a draft model's guesses mean the same tokens to the target: llama.cpp's compatibility check."""
 from __future__ import annotations
 
-from kvlm.errors import KvlmError
-from kvlm.tokenizer import Tokenizer
+from kvlm.core.errors import KvlmError
+from kvlm.text.tokenizer import Tokenizer
 
 MAX_VOCAB_SIZE_DIFFERENCE = 128  # llama.cpp's: Qwen2.5-7B pads its vocabulary 128 ids past the 0.5B's
 

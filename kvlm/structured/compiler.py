@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import llguidance
 
 from kvlm.structured.params import StructuredOutputsParams
-from kvlm.tokenizer import Tokenizer
+from kvlm.text.tokenizer import Tokenizer
 
 # Whitespace between JSON tokens: any of the four JSON whitespace characters, at most this many in a row.
 # Unbounded whitespace is the most reported structured-output failure (a model that spaces until max_tokens).

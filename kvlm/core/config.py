@@ -5,8 +5,8 @@ from dataclasses import dataclass, field, fields
 from functools import cache
 from itertools import groupby
 
-from kvlm.families import ATTENTION, CONV, GATED_DELTA, LAYER_KINDS, MAMBA, RECURRENT_KINDS, SLIDING, family_named
-from kvlm.model.rope import RopeScaling
+from kvlm.core.family import ATTENTION, CONV, GATED_DELTA, LAYER_KINDS, MAMBA, RECURRENT_KINDS, SLIDING, family_named
+from kvlm.core.rope import RopeScaling
 
 
 _SHOWN_WHEN_SET = {"sliding_window": 0, "rope_local": None, "query_scale": 1.0, "final_logit_softcap": 0.0,

@@ -8,10 +8,10 @@ from enum import IntEnum
 import numpy as np
 import torch
 
-from kvlm.batch import Batch, InvalidBatch, sanitize
+from kvlm.core.batch import Batch, InvalidBatch, sanitize
 from kvlm.loader.load import Model
 from kvlm.memory.kv_store import KV_DTYPES
-from kvlm.memory.protocol import memory_for
+from kvlm.memory.layout import memory_for
 
 log = logging.getLogger("kvlm")
 

@@ -19,9 +19,10 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
-from kvlm.errors import ModelFileError, UnsupportedModelError
-from kvlm.families import FAMILIES, family_for_hf
-from kvlm.spm_tokenizer import merged_bpe, piece_bytes, sentencepiece_bpe
+from kvlm.core.errors import ModelFileError, UnsupportedModelError
+from kvlm.core.family import FAMILIES
+from kvlm.families import family_for_hf
+from kvlm.text.spm_tokenizer import merged_bpe, piece_bytes, sentencepiece_bpe
 
 _CONTROL = 3  # llama.cpp token types
 _USER_DEFINED = 4

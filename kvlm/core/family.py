@@ -1,8 +1,12 @@
-"""What sets one decoder architecture apart from another: data, not a fork of the decoder."""
+"""What sets one decoder architecture apart from another: data, not a fork of the decoder. And the registry of
+families by architecture name, which kvlm.families fills on import (so that a config can name its family without
+this core importing the families above it)."""
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from kvlm.core.errors import UnsupportedModelError
 
 ATTENTION = "attention"  # the layer kinds the decoder knows
 SLIDING = "sliding_attention"  # attention over only the last `sliding_window` positions (Gemma 3's local layers)
@@ -188,3 +192,16 @@ def gated_delta_shapes(c) -> dict[str, tuple]:
             "ssm_beta.weight": (v_heads, n_embd), "ssm_alpha.weight": (v_heads, n_embd),
             "ssm_conv1d.weight": (conv_dim, c.conv_kernel), "ssm_a": (v_heads,), "ssm_dt.bias": (v_heads,),
             "ssm_norm.weight": (c.ssm_inner // v_heads,), "ssm_out.weight": (n_embd, c.ssm_inner)}
+
+
+# Every family by its GGUF `general.architecture`: filled by kvlm.families (imported with kvlm itself).
+FAMILIES: dict[str, Family] = {}
+
+
+def family_named(architecture: object, where: object = "the model") -> Family:
+    """The family of a GGUF `general.architecture` (or a ModelConfig's `architecture`)."""
+    if architecture not in FAMILIES:
+        raise UnsupportedModelError(
+            f"{where}: architecture {architecture!r} is not supported (supported: {', '.join(FAMILIES)})"
+        )
+    return FAMILIES[architecture]

@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvlm.batch import Batch
-from kvlm.context import Context, DecodeStatus
-from kvlm.errors import KvlmError
+from kvlm.core.batch import Batch
+from kvlm.runtime.context import Context, DecodeStatus
+from kvlm.core.errors import KvlmError
 from kvlm.loader.load import Model
 from kvlm.memory.kv_store import AUTO, resolve_kv_dtype
-from kvlm.tokenizer import Tokenizer
+from kvlm.text.tokenizer import Tokenizer
 
 N_UBATCH = 512  # llama.cpp's default micro-batch
 

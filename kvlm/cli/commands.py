@@ -12,22 +12,21 @@ from kvlm.engine.chat_session import ChatSession
 from kvlm.engine.engine import memory_request
 from kvlm.engine.llm import LLM
 from kvlm.engine.request import RequestOutput
-from kvlm.engine.sampling_params import SamplingParams
-from kvlm.errors import KvlmError
-from kvlm.families import RECURRENT_KINDS
-from kvlm.generate import GenerationSettings, generate
+from kvlm.sampling.params import SamplingParams
+from kvlm.core.errors import KvlmError
+from kvlm.core.family import RECURRENT_KINDS
+from kvlm.runtime.generate import GenerationSettings, generate
 from kvlm.kernels import native_kernels
-from kvlm.loader.config import ModelConfig
+from kvlm.core.config import ModelConfig
 from kvlm.loader.fetch import DEFAULT_MODEL, KNOWN_MODELS, pull, resolve_model
 from kvlm.loader.load import load_model, open_model
 from kvlm.loader.memory_plan import parse_size, plan_memory
 from kvlm.memory.kv_store import KV_DTYPES, kv_bytes_for
-from kvlm.memory.protocol import recurrent_state_shapes
-from kvlm.memory.sizes import iswa_pools, pool_kv_bytes, recurrent_state
+from kvlm.memory.layout import ISWA, memory_layout, recurrent_state_shapes
 from kvlm.model.settings import AUTO, DTYPES, QUANTS, resolve_settings
 from kvlm.speculative.config import SpeculativeConfig
 from kvlm.structured.params import StructuredOutputsParams
-from kvlm.tokenizer import StreamDecoder, checked_template_kwargs
+from kvlm.text.tokenizer import StreamDecoder, checked_template_kwargs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -353,7 +352,7 @@ def _pull(args: argparse.Namespace) -> int:
 
 
 def _perplexity(args: argparse.Namespace) -> int:
-    from kvlm.perplexity import (
+    from kvlm.runtime.perplexity import (
         ChunkReport,
         check_chunks,
         check_n_ctx,
@@ -382,7 +381,7 @@ def _perplexity(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from kvlm.benchmark import random_prompts, run_benchmark
+    from kvlm.cli.benchmark import random_prompts, run_benchmark
 
     _check_positive(num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len)
     n_ctx = max(args.n_ctx, args.input_len + args.output_len) if args.n_ctx else None
@@ -434,23 +433,23 @@ def _inspect(args: argparse.Namespace) -> int:
     if any(kind in RECURRENT_KINDS for kind in config.layer_kinds):
         _inspect_recurrent(config, n_ctx)
         return 0
-    pools = iswa_pools(config, n_ctx, INSPECT_N_SEQ_MAX, INSPECT_N_UBATCH)
-    if pools is None:
+    memory = memory_layout(config, n_ctx, INSPECT_N_SEQ_MAX, INSPECT_N_UBATCH)
+    if memory.kind != ISWA:
         for dtype in KV_DTYPES:
-            size = kv_bytes_for(config, n_ctx, dtype)
+            size = memory.kv_bytes(config, dtype)
             print(f"kv_bytes ({dtype:4})     {size} ({size / 2**20:.2f} MiB)")
         return 0
-    (_, full_layers, full_cells), (_, sliding_layers, sliding_cells) = pools
-    print(f"{'kv memory':20} iswa: full pool {full_layers} layers x {full_cells} cells, "
-          f"sliding pool {sliding_layers} layers x {sliding_cells} cells")
+    full_pool, sliding_pool = memory.pools
+    print(f"{'kv memory':20} iswa: full pool {len(full_pool.layers)} layers x {full_pool.n_cells} cells, "
+          f"sliding pool {len(sliding_pool.layers)} layers x {sliding_pool.n_cells} cells")
     print(f"{'sliding pool cells':20} min(n_ctx, window {config.sliding_window} x n_seq_max {INSPECT_N_SEQ_MAX} + "
-          f"n_ubatch {INSPECT_N_UBATCH}) = {sliding_cells}")
+          f"n_ubatch {INSPECT_N_UBATCH}) = {sliding_pool.n_cells}")
     layout = "two pools, every cell kept" if config.full_head_dim else "one pool"  # rows of two sizes: two pools
     print(f"{'swa_full':20} {layout}, {len(config.kv_layers)} layers x {n_ctx} cells (--swa-full)")
     if config.n_kv_shared:
         _inspect_shared_kv(config, n_ctx)
     for dtype in KV_DTYPES:
-        full, sliding = (pool_kv_bytes(config, pool, dtype) for pool in pools)
+        full, sliding = (pool.nbytes(config, dtype) for pool in memory.pools)
         kept = kv_bytes_for(config, n_ctx, dtype)
         print(f"kv_bytes ({dtype:4})     {_bytes(full + sliding)} = full {_bytes(full)} + sliding {_bytes(sliding)}; "
               f"swa_full {_bytes(kept)}")
@@ -483,14 +482,15 @@ def _inspect_recurrent(config: ModelConfig, n_ctx: int) -> None:
     """A model with recurrent layers: the memory kind; KV bytes for its attention layers only (hybrid; none for a
     model of recurrent layers alone); the recurrent state of one sequence (n_seq_max 1), float32 whatever the KV
     dtype."""
-    n_attention, state = recurrent_state(config)
+    memory = memory_layout(config, n_ctx)
+    n_attention, state = sum(len(pool.layers) for pool in memory.pools), memory.state_bytes
     recurrent = Counter(kind for kind in config.layer_kinds if kind in RECURRENT_KINDS)
     layers = ", ".join(f"{n} {kind} layer{'' if n == 1 else 's'}" for kind, n in recurrent.items())
     if n_attention:
         print(f"{'kv memory':20} hybrid: KV cache for {n_attention} attention layers x {n_ctx} cells, "
               f"recurrent state for {layers}")
         for dtype in KV_DTYPES:
-            size = kv_bytes_for(config, n_ctx, dtype, n_attention)
+            size = memory.kv_bytes(config, dtype)
             print(f"kv_bytes ({dtype:4})     {_bytes(size)} for {n_attention} attention layers of {config.n_layer}")
     else:
         print(f"{'kv memory':20} recurrent: no KV cache, recurrent state for {layers}")

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from kvlm.errors import UnsupportedModelError
+from kvlm.core.errors import UnsupportedModelError
 
 KINDS = ("default", "linear", "llama3", "yarn", "dynamic")
 GGUF_KINDS = ("none", "linear", "yarn")
@@ -353,3 +353,14 @@ def _is_number(value: Any) -> bool:
 def _check_positive(name: str, value: Any) -> None:
     if not _is_number(value) or value <= 0:
         raise ValueError(f"RopeScaling.{name} must be a positive number, got {value!r}")
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (i, i + d/2) of x [n_tokens, n_heads, head_dim] (the Hugging Face layout); with cos, sin
+    narrower than the head (partial RoPE), pairs of its first d dimensions alone, the rest as they are."""
+    rotated_dims = cos.shape[-1]
+    if rotated_dims < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rotated_dims], cos, sin), x[..., rotated_dims:]), dim=-1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvlm.batch import Batch
-from kvlm.context import Context, DecodeStatus
-from kvlm.errors import CacheError, KvlmError
+from kvlm.core.batch import Batch
+from kvlm.runtime.context import Context, DecodeStatus
+from kvlm.core.errors import CacheError, KvlmError
 from kvlm.loader.load import Model
-from kvlm.sampling import sample_token
+from kvlm.sampling.sampler import sample_token
 
 
 class GenerationError(KvlmError):

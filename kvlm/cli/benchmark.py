@@ -7,7 +7,7 @@ import time
 import torch
 
 from kvlm.engine.llm import LLM
-from kvlm.engine.sampling_params import SamplingParams
+from kvlm.sampling.params import SamplingParams
 
 WARMUP_TOKENS = 4
 

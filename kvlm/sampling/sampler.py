@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvlm.engine.sampling_params import SamplingParams
+from kvlm.sampling.params import SamplingParams
 from kvlm.structured.request_grammar import TokenMask
 
 
@@ -163,6 +163,16 @@ def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generato
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
     choice = _inverse_cdf(probs, generator)
     return int(ids[choice]) if ids is not None else choice
+
+
+def sample_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
+    """The single-sequence loop's choice (kvlm.runtime.generate): greedy at temperature 0, otherwise a draw from
+    softmax(logits / temperature) with `generator`. Requests that need top-k/top-p/min-p, penalties or logprobs use
+    RequestSampler."""
+    params = SamplingParams(temperature=temperature)  # ValueError for a negative temperature
+    if params.greedy:
+        return int(torch.argmax(logits))
+    return draw(logits, params, generator)
 
 
 def _nucleus(

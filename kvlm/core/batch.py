@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvlm.errors import KvlmError
+from kvlm.core.errors import KvlmError
 
 _INT64_MIN, _INT64_MAX = np.iinfo(np.int64).min, np.iinfo(np.int64).max
 

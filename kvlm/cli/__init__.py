@@ -1,0 +1,1 @@
+"""The `kvlm` command (`commands.main`): generate, chat, serve, pull, inspect, perplexity, bench."""
