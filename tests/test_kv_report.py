@@ -357,6 +357,7 @@ needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium: `make
                                                               "when run as root")
 
 
+@pytest.mark.browser
 @needs_chromium
 def test_view_draws_one_grid_per_pool_of_an_iswa_memory(iswa_engine, tmp_path):
     report = kv_report(iswa_engine[0])
@@ -383,6 +384,7 @@ def test_view_draws_one_grid_per_pool_of_an_iswa_memory(iswa_engine, tmp_path):
     assert image[:8] == b"\x89PNG\r\n\x1a\n" and len(image) > 5000
 
 
+@pytest.mark.browser
 @needs_chromium
 def test_view_of_recurrent_slots(recurrent_engine, tmp_path):
     """Mamba2: no grid, the slots' summary and list; LFM2: the KV pool's grid as for a unified memory, and a line
@@ -421,6 +423,7 @@ def test_view_of_recurrent_slots(recurrent_engine, tmp_path):
     assert image[:8] == b"\x89PNG\r\n\x1a\n" and len(image) > 2000
 
 
+@pytest.mark.browser
 @needs_chromium
 def test_view_of_a_unified_memory_is_as_before(smollm2, tmp_path):
     engine = Engine(smollm2, n_ctx=256, max_num_seqs=2)

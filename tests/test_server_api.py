@@ -521,6 +521,7 @@ def render_page(tmp_path, url: str, height: int) -> tuple[str, object]:
     return dom, shot
 
 
+@pytest.mark.browser
 @pytest.mark.skipif(CHROMIUM is None, reason="no Chromium: `make test` installs Debian's chromium when run as root")
 def test_kv_view_draws_the_cells_of_a_running_request(server, tmp_path):
     stop = threading.Event()

@@ -1,21 +1,12 @@
 """The one flat description of a model that every other layer reads."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from functools import cache
 from itertools import groupby
 
 from kvlm.core.family import ATTENTION, CONV, GATED_DELTA, LAYER_KINDS, MAMBA, RECURRENT_KINDS, SLIDING, family_named
 from kvlm.core.rope import RopeScaling
-
-
-_SHOWN_WHEN_SET = {"sliding_window": 0, "rope_local": None, "query_scale": 1.0, "final_logit_softcap": 0.0,
-                   "conv_kernel": 0, "ssm_inner": 0, "ssm_state": 0, "ssm_groups": 0,
-                   "ssm_dt_limit": (0.0, float("inf")), "n_expert": 0, "n_expert_used": 0, "n_ff_exp": 0,
-                   "n_ff_shexp": 0, "expert_weights_norm": False, "moe_layers": (), "embedding_multiplier": 1.0,
-                   "residual_multiplier": 1.0, "logit_scale": 1.0, "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
-                   "rope_dims": 0, "ssm_heads": 0, "ssm_heads_tiled": False, "full_head_dim": 0, "full_n_head_kv": 0,
-                   "n_kv_shared": 0, "full_v_is_k": False, "per_layer_embd": 0, "layer_n_ff": ()}
 
 
 @dataclass(frozen=True)
@@ -216,7 +207,7 @@ class ModelConfig:
         parts = ("qkv_bias", "output_bias", "qk_norm", "attention_sinks", "attention_output_gate")
         values["architecture"] = " ".join([self.architecture, *(p for p in parts if getattr(family, p))])
         values["rope"] = _rope_text(self.rope)
-        for name, default in _SHOWN_WHEN_SET.items():  # parts only some families have
+        for name, default in _optional_parts().items():  # parts only some families have: shown when set
             if values[name] == default:
                 del values[name]
         if self.rope_local is not None:
@@ -226,6 +217,12 @@ class ModelConfig:
             values["moe_layers"] = ", ".join(f"{len(list(run))} x {'experts' if moe else 'MLP'}"
                                              for moe, run in groupby(self.moe_layers))
         return values
+
+
+@cache
+def _optional_parts() -> dict[str, object]:
+    """The fields with a default (parts only some families have) and that default; layer_kinds is always shown."""
+    return {f.name: f.default for f in fields(ModelConfig) if f.default is not MISSING and f.name != "layer_kinds"}
 
 
 @cache
