@@ -240,7 +240,7 @@ def test_seq_div_rotates_cached_keys_by_the_position_change(smollm2):
     new = ctx.memory.cells.pos[cells]
     assert new.tolist() == [0, 1] + [p // 2 for p in range(2, len(tokens))]
     ctx.memory.apply_shifts()
-    cos, sin = smollm2.decoder.rope.shift_cos_sin(torch.from_numpy(new - old))
+    cos, sin = smollm2.decoder.layer_ropes[0].shift_cos_sin(torch.from_numpy(new - old))
     for layer in (0, 17):
         expected = apply_rope(before[layer], cos, sin)
         assert torch.allclose(ctx.memory.store.k.data[layer, cells], expected, atol=1e-5)

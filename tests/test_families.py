@@ -93,7 +93,7 @@ def test_rope_tables_match_transformers(ours, reference):
     x = torch.zeros(1, len(positions), 1)
     with torch.no_grad():
         cos, sin = reference.model.rotary_emb(x, positions[None])
-    our_cos, our_sin = ours.decoder.rope.cos_sin(positions, torch.float32)
+    our_cos, our_sin = ours.decoder.layer_ropes[0].cos_sin(positions, torch.float32)
     assert max_diff(our_cos[:, 0], cos[0]) <= 5e-5
     assert max_diff(our_sin[:, 0], sin[0]) <= 5e-5
 

@@ -335,9 +335,10 @@ def test_rope_over_the_first_quarter_of_the_full_heads_differs(fresh, prompt, ex
     """The proportional RoPE turns pairs (i, i + 32) of a 64-dim head for i < 8; a partial RoPE over the first 16
     dims (pairs (i, i + 8)) is another rotation."""
     model = fresh()
-    full = model.decoder.rope
+    ropes = model.decoder.layer_ropes
+    full = ropes[model.config.layer_kinds.index(ATTENTION)]
     partial = type(full)(dataclasses.replace(full.scaling, freq_factors=None), 16)
-    model.decoder.rope = partial
+    model.decoder._layer_ropes = lambda n_ctx: [partial if rope is full else rope for rope in ropes]
     assert _diff(model, prompt, expected) > 1e-2
 
 

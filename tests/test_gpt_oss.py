@@ -34,7 +34,6 @@ from kvlm import Batch, Context, load_model
 from kvlm.core.family import ATTENTION, SLIDING
 from kvlm.kernels import BlockMatrix, native_kernels
 from kvlm.model.moe import BlockExperts
-from kvlm.core.rope import Rope
 from test_random_models import token_ids
 
 TOLERANCE = 1e-4
@@ -199,8 +198,7 @@ def _layers(model):
 def _rounded_yarn(model):
     """YaRN's correction range rounded to whole dimensions, as llama.cpp rounds it."""
     c = model.decoder.config
-    model.decoder.rope = Rope(replace(c.rope, truncate=True), c.head_dim)
-    model.decoder.rope_local = model.decoder.rope
+    model.decoder.config = replace(c, rope=replace(c.rope, truncate=True))  # the next context's RoPE
 
 
 BREAKAGES = {

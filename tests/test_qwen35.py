@@ -149,7 +149,8 @@ def test_a_wrong_layer_pattern_differs(fresh, prompt, expected):
 def test_rope_over_the_whole_head_differs(fresh, prompt, expected):
     from kvlm.core.rope import Rope
 
-    fresh.decoder.rope = Rope(fresh.config.rope, fresh.config.head_dim)
+    whole = Rope(fresh.config.rope, fresh.config.head_dim)
+    fresh.decoder._layer_ropes = lambda n_ctx: [whole] * fresh.config.n_layer
     assert _diff(fresh, prompt, expected) > 1e-2
 
 

@@ -51,6 +51,16 @@ CASES = {
                                                      "rope_theta": 10000.0}),
     "dynamic-64": (LlamaConfig, 64, 2048, {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
     "dynamic-128": (Qwen3Config, 128, 1024, {"rope_type": "dynamic", "factor": 3.5, "rope_theta": 1000000.0}),
+    # Phi-4-mini's shape of LongRoPE: its factor derived from max_position_embeddings / the original
+    "longrope": (LlamaConfig, 64, 131072, {"rope_type": "longrope", "original_max_position_embeddings": 4096,
+                                           "short_factor": [1.0 + 0.02 * i for i in range(32)],
+                                           "long_factor": [1.0 + 1.5 * i for i in range(32)],
+                                           "rope_theta": 10000.0}),
+    "longrope-attention-factor": (Qwen3Config, 128, 8192, {"rope_type": "longrope", "attention_factor": 1.3,
+                                                           "original_max_position_embeddings": 2048,
+                                                           "short_factor": [1.1] * 64,
+                                                           "long_factor": [2.0 + 0.25 * i for i in range(64)],
+                                                           "rope_theta": 250000.0}),
 }
 
 
@@ -85,8 +95,9 @@ def hf_cos_sin(config, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return cos[0], sin[0]
 
 
-def rope_of(name: str) -> Rope:
-    return Rope(rope_from_hf_config(raw_config(name)), CASES[name][1])
+def rope_of(name: str, n_ctx: int | None = None) -> Rope:
+    """kvlm's RoPE for a context of n_ctx positions (LongRoPE's factors depend on it)."""
+    return Rope(rope_from_hf_config(raw_config(name)).for_context(n_ctx), CASES[name][1])
 
 
 def close(actual, expected, rtol=1e-6, atol=1e-7):
@@ -112,6 +123,7 @@ def test_cos_sin_match_transformers_rotary_embedding(name):
     rope = rope_of(name)
     config = hf_config(name)
     positions = torch.tensor([0, 1, 2, 7, 100, 1000, 2047, 2048, 5000, 30000])
+    rope = rope_of(name, n_ctx=int(positions.max()) + 1)  # transformers' LongRoPE: the factors of this length
     cos, sin = rope.cos_sin(positions, torch.float32)
     assert cos.shape == sin.shape == (len(positions), 1, rope.head_dim)
     expected_cos, expected_sin = hf_cos_sin(config, positions)
@@ -131,6 +143,30 @@ def test_yarn_scales_cos_and_sin_by_the_attention_factor(name):
 def test_yarn_default_attention_factor_is_0_1_ln_factor_plus_1():
     assert rope_of("yarn-64").attention_factor == pytest.approx(0.1 * math.log(4.0) + 1)
     assert rope_of("yarn-derived-factor").scaling.factor == 4.0  # max_position_embeddings / original
+
+
+@pytest.mark.parametrize("name", ["longrope", "longrope-attention-factor"])
+def test_longrope_factors_by_context_length(name):
+    """The short factors up to the original context, the long ones past it, as transformers computes each set."""
+    original = CASES[name][3]["original_max_position_embeddings"]
+    for n_ctx, seq_len in ((None, None), (original, None), (original + 1, original + 1)):
+        rope = rope_of(name, n_ctx)
+        inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["longrope"](hf_config(name), seq_len=seq_len)
+        close(rope.inv_freq, inv_freq, atol=0)
+        assert rope.attention_factor == pytest.approx(attention_factor, rel=1e-12) and attention_factor > 1.0
+    assert not torch.equal(rope_of(name, original + 1).inv_freq, rope_of(name, original).inv_freq)
+
+
+def test_longrope_factors_checked():
+    with pytest.raises(ValueError, match="as many long factors"):
+        RopeScaling(kind="longrope", original_max_position_embeddings=16, short_factor=(1.0,) * 4,
+                    long_factor=(1.0,) * 3)
+    with pytest.raises(ValueError, match="short_factor must be positive"):
+        RopeScaling(kind="longrope", original_max_position_embeddings=16, short_factor=(), long_factor=())
+    scaling = RopeScaling(kind="longrope", original_max_position_embeddings=16, short_factor=(1.0,) * 4,
+                          long_factor=(2.0,) * 4)
+    with pytest.raises(ValueError, match="short_factor has 4 values, expected head_dim / 2 = 8"):
+        Rope(scaling, 16)
 
 
 @pytest.mark.parametrize("name", ["dynamic-64", "dynamic-128"])
@@ -214,7 +250,9 @@ def test_top_level_original_max_position_embeddings_wins_as_in_transformers():
 
 
 @pytest.mark.parametrize("raw, error, words", [
-    ({"rope_scaling": {"rope_type": "longrope", "factor": 2}}, UnsupportedModelError, ["'longrope'", "yarn, dynamic"]),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 2}, "max_position_embeddings": 8}, ValueError,
+     ["'longrope'", "short_factor"]),
+    ({"rope_scaling": {"rope_type": "su", "factor": 2}}, UnsupportedModelError, ["'su'", "dynamic, longrope"]),
     ({"rope_parameters": {"rope_type": "mrope"}}, UnsupportedModelError, ["'mrope'", "default, linear"]),
     ({"rope_parameters": {"full_attention": {"rope_type": "default"}, "sliding_attention": {"rope_type": "default"}}},
      UnsupportedModelError, ["full_attention, sliding_attention"]),
@@ -343,7 +381,9 @@ def test_bad_gguf_metadata(metadata, words):
 # --- validation ---
 
 @pytest.mark.parametrize("kwargs, error, words", [
-    ({"kind": "longrope"}, UnsupportedModelError, ["'longrope'", "default, linear, llama3, yarn, dynamic"]),
+    ({"kind": "mrope"}, UnsupportedModelError, ["'mrope'", "default, linear, llama3, yarn, dynamic, longrope"]),
+    ({"kind": "longrope", "original_max_position_embeddings": 8, "short_factor": (1.0, float("inf")),
+      "long_factor": (1.0, 2.0)}, ValueError, ["RopeScaling.short_factor", "inf"]),
     ({"kind": "linear", "factor": 0}, ValueError, ["RopeScaling.factor", "0"]),
     ({"kind": "linear", "factor": -2.0}, ValueError, ["RopeScaling.factor", "-2.0"]),
     ({"factor": float("nan")}, ValueError, ["RopeScaling.factor"]),

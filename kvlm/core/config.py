@@ -46,6 +46,7 @@ class ModelConfig:
     swiglu_alpha: float = 1.702  # gpt-oss's clamped SwiGLU: its sigmoid's gain ...
     swiglu_limit: float = 7.0  # ... and the clamp of its gate (above) and up (both sides)
     rope_dims: int = 0  # RoPE rotates the first rope_dims of each head (Qwen3.5's quarter); 0: the whole head
+    unrotated_layers: tuple[int, ...] = ()  # attention layers without RoPE (SmolLM3's every fourth, "NoPE")
     # Gated DeltaNet layers (Qwen3.5) read ssm_state as the key head size, ssm_groups as the key heads and ssm_inner as
     # all value heads' width; ssm_heads is the number of value heads, a multiple of the key heads. Hugging Face
     # weights group the value heads by key head (value head j reads key head j // (ssm_heads / ssm_groups)); GGUF
@@ -87,6 +88,11 @@ class ModelConfig:
         if not self.moe_layers:
             object.__setattr__(self, "moe_layers", (self.n_expert > 0,) * self.n_layer)
         self._check_layer_kinds()
+        object.__setattr__(self, "unrotated_layers", tuple(self.unrotated_layers))
+        if any(not isinstance(i, int) or not 0 <= i < self.n_layer or self.layer_kinds[i] not in (ATTENTION, SLIDING)
+               for i in self.unrotated_layers):
+            raise ValueError(f"ModelConfig.unrotated_layers must list attention layers of the {self.n_layer}, "
+                             f"got {self.unrotated_layers!r}")
         self._check_experts()
         self._check_shared_kv()
         if self.layer_n_ff and (len(self.layer_n_ff) != self.n_layer or min(self.layer_n_ff) < 0):
@@ -246,4 +252,7 @@ def _rope_text(scaling: RopeScaling) -> str:
             if f.name in ("theta", "kind") or getattr(scaling, f.name) != f.default}
     if scaling.freq_factors is not None:
         rope["freq_factors"] = f"{len(scaling.freq_factors)} from rope_freqs.weight"
+    for name in ("short_factor", "long_factor"):
+        if getattr(scaling, name):
+            rope[name] = f"{len(getattr(scaling, name))} values"
     return " ".join(f"{name}={value}" for name, value in rope.items())

@@ -24,13 +24,14 @@ class Family:
     """One architecture: how its files name it, and which optional parts its layers have.
 
     `name` is the GGUF `general.architecture`; `hf_architectures` the `architectures[0]` values of
-    config.json (its `model_type` is accepted too). Tensor names follow GGUF's; Hugging Face names are
+    config.json (its `model_type` is accepted too, and `hf_other_model_types`: those of a second architecture). Tensor names follow GGUF's; Hugging Face names are
     mapped onto them by the loader.
     """
 
     name: str
     hf_architectures: tuple[str, ...]
     hf_model_type: str
+    hf_other_model_types: tuple[str, ...] = ()
     qkv_bias: bool = False      # biases on the Q, K and V projections (not on the output)
     qk_norm: bool = False       # RMSNorm over head_dim on each Q and K head, before RoPE
     permuted_qk: bool = False   # llama.cpp stores Q/K rows of this architecture permuted for its RoPE
@@ -53,6 +54,9 @@ class Family:
     hf_config: Callable[[dict], dict] | None = None  # config.json -> the ModelConfig layer fields, if not Llama's
     gguf_config: Callable[[Callable, frozenset], dict] | None = None  # the same from GGUF metadata (read by key
     # suffix) and the file's tensor names
+    # Fields a Llama-like family adds to the Llama ones (or overrides): from config.json, and from GGUF metadata
+    hf_options: Callable[[dict], dict] | None = None
+    gguf_options: Callable[[Callable, frozenset], dict] | None = None
     gguf_reshaped: tuple[str, ...] = ()  # tensor name endings a GGUF file stores in another shape, same values  # config.json's tensors are named {hf_prefix}.layers.N...
     # A Hugging Face tensor stored otherwise than GGUF stores it: (GGUF suffix, how to turn one into the other)
     hf_values: tuple[tuple[str, Callable], ...] = ()
@@ -85,6 +89,9 @@ class Family:
     layer_output_scale: bool = False
     experts_beside_mlp: bool = False
     tensor_parallel: bool = True  # whether kvlm.loader.shard can split its layers over ranks (not Gemma 4's yet)
+    # Layer tensors its files store stacked by rows in one: (the stored tensor, the parts it stacks in order), GGUF
+    # names; each part is read as its rows (Phi-3's Q/K/V as attn_qkv, its gate and up as ffn_up)
+    fused_tensors: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def layer_kinds(self, n_layer: int, sliding: bool = False) -> tuple[str, ...]:
         """llama.cpp's pattern: with a window, layer i slides unless i % period == period - 1."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,9 +16,9 @@ import torch
 
 from kvlm.core.errors import UnsupportedModelError
 
-KINDS = ("default", "linear", "llama3", "yarn", "dynamic")
+KINDS = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 GGUF_KINDS = ("none", "linear", "yarn")
-_NEEDS_ORIGINAL = ("llama3", "yarn", "dynamic")
+_NEEDS_ORIGINAL = ("llama3", "yarn", "dynamic", "longrope")
 
 
 @dataclass(frozen=True)
@@ -25,8 +26,12 @@ class RopeScaling:
     """How a model's RoPE frequencies are made; `kind` names transformers' rope_type.
 
     `original_max_position_embeddings` is the context the unscaled frequencies were trained for (llama3,
-    yarn; for dynamic, transformers' `max_position_embeddings`). `freq_factors` are per-frequency divisors
+    yarn, longrope; for dynamic, transformers' `max_position_embeddings`). `freq_factors` are per-frequency divisors
     (a GGUF's `rope_freqs.weight`), applied after the kind's own scaling as llama.cpp does.
+
+    LongRoPE (Phi-3, Phi-4-mini) divides each frequency by one of two sets of factors: `short_factor` for sequences
+    within the original context, `long_factor` beyond it; `long_context` says which set this scaling uses (see
+    `for_context`), and `attention_factor` (derived from `factor` when None) scales cos and sin.
     """
 
     theta: float = 10000.0
@@ -42,6 +47,9 @@ class RopeScaling:
     mscale_all_dim: float | None = None  # yarn
     truncate: bool = True  # yarn: round the correction range outwards to whole dimensions
     freq_factors: tuple[float, ...] | None = None
+    short_factor: tuple[float, ...] = ()  # longrope
+    long_factor: tuple[float, ...] = ()  # longrope
+    long_context: bool = False  # longrope: the long factors (a context longer than the original one)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -64,10 +72,23 @@ class RopeScaling:
                 f"low_freq_factor ({self.low_freq_factor})"
             )
         if self.freq_factors is not None:
-            factors = tuple(float(f) for f in self.freq_factors)
-            if not factors or not all(math.isfinite(f) and f > 0 for f in factors):
-                raise ValueError(f"RopeScaling.freq_factors must be positive numbers, got {self.freq_factors!r}")
-            object.__setattr__(self, "freq_factors", factors)
+            object.__setattr__(self, "freq_factors", _positive_numbers("freq_factors", self.freq_factors))
+        if self.kind == "longrope":
+            for name in ("short_factor", "long_factor"):
+                object.__setattr__(self, name, _positive_numbers(name, getattr(self, name)))
+            if len(self.short_factor) != len(self.long_factor):
+                raise ValueError(f"RopeScaling: longrope needs as many long factors as short ones, got "
+                                 f"{len(self.long_factor)} and {len(self.short_factor)}")
+
+    def for_context(self, n_ctx: int | None) -> RopeScaling:
+        """The scaling a context of n_ctx positions rotates with: LongRoPE's long factors when it is longer than the
+        original context (llama.cpp's rule; transformers, which recomputes a sequence's whole cache when it grows
+        past that length, gives the same rotations for sequences within the original length in a context within it,
+        and for sequences past it in a context past it); every other kind as it is."""
+        if self.kind != "longrope":
+            return self
+        long = n_ctx is not None and n_ctx > self.original_max_position_embeddings
+        return self if long == self.long_context else dataclasses.replace(self, long_context=long)
 
     def _check_original(self) -> None:
         original = self.original_max_position_embeddings
@@ -86,10 +107,10 @@ class Rope:
     def __init__(self, scaling: RopeScaling, head_dim: int) -> None:
         if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
             raise ValueError(f"RoPE head_dim must be a positive even integer, got {head_dim!r}")
-        if scaling.freq_factors is not None and len(scaling.freq_factors) != head_dim // 2:
-            raise ValueError(
-                f"RoPE freq_factors has {len(scaling.freq_factors)} values, expected head_dim / 2 = {head_dim // 2}"
-            )
+        for name in ("freq_factors", "short_factor"):
+            factors = getattr(scaling, name)
+            if factors and len(factors) != head_dim // 2:
+                raise ValueError(f"RoPE {name} has {len(factors)} values, expected head_dim / 2 = {head_dim // 2}")
         self.scaling = scaling
         self.head_dim = head_dim
         self.inv_freq = _with_freq_factors(_INV_FREQ[scaling.kind](scaling, head_dim), scaling)
@@ -120,6 +141,21 @@ class Rope:
         Uses the base frequencies; for dynamic NTK past the original length that is an approximation.
         """
         return _cos_sin(deltas, self.inv_freq)
+
+
+class NoRope:
+    """The rotation of a layer without RoPE (SmolLM3's every fourth): cos 1 and sin 0, which leave Q and K exactly as
+    they are, so that such a layer runs the same ops (and the same native decode call) as the others."""
+
+    def __init__(self, head_dim: int) -> None:
+        self.head_dim = head_dim
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (positions.shape[0], 1, self.head_dim)
+        return torch.ones(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+
+    def shift_cos_sin(self, deltas: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos_sin(deltas, torch.float32)
 
 
 def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,12 +224,24 @@ def _linear_ramp(low: float, high: float, n: int) -> torch.Tensor:
     return torch.clamp((torch.arange(n, dtype=torch.float32) - low) / (high - low), 0, 1)
 
 
+def _longrope_inv_freq(s: RopeScaling, dim: int) -> torch.Tensor:
+    """transformers' order of operations: 1 / (factor x theta^(2i/d))."""
+    factors = torch.tensor(s.long_factor if s.long_context else s.short_factor, dtype=torch.float32)
+    return 1.0 / (factors * s.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def longrope_attention_factor(factor: float, original: int) -> float:
+    """LongRoPE's default cos/sin magnitude: sqrt(1 + ln(factor) / ln(original context)), 1 without scaling."""
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
 _INV_FREQ = {
     "default": _default_inv_freq,
     "linear": _linear_inv_freq,
     "dynamic": _dynamic_inv_freq,
     "llama3": _llama3_inv_freq,
     "yarn": _yarn_inv_freq,
+    "longrope": _longrope_inv_freq,
 }
 
 
@@ -215,10 +263,12 @@ def yarn_attention_factor(factor: float, mscale: float | None = None, mscale_all
 
 
 def _attention_factor(s: RopeScaling) -> float:
-    if s.kind != "yarn":
+    if s.kind not in ("yarn", "longrope"):
         return 1.0
     if s.attention_factor is not None:
         return float(s.attention_factor)
+    if s.kind == "longrope":
+        return longrope_attention_factor(s.factor, s.original_max_position_embeddings)
     return yarn_attention_factor(s.factor, s.mscale, s.mscale_all_dim)
 
 
@@ -249,6 +299,12 @@ def rope_from_hf_config(raw: Mapping[str, Any]) -> RopeScaling:
     # a top-level original_max_position_embeddings wins over the dict's (transformers' Phi3 rule)
     original = _first(raw.get("original_max_position_embeddings"), params.get("original_max_position_embeddings"))
     original = _max_positions(raw, kind) if original is None else original
+    if kind == "longrope":  # transformers' factor: max_position_embeddings / the original when not given
+        factor = params.get("factor") or _max_positions(raw, kind) / original
+        return RopeScaling(theta=theta, kind=kind, factor=factor, original_max_position_embeddings=original,
+                           short_factor=tuple(_required(params, "short_factor", kind)),
+                           long_factor=tuple(_required(params, "long_factor", kind)),
+                           attention_factor=params.get("attention_factor"))
     if kind == "llama3":
         return RopeScaling(
             theta=theta, kind=kind, factor=_required(params, "factor", kind), original_max_position_embeddings=original,
@@ -278,10 +334,13 @@ def hf_rotary_dims(raw: Mapping[str, Any], head_dim: int) -> int:
 
 
 def rope_from_gguf(metadata: Mapping[str, Any], arch: str, freq_factors: Sequence[float] | None,
-                   yarn_truncate: bool = True) -> RopeScaling:
+                   yarn_truncate: bool = True,
+                   longrope_factors: tuple[Sequence[float], Sequence[float]] | None = None) -> RopeScaling:
     """The RoPE of a GGUF file from llama.cpp's `{arch}.rope.*` keys and its `rope_freqs.weight` values.
 
-    A Llama 3.x file has no scaling type but per-frequency divisors: kind "default" with `freq_factors`.
+    A Llama 3.x file has no scaling type but per-frequency divisors: kind "default" with `freq_factors`. A LongRoPE
+    file (Phi-3's converter) has its (short, long) factors as tensors (`longrope_factors`), the original context as
+    rope.scaling.original_context_length and the cos/sin magnitude as rope.scaling.attn_factor.
     `yarn_truncate`: YaRN's correction range rounded to whole dimensions (llama.cpp's rule; the file does not say,
     the family does: gpt-oss was trained without the rounding).
     """
@@ -299,6 +358,11 @@ def rope_from_gguf(metadata: Mapping[str, Any], arch: str, freq_factors: Sequenc
         )
     factor = key("scaling.factor") or key("scale_linear") or 1.0  # 0 means none, as in llama.cpp
     attn_factor = key("scaling.attn_factor", 1.0)
+    if longrope_factors is not None:
+        original = key("scaling.original_context_length") or metadata.get(f"{arch}.context_length")
+        short, long = (tuple(float(f) for f in factors) for factors in longrope_factors)
+        return RopeScaling(theta=theta, kind="longrope", original_max_position_embeddings=original,
+                           short_factor=short, long_factor=long, attention_factor=attn_factor)
     if kind != "yarn" and attn_factor != 1.0:
         raise UnsupportedModelError(f"{arch}.rope.scaling.attn_factor={attn_factor} is only supported with yarn")
     if kind == "none" or (kind == "linear" and factor == 1.0):
@@ -348,6 +412,16 @@ def _max_positions(raw: Mapping[str, Any], kind: str) -> int:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _positive_numbers(name: str, values: Any) -> tuple[float, ...]:
+    try:
+        factors = tuple(float(f) for f in values)
+    except TypeError:
+        factors = ()
+    if not factors or not all(math.isfinite(f) and f > 0 for f in factors):
+        raise ValueError(f"RopeScaling.{name} must be positive numbers, got {values!r}")
+    return factors
 
 
 def _check_positive(name: str, value: Any) -> None:

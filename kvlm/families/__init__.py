@@ -1,22 +1,33 @@
-"""The model families, registered by architecture name in kvlm.core.family (which maps a file's architecture name to
-what the decoder needs to know); and the lookup of a Hugging Face config.json's family."""
+"""The model families: one module each, listed below one per line, each defining FAMILIES (its Family records, most
+often one). They are registered by architecture name in kvlm.core.family, which maps a file's architecture name to
+what the decoder needs to know; and a Hugging Face config.json's family is looked up here."""
 from __future__ import annotations
+
+from importlib import import_module
 
 from kvlm.core.errors import UnsupportedModelError
 from kvlm.core.family import FAMILIES, Family
-from kvlm.families import (gemma3, gemma4, gptoss, granitemoe, lfm2, llama, mamba2, olmoe, qwen2, qwen2moe, qwen3, qwen3moe,
-                           qwen35)
 
-FAMILIES.update({
-    family.name: family for family in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma3.FAMILY, lfm2.FAMILY,
-                                       mamba2.FAMILY, qwen3moe.FAMILY, qwen2moe.FAMILY, olmoe.FAMILY,
-                                       granitemoe.FAMILY, gptoss.FAMILY, qwen35.FAMILY, qwen35.MOE_FAMILY,
-                                       gemma4.FAMILY)
-})
-_BY_HF_NAME = {
-    name: family for family in FAMILIES.values() for name in (*family.hf_architectures, family.hf_model_type)
-} | {"mixtral": llama.FAMILY, "granitemoeshared": granitemoe.FAMILY,  # model types of a family's second architecture
-     "qwen3_5": qwen35.FAMILY, "qwen3_5_moe": qwen35.MOE_FAMILY, "gemma4": gemma4.FAMILY}
+_MODULES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "gemma3",
+    "lfm2",
+    "mamba2",
+    "qwen3moe",
+    "qwen2moe",
+    "olmoe",
+    "granitemoe",
+    "gptoss",
+    "qwen35",
+    "gemma4",
+)
+
+for _module in _MODULES:
+    FAMILIES.update({family.name: family for family in import_module(f"kvlm.families.{_module}").FAMILIES})
+_BY_HF_NAME = {name: family for family in FAMILIES.values()
+               for name in (*family.hf_architectures, family.hf_model_type, *family.hf_other_model_types)}
 
 __all__ = ["family_for_hf"]
 

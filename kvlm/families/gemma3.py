@@ -66,3 +66,5 @@ FAMILY = Family(
                     ("post_feedforward_layernorm", "post_ffw_norm")),
     gguf_query_scale=gguf_query_scale, default_chat_template=CHAT_TEMPLATE,
 )
+
+FAMILIES = (FAMILY,)

@@ -159,7 +159,8 @@ def _per_layer(value, n_layer: int) -> list[int]:
 
 FAMILY = Family(
     name="gemma4", hf_architectures=("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
-    hf_model_type="gemma4_text", qk_norm=True, sandwich_norms=True, activation="gelu_tanh", scaled_embedding=True,
+    hf_model_type="gemma4_text", hf_other_model_types=("gemma4",), qk_norm=True, sandwich_norms=True,
+    activation="gelu_tanh", scaled_embedding=True,
     unscaled_attention=True, value_norm=True, layer_output_scale=True, experts_beside_mlp=True, tensor_parallel=False,
     hf_layer_names=(("post_attention_layernorm", "post_attention_norm"), ("pre_feedforward_layernorm", "ffn_norm"),
                     ("post_feedforward_layernorm", "post_ffw_norm"), ("pre_feedforward_layernorm_2", "pre_ffw_norm_2"),
@@ -173,3 +174,5 @@ FAMILY = Family(
                      ("model.per_layer_projection_norm", "per_layer_proj_norm")),
     hf_config=hf_config, gguf_config=gguf_config,
 )
+
+FAMILIES = (FAMILY,)

@@ -16,3 +16,5 @@ FAMILY = Family(
     hf_layer_names=(("mlp.router", "ffn_gate_inp"), ("self_attn.sinks", "attn_sinks.weight")),
     gguf_layer_names=(("ffn_norm", "post_attention_norm"),),
 )
+
+FAMILIES = (FAMILY,)

@@ -5,8 +5,10 @@ residual add, logits divided by a fourth."""
 from kvlm.core.family import Family
 
 FAMILY = Family(name="granitemoe", hf_architectures=("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM"),
-                hf_model_type="granitemoe", gguf_expert_weights_norm=True, hf_expert_weights_norm=True,
-                granite_multipliers=True,
+                hf_model_type="granitemoe", hf_other_model_types=("granitemoeshared",), gguf_expert_weights_norm=True,
+                hf_expert_weights_norm=True, granite_multipliers=True,
                 hf_layer_names=(("block_sparse_moe.router.layer", "ffn_gate_inp"),
                                 ("block_sparse_moe.output_linear", "ffn_down_exps"),
                                 ("shared_mlp.output_linear", "ffn_down_shexp")))
+
+FAMILIES = (FAMILY,)

@@ -27,3 +27,5 @@ FAMILY = Family(
     hf_global_names=(("model.embedding_norm", "output_norm"),), hf_ff_size=hf_ff_size,
     gguf_names=(("output_norm.weight", "token_embd_norm.weight"),),  # llama.cpp's LFM2 normalizes its output with it
 )
+
+FAMILIES = (FAMILY,)

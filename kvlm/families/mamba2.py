@@ -44,3 +44,5 @@ FAMILY = Family(
     fixed_layer_kind=MAMBA, hf_config=hf_config, gguf_config=gguf_config,
     gguf_reshaped=("ssm_a", "ssm_d", "ssm_norm.weight"),  # llama.cpp: A, D as [H, 1], the norm as [G, d_inner / G]
 )
+
+FAMILIES = (FAMILY,)

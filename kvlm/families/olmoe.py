@@ -5,3 +5,5 @@ from kvlm.core.family import Family
 
 FAMILY = Family(name="olmoe", hf_architectures=("OlmoeForCausalLM",), hf_model_type="olmoe", qk_norm=True,
                 qk_norm_whole=True, hf_layer_names=(("mlp.gate", "ffn_gate_inp"),))
+
+FAMILIES = (FAMILY,)

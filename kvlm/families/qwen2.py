@@ -2,3 +2,5 @@
 from kvlm.core.family import Family
 
 FAMILY = Family(name="qwen2", hf_architectures=("Qwen2ForCausalLM",), hf_model_type="qwen2", qkv_bias=True)
+
+FAMILIES = (FAMILY,)

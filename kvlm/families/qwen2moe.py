@@ -10,3 +10,5 @@ FAMILY = Family(name="qwen2moe", hf_architectures=("Qwen2MoeForCausalLM",), hf_m
                                 ("mlp.shared_expert.up_proj", "ffn_up_shexp"),
                                 ("mlp.shared_expert.down_proj", "ffn_down_shexp")),
                 gguf_reshaped=("ffn_gate_inp_shexp.weight",))  # llama.cpp reads it as a vector of n_embd
+
+FAMILIES = (FAMILY,)

@@ -3,3 +3,5 @@ from kvlm.core.family import Family
 
 FAMILY = Family(name="qwen3", hf_architectures=("Qwen3ForCausalLM",), hf_model_type="qwen3", qk_norm=True,
                 default_head_dim=128)
+
+FAMILIES = (FAMILY,)

@@ -25,9 +25,12 @@ _COMMON = dict(qk_norm=True, attention_output_gate=True, hf_norm_offset=1.0, def
                gguf_layer_names=(("ffn_norm", "post_attention_norm"),))
 
 FAMILY = Family(name="qwen35", hf_architectures=("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
-                hf_model_type="qwen3_5_text", hf_layer_names=_LAYER_NAMES, **_COMMON)
+                hf_model_type="qwen3_5_text", hf_other_model_types=("qwen3_5",), hf_layer_names=_LAYER_NAMES, **_COMMON)
 
 MOE_FAMILY = Family(name="qwen35moe", hf_architectures=("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
-                    hf_model_type="qwen3_5_moe_text", hf_layer_names=_LAYER_NAMES + _EXPERT_NAMES,
+                    hf_model_type="qwen3_5_moe_text", hf_other_model_types=("qwen3_5_moe",),
+                    hf_layer_names=_LAYER_NAMES + _EXPERT_NAMES,
                     shared_expert_gate=True, gguf_expert_weights_norm=True, hf_expert_weights_norm=True,
                     gguf_reshaped=("ffn_gate_inp_shexp.weight",), **_COMMON)
+
+FAMILIES = (FAMILY, MOE_FAMILY)

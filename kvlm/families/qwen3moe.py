@@ -8,3 +8,5 @@ from kvlm.core.family import Family
 FAMILY = Family(name="qwen3moe", hf_architectures=("Qwen3MoeForCausalLM",), hf_model_type="qwen3_moe", qk_norm=True,
                 default_head_dim=128, gguf_expert_weights_norm=True,
                 hf_layer_names=(("mlp.gate", "ffn_gate_inp"),))
+
+FAMILIES = (FAMILY,)

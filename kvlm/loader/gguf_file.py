@@ -12,10 +12,11 @@ from kvlm.core.family import ATTENTION, CONV, GATED_DELTA, family_named
 from kvlm.core.config import ModelConfig
 from kvlm.loader.gguf_reader import GGUFFile, TensorInfo
 from kvlm.loader.tensors import ExpertParts, GGUFTensors
-from kvlm.loader.weights import ModelWeights, expected_shapes
+from kvlm.loader.weights import ModelWeights, fused_parts, stored_shapes
 from kvlm.core import rope
 
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.x: per-dimension divisors of the RoPE frequencies
+LONGROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")  # LongRoPE's two sets of divisors
 
 
 def open_gguf_model(path: str | Path) -> tuple[ModelConfig, ModelWeights, dict[str, Any]]:
@@ -32,13 +33,14 @@ def open_gguf_model(path: str | Path) -> tuple[ModelConfig, ModelWeights, dict[s
     permuted = {"attn_q.weight": config.n_head, "attn_k.weight": config.n_head_kv} if family.permuted_qk else {}
     experts = _expert_parts(gguf, config)
     tensors = GGUFTensors(gguf, renamed, permuted, experts)
-    for name, shape in expected_shapes(config).items():
+    fused = fused_parts(config)
+    for name, shape in stored_shapes(config, fused).items():
         if name in experts:
             _check_expert_parts(gguf, experts[name], name, shape)
             continue
         info = gguf.tensors.get(renamed.get(name, name))
         _check_tensor(gguf, info, name, shape, reshaped=name.endswith(family.gguf_reshaped))
-    return config, ModelWeights(config, tensors), gguf.metadata
+    return config, ModelWeights(config, tensors, fused=fused), gguf.metadata
 
 
 def read_gguf_config(path: str | Path) -> ModelConfig:
@@ -52,18 +54,25 @@ def read_gguf_summary(path: str | Path) -> tuple[ModelConfig, dict[str, str]]:
 
 
 def _config_of(gguf: GGUFFile, path: str | Path) -> ModelConfig:
-    freqs = gguf.tensors.get(ROPE_FREQS)
-    freq_factors = None
-    if freqs is not None:
-        _check_tensor(gguf, freqs, ROPE_FREQS, (freqs.n_elements,))  # complete, any length
-        freq_factors = GGUFTensors(gguf).read(ROPE_FREQS).float().reshape(-1).tolist()
+    freq_factors = _vector(gguf, ROPE_FREQS)
+    longrope = tuple(_vector(gguf, name) for name in LONGROPE_FACTORS)
     return config_from_metadata(gguf.metadata, path, tied="output.weight" not in gguf.tensors,
-                                freq_factors=freq_factors, tensor_names=frozenset(gguf.tensors))
+                                freq_factors=freq_factors, tensor_names=frozenset(gguf.tensors),
+                                longrope_factors=None if None in longrope else longrope)
+
+
+def _vector(gguf: GGUFFile, name: str) -> list[float] | None:
+    """A small tensor of the file's RoPE (complete, any length) as numbers; None where the file has none."""
+    info = gguf.tensors.get(name)
+    if info is None:
+        return None
+    _check_tensor(gguf, info, name, (info.n_elements,))
+    return GGUFTensors(gguf).read(name).float().reshape(-1).tolist()
 
 
 def config_from_metadata(
     metadata: dict[str, Any], path: str | Path, *, tied: bool, freq_factors: list[float] | None = None,
-    tensor_names: frozenset[str] = frozenset(),
+    tensor_names: frozenset[str] = frozenset(), longrope_factors: tuple[list[float], list[float]] | None = None,
 ) -> ModelConfig:
     arch = metadata.get("general.architecture")
     family = family_named(arch, path)
@@ -78,7 +87,8 @@ def config_from_metadata(
         n_embd, n_layer = int(key("embedding_length")), int(key("block_count"))
         vocab = metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens", []))
         layers = family.gguf_config(key, tensor_names) if family.gguf_config else {
-            **_attention_layers(metadata, key, family), **_expert_options(metadata, key, family, tensor_names)}
+            **_attention_layers(metadata, key, family), **_expert_options(metadata, key, family, tensor_names),
+            **(family.gguf_options(key, tensor_names) if family.gguf_options else {})}
         config = ModelConfig(
             architecture=arch,
             name=str(metadata.get("general.name", Path(path).stem)),
@@ -88,7 +98,8 @@ def config_from_metadata(
             n_ctx_train=int(key("context_length")),
             rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
             tie_word_embeddings=tied,
-            rope=rope.rope_from_gguf(metadata, arch, freq_factors, yarn_truncate=family.gguf_yarn_truncate),
+            rope=rope.rope_from_gguf(metadata, arch, freq_factors, yarn_truncate=family.gguf_yarn_truncate,
+                                     longrope_factors=longrope_factors),
             **layers,
         )
     except UnsupportedModelError as exc:

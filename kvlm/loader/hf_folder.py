@@ -13,7 +13,7 @@ from kvlm.core.family import ATTENTION, CONV, GATED_DELTA, SLIDING
 from kvlm.families import family_for_hf
 from kvlm.core.config import ModelConfig
 from kvlm.loader.tensors import HFSource, SafetensorsTensors
-from kvlm.loader.weights import ModelWeights, expected_shapes
+from kvlm.loader.weights import ModelWeights, fused_parts, stored_shapes
 from kvlm.core import rope
 
 _LAYER_NAMES = {
@@ -41,12 +41,13 @@ def open_hf_folder(folder: str | Path) -> tuple[ModelConfig, ModelWeights]:
     folder = Path(folder)
     config = config_from_hf(folder)
     family = config.family
-    shapes = expected_shapes(config)
     headers = [(file, name, shape, dtype) for file in sorted(folder.glob("*.safetensors"))
                for name, shape, dtype in _tensor_headers(file)]
     found = {gguf_name(name, family): (HFSource(((file, name),)), _as_gguf_shape(shape), dtype)
              for file, name, shape, dtype in headers}
     found.update(_expert_tensors(headers, family))
+    fused = fused_parts(config)
+    shapes = stored_shapes(config, fused)
     for name, shape in shapes.items():
         _check_shape(folder, found.get(name), name, shape, family)
     convert = {}
@@ -59,7 +60,7 @@ def open_hf_folder(folder: str | Path) -> tuple[ModelConfig, ModelWeights]:
                 convert[name] = function
     tensors = SafetensorsTensors({name: found[name][0] for name in shapes}, convert, shapes,
                                  {name: _DTYPE_NAMES.get(found[name][2], "float32") for name in shapes})
-    return config, ModelWeights(config, tensors)
+    return config, ModelWeights(config, tensors, fused=fused)
 
 
 def config_from_hf(folder: Path) -> ModelConfig:
@@ -84,7 +85,8 @@ def config_from_hf(folder: Path) -> ModelConfig:
         if raw.get(option):
             raise UnsupportedModelError(f"{path}: {option}={raw[option]!r} is not supported for {family.name} models")
     try:
-        layers = family.hf_config(raw) if family.hf_config else _attention_layers(raw, family)
+        layers = family.hf_config(raw) if family.hf_config else {
+            **_attention_layers(raw, family), **(family.hf_options(raw) if family.hf_options else {})}
         return ModelConfig(
             architecture=family.name,
             name=raw.get("_name_or_path") or folder.name,

@@ -34,25 +34,60 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def fused_parts(config: ModelConfig) -> dict[str, tuple[str, int]]:
+    """Tensors the family's files store stacked by rows in one (Phi-3's attn_qkv, its gate and up as ffn_up): each
+    part's name -> (the stored tensor's name, the part's first row in it), the parts' rows as `expected_shapes`."""
+    shapes, fused = expected_shapes(config), {}
+    for layer in range(config.n_layer):
+        for stored, parts in config.family.fused_tensors:
+            first = 0
+            for part in parts:
+                fused[f"blk.{layer}.{part}"] = (f"blk.{layer}.{stored}", first)
+                first += shapes[f"blk.{layer}.{part}"][0]
+    return fused
+
+
+def stored_shapes(config: ModelConfig, fused: dict[str, tuple[str, int]]) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor the file must hold: `expected_shapes`, the fused parts as the tensors holding them."""
+    shapes = expected_shapes(config)
+    stored = {name: shape for name, shape in shapes.items() if name not in fused}
+    for part, (name, first) in fused.items():
+        rows, *rest = shapes[part]
+        stored[name] = (max(stored.get(name, (0,))[0], first + rows), *rest)
+    return stored
+
+
 @dataclass
 class ModelWeights:
     """A model's tensors by GGUF name; `output.weight` absent when tied to the embedding.
 
     `on_read(name, nbytes)` is told of every tensor read (a progress bar). With a `shard`, `config` is the rank's
-    own (its share of the heads and the MLP) and every read returns the rank's part of the tensor.
+    own (its share of the heads and the MLP) and every read returns the rank's part of the tensor. `fused`: the
+    parts of tensors the file stores stacked (see fused_parts), each read as its rows of the stored tensor.
     """
 
     config: ModelConfig
     source: GGUFTensors | SafetensorsTensors
     shard: object | None = None  # kvlm.loader.shard.Shard
     on_read: Callable[[str, int], None] | None = field(default=None, repr=False)
+    fused: dict[str, tuple[str, int]] = field(default_factory=dict)
+
+    def _where(self, name: str) -> tuple[str, slice | None, slice | None]:
+        """(the stored tensor, its rows, its columns) that hold this rank's part of a tensor; None for all."""
+        rows, cols = self.shard.part(name) if self.shard is not None else (None, None)
+        if name not in self.fused:
+            return name, rows, cols
+        stored, first = self.fused[name]
+        n_rows = self._whole_shapes[name][0]
+        start, stop, _ = (rows or slice(None)).indices(n_rows)
+        return stored, slice(first + start, first + stop), cols
 
     def entry(self, name: str) -> Entry:
         """What the file says of a tensor; with a shard, of the part this rank reads."""
-        whole = self.source.entry(name)
-        if self.shard is None or whole is None:
+        stored, rows, cols = self._where(name)
+        whole = self.source.entry(stored)
+        if whole is None or (rows is None and cols is None):
             return whole
-        rows, cols = self.shard.part(name)
         return _part_of(whole, rows, cols)
 
     def head_entry(self) -> Entry:
@@ -65,8 +100,7 @@ class ModelWeights:
         return self.entry(name).stored_as
 
     def read(self, name: str) -> Stored:
-        rows, cols = self.shard.part(name) if self.shard is not None else (None, None)
-        value = self.source.read(name, rows, cols)
+        value = self.source.read(*self._where(name))
         expected = self._shapes.get(name)
         if isinstance(value, torch.Tensor) and expected and value.shape != expected and value.numel() == math.prod(expected):
             value = value.reshape(expected)  # a vector a file stores as [n, 1] (Mamba2's A and D in GGUF)
@@ -77,6 +111,11 @@ class ModelWeights:
     @cached_property
     def _shapes(self) -> dict[str, tuple[int, ...]]:
         return expected_shapes(self.config)
+
+    @cached_property
+    def _whole_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The whole model's shapes (a rank's config holds its share)."""
+        return self._shapes if self.shard is None else expected_shapes(self.shard.whole_config)
 
     def layer(self, index: int, part: str, kind: str = "weight") -> Stored:
         return self.read(self.layer_name(index, part, kind))

@@ -96,8 +96,9 @@ def make_memory(config: ModelConfig, layer_ropes: list[Rope], n_ctx: int, n_seq_
 
 def memory_for(decoder, n_ctx: int, n_seq_max: int, n_ubatch: int, kv_dtype: str, swa_full: bool = False,
                swa_keep_extra: int = 0) -> Memory:
-    """`make_memory` for a decoder's model, each layer re-rotated by the decoder's RoPE for its kind."""
-    layer_ropes = [decoder.layer_rope(kind) for kind in decoder.config.layer_kinds]
+    """`make_memory` for a decoder's model, the decoder fitted to n_ctx (see Decoder.fit_context) and each layer
+    re-rotated by its RoPE."""
+    layer_ropes = decoder.fit_context(n_ctx)
     return make_memory(decoder.config, layer_ropes, n_ctx, n_seq_max, n_ubatch, kv_dtype, swa_full, swa_keep_extra)
 
 

@@ -42,7 +42,7 @@ from kvlm.model.recurrent import (
 )
 from kvlm.model.recurrent_steps import SteppedRecurrentOps
 from kvlm.model.per_layer import PerLayerInputs
-from kvlm.core.rope import Rope
+from kvlm.core.rope import NoRope, Rope
 from kvlm.model.settings import FROM_FILE, ComputeSettings
 
 if TYPE_CHECKING:  # the loader's records of the weights the decoder is built from (the loader imports the model)
@@ -162,9 +162,7 @@ class Decoder:
             table = native_kernels().interleave(table)
         self.token_embd = Embedding(table if self._keeps_blocks(table) else self._dense(table), self.dtype)
         self.output = self._head(weights, table if tied else weights.output())
-        self.rope = Rope(config.rope, config.rope_dims or config.attention_geometry(ATTENTION)[1])
-        self.rope_local = Rope(config.rope_local, config.rope_dims or config.attention_geometry(SLIDING)[1]) \
-            if config.rope_local else self.rope
+        self.layer_ropes = self._layer_ropes(None)
         self.per_layer_inputs = self._per_layer_inputs(weights) if config.per_layer_embd else None
         scale = (config.n_embd ** 0.5 if config.family.scaled_embedding else 1.0) * config.embedding_multiplier
         self.embedding_scale = torch.tensor(scale).to(self.dtype) if scale != 1.0 else None
@@ -426,10 +424,9 @@ class Decoder:
         if self.embedding_scale is not None:
             x = x * self.embedding_scale
         per_layer = self.per_layer_inputs(tokens, x) if self.per_layer_inputs is not None else None
-        kinds = set(self.config.layer_kinds)
-        rotations = {kind: self.layer_rope(kind).cos_sin(positions, torch.float32) for kind in kinds}
+        rotations = {id(rope): rope.cos_sin(positions, torch.float32) for rope in self.layer_ropes}
         for index, (kind, layer) in enumerate(zip(self.config.layer_kinds, self.layers)):
-            x = self._blocks[kind](index, layer, x, *rotations[kind], kv)
+            x = self._blocks[kind](index, layer, x, *rotations[id(self.layer_ropes[index])], kv)
             if per_layer is not None:
                 x = self.per_layer_inputs.add(layer.per_layer, x, per_layer[:, index])
             if getattr(layer, "output_scale", None) is not None:
@@ -443,9 +440,22 @@ class Decoder:
         logits = self.ops.softcap(logits.contiguous(), cap) if cap else logits
         return logits if self.gather_logits is None else self.gather_logits(logits)
 
-    def layer_rope(self, kind: str) -> Rope:
-        """The RoPE of a layer kind: sliding layers may have their own base (Gemma 3's local layers)."""
-        return self.rope_local if kind == SLIDING else self.rope
+    def fit_context(self, n_ctx: int) -> list[Rope | NoRope]:
+        """Rotate as a context of n_ctx positions needs (LongRoPE's factors depend on it, see
+        RopeScaling.for_context): the memory made for that context re-rotates its keys with the same RoPEs, which
+        this returns, one per layer. A decoder serves one context length at a time."""
+        self.layer_ropes = self._layer_ropes(n_ctx)
+        return self.layer_ropes
+
+    def _layer_ropes(self, n_ctx: int | None) -> list[Rope | NoRope]:
+        """Each layer's RoPE: sliding layers may have their own base (Gemma 3's local layers), some layers none."""
+        c = self.config
+        full = Rope(c.rope.for_context(n_ctx), c.rope_dims or c.attention_geometry(ATTENTION)[1])
+        local = Rope(c.rope_local.for_context(n_ctx), c.rope_dims or c.attention_geometry(SLIDING)[1]) \
+            if c.rope_local else full
+        none = NoRope(full.head_dim) if c.unrotated_layers else None
+        return [none if i in c.unrotated_layers else local if kind == SLIDING else full
+                for i, kind in enumerate(c.layer_kinds)]
 
     def _attention_block(self, index: int, layer: LayerWeights, x, cos, sin, kv: KVView) -> torch.Tensor:
         """Pre-norm attention then a pre-norm gated MLP, each added to the residual stream (each output normed
