@@ -30,6 +30,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 from gguf_factory import BOS_ID, EOS_ID, gguf_metadata, gguf_tensors, save_hf_folder, write_gguf
@@ -92,7 +94,13 @@ SPECS: dict[str, Spec] = {
                        dict(_QWEN3, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
                        rope=_YARN_ROPE, old_rope_scaling=_renamed(_YARN_ROPE, "type"), tokenizer_pre="qwen2",
                        seed=5),
+    # four layers, so that the last attends without RoPE (transformers' default no_rope_layer_interval, llama.cpp's)
+    "smollm3": Spec("smollm3", SmolLM3Config, SmolLM3ForCausalLM,
+                    dict(_LLAMA, num_hidden_layers=4, rope_theta=2000000.0, tie_word_embeddings=True, pad_token_id=EOS_ID),
+                    tokenizer_pre="llama-bpe", seed=6),
 }
+# Architectures whose llama.cpp converter is Llama's: Q/K rows permuted for its RoPE
+PERMUTED_QK = ("llama", "smollm3")
 
 
 def make_config(spec: Spec):
@@ -203,10 +211,10 @@ def family_gguf_metadata(model: PreTrainedModel, spec: Spec) -> dict[str, Any]:
 
 
 def family_gguf_tensors(model: PreTrainedModel, spec: Spec) -> dict[str, np.ndarray]:
-    """GGUF-named weights; Q/K rows permuted only for `llama` (llama.cpp's LlamaModel.undo_permute;
+    """GGUF-named weights; Q/K rows permuted only for Llama's converter (llama.cpp's LlamaModel.undo_permute;
     Qwen2Model/Qwen3Model keep the Hugging Face layout)."""
     config = model.config
-    if spec.arch == "llama":
+    if spec.arch in PERMUTED_QK:
         tensors = gguf_tensors(model)
     else:
         tensors = {gguf_name(name): value.float().numpy().copy() for name, value in model.state_dict().items()

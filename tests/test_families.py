@@ -19,7 +19,7 @@ from conftest import (
     reference_logits,
 )
 from family_factory import ORIGINAL_POSITIONS, SOURCES, SPECS, head_dim_of, random_model, save_model
-from kvlm import Batch, Context, DecodeStatus
+from kvlm import Batch, Context, DecodeStatus, load_model
 from kvlm.core.rope import Rope
 from test_random_models import token_ids
 
@@ -112,6 +112,19 @@ def test_logits_match_transformers(ours, reference, length):
 def test_greedy_llm_generate_equals_transformers_generate(zoo, name, source, reference):
     prompts = [token_ids(reference.config.vocab_size, n, seed=n + 1) for n in (8, 100)]
     assert_greedy_generate_equals_transformers(zoo.path(name, source), reference, prompts, N_GREEDY, n_ctx=256)
+
+
+def test_smollm3_attends_without_rope_in_every_fourth_layer(zoo):
+    """The layers config.json's no_rope_layers (or llama.cpp's rule) leave unrotated; with RoPE there too the logits
+    move away from transformers'."""
+    ids = token_ids(1000, 40, seed=3)
+    expected = reference_logits(zoo.reference("smollm3"), ids)
+    for source in SOURCES:
+        model = load_model(str(zoo.path("smollm3", source)), "float32", progress=False)
+        assert model.config.unrotated_layers == (3,), source
+        assert max_diff(full_sequence_logits(model, ids), expected) <= TOLERANCE
+        model.decoder.config = replace(model.config, unrotated_layers=())  # the next context's RoPE
+        assert max_diff(full_sequence_logits(model, ids), expected) > 100 * TOLERANCE, source
 
 
 # --- Context: several sequences, cache dtypes, shift, rollback ---

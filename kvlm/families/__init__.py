@@ -22,6 +22,7 @@ _MODULES = (
     "gptoss",
     "qwen35",
     "gemma4",
+    "smollm3",
 )
 
 for _module in _MODULES:
