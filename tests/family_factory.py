@@ -25,6 +25,8 @@ from gguf import Keys
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -65,6 +67,9 @@ _QWEN3 = dict(vocab_size=1000, hidden_size=128, head_dim=64, intermediate_size=1
 _LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                     original_max_position_embeddings=ORIGINAL_POSITIONS)
 _LINEAR_ROPE = dict(rope_type="linear", factor=4.0)
+# Phi-4-mini's RoPE: three quarters of each 32-wide head (12 frequencies), short and long factors far apart
+_LONGROPE = dict(rope_type="longrope", original_max_position_embeddings=ORIGINAL_POSITIONS, partial_rotary_factor=0.75,
+                 short_factor=[1.0 + 0.05 * i for i in range(12)], long_factor=[1.0 + 0.8 * i for i in range(12)])
 # beta_fast/beta_slow away from their defaults (32/1), so a loader that ignores them is caught.
 _YARN_ROPE = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=ORIGINAL_POSITIONS,
                   beta_fast=24.0, beta_slow=2.0)
@@ -98,6 +103,15 @@ SPECS: dict[str, Spec] = {
     "smollm3": Spec("smollm3", SmolLM3Config, SmolLM3ForCausalLM,
                     dict(_LLAMA, num_hidden_layers=4, rope_theta=2000000.0, tie_word_embeddings=True, pad_token_id=EOS_ID),
                     tokenizer_pre="llama-bpe", seed=6),
+    # Q/K/V and gate/up stored fused; LongRoPE over a partial head; the original context at the top level too
+    "phi3-longrope": Spec("phi3", Phi3Config, Phi3ForCausalLM,
+                          dict(_LLAMA, rope_theta=10000.0, tie_word_embeddings=True, pad_token_id=EOS_ID,
+                               original_max_position_embeddings=ORIGINAL_POSITIONS),
+                          rope=_LONGROPE, old_rope_scaling=_renamed(_LONGROPE, "type"), seed=7),
+    # Phi-3-mini's shape: every layer over a sliding window (short here, so that test prompts run past it)
+    "phi3-window": Spec("phi3", Phi3Config, Phi3ForCausalLM,
+                        dict(_LLAMA, rope_theta=10000.0, tie_word_embeddings=False, pad_token_id=EOS_ID,
+                             sliding_window=48, original_max_position_embeddings=MAX_POSITIONS), seed=8),
 }
 # Architectures whose llama.cpp converter is Llama's: Q/K rows permuted for its RoPE
 PERMUTED_QK = ("llama", "smollm3")
@@ -207,13 +221,52 @@ def family_gguf_metadata(model: PreTrainedModel, spec: Spec) -> dict[str, Any]:
     metadata["general.name"] = f"tiny-random-{spec.arch}"
     metadata["tokenizer.ggml.pre"] = spec.tokenizer_pre
     metadata.update(rope_scaling_metadata(config.rope_parameters, spec.arch))
+    if spec.arch == "phi3":
+        metadata.update(phi3_metadata(config))
     return metadata
+
+
+def phi3_metadata(config) -> dict[str, Any]:
+    """What Phi3MiniModel.set_gguf_parameters and generate_extra_tensors write beside the common keys: the rotated
+    dimensions, the original context, no window, and for LongRoPE the cos/sin magnitude."""
+    rope, key = config.rope_parameters, lambda name: f"phi3.{name}"
+    original = rope.get("original_max_position_embeddings", config.original_max_position_embeddings)
+    metadata = {key("rope.dimension_count"): int(rope.get("partial_rotary_factor", 1.0) * config.hidden_size)
+                // config.num_attention_heads,
+                key("rope.scaling.original_context_length"): int(original),
+                key("attention.sliding_window"): int(config.sliding_window or 0)}
+    if rope.get("long_factor"):
+        scale = config.max_position_embeddings / original
+        metadata[key("rope.scaling.attn_factor")] = math.sqrt(1 + math.log(scale) / math.log(original))
+    return metadata
+
+
+# llama.cpp's tensor map for Phi-3's fused matrices
+_PHI3_NAMES = {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+
+
+def phi3_tensors(model: PreTrainedModel) -> dict[str, np.ndarray]:
+    """Phi-3's weights as its converter names them (Q/K/V and gate/up as stored), LongRoPE's factors as tensors."""
+    tensors = {}
+    for name, value in model.state_dict().items():
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        parts = name.split(".")
+        fused = _PHI3_NAMES.get(".".join(parts[3:-1])) if name.startswith("model.layers.") else None
+        tensors[f"blk.{parts[2]}.{fused}.weight" if fused else gguf_name(name)] = value.float().numpy().copy()
+    rope = model.config.rope_parameters
+    if rope.get("long_factor"):
+        tensors["rope_factors_long.weight"] = np.array(rope["long_factor"], dtype=np.float32)
+        tensors["rope_factors_short.weight"] = np.array(rope["short_factor"], dtype=np.float32)
+    return tensors
 
 
 def family_gguf_tensors(model: PreTrainedModel, spec: Spec) -> dict[str, np.ndarray]:
     """GGUF-named weights; Q/K rows permuted only for Llama's converter (llama.cpp's LlamaModel.undo_permute;
     Qwen2Model/Qwen3Model keep the Hugging Face layout)."""
     config = model.config
+    if spec.arch == "phi3":
+        return phi3_tensors(model)
     if spec.arch in PERMUTED_QK:
         tensors = gguf_tensors(model)
     else:

@@ -47,6 +47,8 @@ def _qwen2moe(folder):
 FILES = {  # name: (how its file is written, the memory kind, whether it holds attention rows)
     "llama-q4_0": (lambda folder: _family("llama-llama3", T.Q4_0)(folder), True),
     "qwen3-f32": (lambda folder: _family("qwen3", T.F32)(folder), True),
+    "smollm3-q4_0": (lambda folder: _family("smollm3", T.Q4_0)(folder), True),  # a layer without RoPE
+    "phi3-q8_0": (lambda folder: _family("phi3-longrope", T.Q8_0)(folder), True),  # Q/K/V, gate/up read from one
     "gemma3-f32": (lambda folder: gemma3_gguf(random_gemma3(), folder), True),
     "gemma4-q8_0": (lambda folder: write_gemma4_gguf(random_gemma4(), folder / "model.gguf", T.Q8_0), True),
     "lfm2-q8_0": (lambda folder: lfm2_gguf(random_lfm2(), folder, T.Q8_0), True),

@@ -74,7 +74,16 @@ def test_config_is_the_same_from_every_source(zoo, name, reference):
         assert c.rms_norm_eps == pytest.approx(hf.rms_norm_eps, rel=1e-6), source
     folder, gguf = configs["hf-new"], configs["gguf"]
     assert folder.rope.kind == hf.rope_parameters["rope_type"]
-    assert folder.rope.factor == hf.rope_parameters.get("factor", 1.0)
+    if folder.rope.kind == "longrope":  # its factor derived: max_position_embeddings / the original
+        assert folder.rope.factor == hf.max_position_embeddings / hf.rope_parameters["original_max_position_embeddings"]
+        # GGUF holds the factors and the attention factor as float32: the same rotations are all that can agree
+        for n_ctx in (ORIGINAL_POSITIONS, ORIGINAL_POSITIONS + 1):
+            ours, theirs = (Rope(c.rope.for_context(n_ctx), c.rotary_dims) for c in (gguf, folder))
+            assert torch.allclose(ours.inv_freq, theirs.inv_freq, rtol=1e-6, atol=0)
+            assert ours.attention_factor == pytest.approx(theirs.attention_factor, rel=1e-6)
+        gguf = replace(gguf, rope=folder.rope)
+    else:
+        assert folder.rope.factor == hf.rope_parameters.get("factor", 1.0)
     assert replace(configs["hf-old"], name="") == replace(folder, name="")
     if SPECS[name].rope.get("rope_type") == "llama3":
         # llama.cpp keeps Llama 3 scaling as per-frequency divisors (rope_freqs.weight), not as parameters:
@@ -93,7 +102,8 @@ def test_rope_tables_match_transformers(ours, reference):
     x = torch.zeros(1, len(positions), 1)
     with torch.no_grad():
         cos, sin = reference.model.rotary_emb(x, positions[None])
-    our_cos, our_sin = ours.decoder.layer_ropes[0].cos_sin(positions, torch.float32)
+    rope = ours.decoder.fit_context(len(positions))[0]  # as a context of every position rotates (LongRoPE's long)
+    our_cos, our_sin = rope.cos_sin(positions, torch.float32)
     assert max_diff(our_cos[:, 0], cos[0]) <= 5e-5
     assert max_diff(our_sin[:, 0], sin[0]) <= 5e-5
 
@@ -110,8 +120,23 @@ def test_logits_match_transformers(ours, reference, length):
 
 
 def test_greedy_llm_generate_equals_transformers_generate(zoo, name, source, reference):
-    prompts = [token_ids(reference.config.vocab_size, n, seed=n + 1) for n in (8, 100)]
-    assert_greedy_generate_equals_transformers(zoo.path(name, source), reference, prompts, N_GREEDY, n_ctx=256)
+    """A short request in a context within the original length, a long one in a longer context: transformers' LongRoPE
+    rotates each with the factors kvlm chooses for its context."""
+    for n, n_ctx in ((8, ORIGINAL_POSITIONS), (100, 256)):
+        prompt = token_ids(reference.config.vocab_size, n, seed=n + 1)
+        assert_greedy_generate_equals_transformers(zoo.path(name, source), reference, [prompt], N_GREEDY, n_ctx=n_ctx)
+
+
+def test_phi3_long_factors_past_the_original_context(zoo):
+    """A prompt past the original context is rotated with the long factors in a context that long (as transformers
+    rotates it); with the short ones there the logits move away from transformers'."""
+    ids = token_ids(1000, 120, seed=4)
+    expected = reference_logits(zoo.reference("phi3-longrope"), ids)
+    model = load_model(str(zoo.path("phi3-longrope", "gguf")), "float32", progress=False)
+    assert max_diff(full_sequence_logits(model, ids), expected) <= TOLERANCE
+    rope = model.config.rope
+    model.decoder.config = replace(model.config, rope=replace(rope, long_factor=rope.short_factor))
+    assert max_diff(full_sequence_logits(model, ids), expected) > 100 * TOLERANCE
 
 
 def test_smollm3_attends_without_rope_in_every_fourth_layer(zoo):

@@ -23,6 +23,7 @@ _MODULES = (
     "qwen35",
     "gemma4",
     "smollm3",
+    "phi3",
 )
 
 for _module in _MODULES:
