@@ -1,5 +1,5 @@
 """One native call per decoder layer for decode tokens (kvlm/kernels/csrc/decode_layer.h) against the same layers run
-op by op (the decoder with the native layer ops and products, kvlm.model.fused.LayerOps): the same arithmetic in the
+op by op (the decoder with the native layer ops and products, kvlm.model.backend.NativeCpuBackend): the same arithmetic in the
 same order, so the logits and the bytes written to the KV cache are equal bit for bit. Real files (SmolLM2's Q4_1,
 Qwen2.5's Q5_0/Q8_0/Q4_K/Q6_K with Q/K/V biases, Gemma 3's QK-norm, sandwich norms, GeGLU and two KV pools) and a
 random Gemma 3 whose sliding window the steps run past; every KV dtype; float32 and bfloat16 activations; ragged

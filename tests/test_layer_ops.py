@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from kvlm.memory.kv_store import Q8Plane
 from kvlm.memory.view import TokenCells
-from kvlm.model.fused import LayerOps
+from kvlm.model.backend import BACKENDS, NativeCpuBackend, TorchBackend
 from kvlm.core.rope import apply_rope
 from kvlm.model.ops import grouped_attention, rms_norm
 from kvlm.model.recurrent import delta_step
@@ -239,13 +239,14 @@ def test_delta_step_takes_views_and_leaves_them(kernels):  # noqa: F811
     torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(new_state, expected_state, rtol=1e-5, atol=1e-6)
     assert torch.equal(store, before)
-    ops = LayerOps(kernels.layer_ops)
+    ops = NativeCpuBackend(kernels)
     torch.testing.assert_close(ops.delta_step(q, k, v, g, beta, store[1:])[0], expected_out, rtol=1e-5, atol=1e-6)
 
 
 def test_layer_ops_fall_back_to_torch_without_the_library():
-    """LayerOps(None): the torch ops, as in the reference mode and where no compiler built the library."""
-    ops = LayerOps(None)
+    """The torch backend: torch's ops, as in the reference mode and where no compiler built the library."""
+    ops = BACKENDS["torch"]()
+    assert ops.kernels is None and ops.decode_layers(None, [], torch.float32) is None and ops.recurrent is None
     x, h, weight = torch.randn(3, 16), torch.randn(3, 16), torch.rand(16) + 0.5
     assert ops.attention_kernel() is None
     torch.testing.assert_close(ops.norm(x, weight, 1e-6), rms_norm(x, weight, 1e-6), rtol=0, atol=0)
@@ -289,14 +290,14 @@ def test_decoder_with_native_ops_matches_torch_ops(smollm2):
     library = native_kernels()
     if library is None:
         pytest.skip("the native kernels are not built here")
-    assert smollm2.decoder.ops.native is None  # the reference mode runs torch's ops
+    assert smollm2.decoder.ops.name == "torch"  # the reference mode runs torch's ops
     prompt = [1, 504, 3575, 282, 4649, 314, 253, 1345, 28, 653, 1584, 11164, 12816, 288, 9568, 2026]
     torch_ops = prompt_then_steps(smollm2, prompt, 8, "f32")
-    smollm2.decoder.ops = LayerOps(library.layer_ops)
+    smollm2.decoder.ops = NativeCpuBackend(library)
     try:
         native = prompt_then_steps(smollm2, prompt, 8, "f32")
     finally:
-        smollm2.decoder.ops = LayerOps(None)
+        smollm2.decoder.ops = TorchBackend()
     torch.testing.assert_close(native, torch_ops, atol=1e-4, rtol=0)
     assert torch.equal(native.argmax(-1), torch_ops.argmax(-1))
 
@@ -313,18 +314,18 @@ def test_qwen35_decoder_with_the_native_delta_step_matches_torch(tmp_path, monke
     if library is None:
         pytest.skip("the native kernels are not built here")
     model = load_model(str(write_qwen35_gguf(random_qwen35(), tmp_path / "model.gguf")), "float32")
-    assert model.decoder.ops.native is None
+    assert model.decoder.ops.name == "torch"
     prompt = token_ids(1000, 16, seed=3)
     torch_ops = prompt_then_steps(model, prompt, 8, "f32")
     calls = []
     native_step = type(library.layer_ops).delta_step
     monkeypatch.setattr(type(library.layer_ops), "delta_step",
                         lambda self, *args: calls.append(1) or native_step(self, *args))
-    model.decoder.ops = LayerOps(library.layer_ops)
+    model.decoder.ops = NativeCpuBackend(library)
     try:
         native = prompt_then_steps(model, prompt, 8, "f32")
     finally:
-        model.decoder.ops = LayerOps(None)
+        model.decoder.ops = TorchBackend()
     assert calls  # the decode steps went through it
     torch.testing.assert_close(native, torch_ops, atol=1e-4, rtol=0)
     assert torch.equal(native.argmax(-1), torch_ops.argmax(-1))

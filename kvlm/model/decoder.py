@@ -29,7 +29,7 @@ from kvlm.model.linear import (
     dense_linear,
     linear_kind,
 )
-from kvlm.model.fused import DecodeLayers, LayerOps
+from kvlm.model.backend import backend_for
 from kvlm.model.moe import BlockExperts, DenseExperts, MoEWeights
 from kvlm.kernels.experts import ExpertBiases, NativeExperts
 from kvlm.model.recurrent import (
@@ -40,7 +40,6 @@ from kvlm.model.recurrent import (
     mamba2_mixer,
     short_conv,
 )
-from kvlm.model.recurrent_steps import SteppedRecurrentOps
 from kvlm.model.per_layer import PerLayerInputs
 from kvlm.core.rope import NoRope, Rope
 from kvlm.model.settings import FROM_FILE, ComputeSettings
@@ -145,16 +144,15 @@ class Decoder:
         self.config = config
         self.dtype = self.settings.torch_dtype
         self.batch_invariant = self.settings.batch_invariant
-        kernels = None if settings.reference else native_kernels()  # the reference mode stays on torch's ops
-        self.kernels = kernels
-        # Recurrent layers step every token (a prompt as a run of decode steps) natively where the kernels are built,
-        # else in torch where batch-invariant; otherwise prompts take torch's chunked scans.
-        self._recurrent = (kernels.recurrent if kernels is not None
-                           else SteppedRecurrentOps() if self.batch_invariant else None)
-        self.ops = LayerOps(kernels.layer_ops if kernels is not None else None, self.batch_invariant)
+        # The hot ops' table (kvlm.model.backend): the native CPU kernels, or torch's in the reference mode and where
+        # no compiler builds them. Recurrent layers step every token (a prompt as a run of decode steps) where the
+        # backend offers it; otherwise prompts take torch's chunked scans.
+        self.ops = backend_for(settings)
+        self.kernels = self.ops.kernels
+        self._recurrent = self.ops.recurrent
         self.layers = [self._layer(weights, i) for i in range(config.n_layer)]
         # Decode steps run each attention layer as one native call where its matrices are quantized.
-        self.decode_layers = DecodeLayers(kernels, config, self.layers, self.dtype) if kernels is not None else None
+        self.decode_layers = self.ops.decode_layers(config, self.layers, self.dtype)
         self.output_norm = self._vector(weights.read("output_norm.weight"))
         table = weights.read("token_embd.weight")
         tied = weights.output_name == "token_embd.weight" and weights.shard is None

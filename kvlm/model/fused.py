@@ -1,113 +1,16 @@
-"""A layer's small ops, each one native call where the kernels are built (kvlm.kernels.layer_ops), torch's ops
-(kvlm.model.ops) otherwise: in the reference mode, without a compiler, and while torch.compile traces a graph (it
-cannot trace a ctypes call). For a micro-batch of decode tokens, `DecodeLayers` runs a whole attention layer as
-one native call (kvlm.kernels.decode_layer) where its matrices are read natively.
-
-At batch 1 a small model's step is mostly such ops: an RMSNorm in bfloat16 is eight eager torch ops, RoPE five, the
-gated activation three. The native ones compute in float32 and round once at the end, where torch rounds after
-each step, so their results differ from torch's by at most a rounding of the activation dtype.
-"""
+"""For a micro-batch of decode tokens, `DecodeLayers` runs a whole attention layer as one native call
+(kvlm.kernels.decode_layer) where its matrices are read natively: what the native CPU backend (kvlm.model.backend)
+offers the decoder for its decode steps."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kvlm.kernels.decode_layer import DecodeStep, LayerShape, NativeDecodeLayer
-from kvlm.kernels.layer_ops import HEAD_DIM_STEP, NativeLayerOps
+from kvlm.kernels.layer_ops import HEAD_DIM_STEP
 from kvlm.kernels.native import NativeKernels
 from kvlm.core.config import ModelConfig
 from kvlm.memory.view import KVView
 from kvlm.model.linear import QuantizedLinear
-from kvlm.core.rope import apply_rope
-from kvlm.model.ops import rms_norm
-from kvlm.model.recurrent import delta_step
-
-ACTIVATIONS = ("silu", "gelu_tanh")
-
-
-class LayerOps:
-    """`batch_invariant`: where torch's ops run instead (no native kernels), their transcendental functions (the
-    activations, sigmoid, tanh) run in float64 and round once: torch rounds a value differently in a tensor's
-    vectorized body and in its scalar tail, which a float32 result would show and a rounded float64 one
-    practically never does."""
-
-    def __init__(self, native: NativeLayerOps | None, batch_invariant: bool = False) -> None:
-        self.native = native
-        self.precise = torch.float64 if batch_invariant else None
-
-    def _use_native(self) -> bool:
-        return self.native is not None and not torch.compiler.is_compiling()
-
-    def attention_kernel(self) -> NativeLayerOps | None:
-        """What decode attention may call natively (None: torch's attention)."""
-        return self.native if self._use_native() else None
-
-    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if self._use_native() and x.dim() == 2 and x.is_contiguous():
-            return self.native.rms_norm(x, weight, eps)[0]
-        return rms_norm(x, weight, eps)
-
-    def add_norm(self, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(RMSNorm(x + h) * weight, x + h): the residual add and the next norm in one pass."""
-        if self._use_native() and x.dim() == 2 and x.is_contiguous() and h.is_contiguous():
-            return self.native.rms_norm(x, weight, eps, residual=h)
-        x = x + h
-        return rms_norm(x, weight, eps), x
-
-    def head_norm(self, qk: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """RMSNorm over the last dimension of qk [T, heads, d], head h times weight[h] (QK-norm); in place where
-        native."""
-        if self._use_native() and qk.stride(2) == 1 and qk.stride(1) == qk.shape[2]:
-            return self.native.head_norm_(qk, weight, eps)
-        return F.rms_norm(qk, (qk.shape[-1],), eps=eps) * weight
-
-    def rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """qk [T, heads, d] rotated by float32 cos, sin [T, 1, d] (in place where native)."""
-        if self._use_native() and qk.stride(2) == 1 and qk.stride(1) == qk.shape[2] and cos.shape[-1] == qk.shape[2]:
-            return self.native.rope_(qk, cos, sin)
-        return apply_rope(qk, cos.to(qk.dtype), sin.to(qk.dtype))
-
-    def gated_mlp(self, x: torch.Tensor, gate_up, down, activation: str = "silu") -> torch.Tensor:
-        """down(act(gate(x)) * up(x)): SwiGLU with "silu", GeGLU with "gelu_tanh"; gate and up stacked in one."""
-        both = gate_up(x)
-        if self._use_native() and both.is_contiguous():
-            return down(self.native.gated(both, activation == "gelu_tanh"))
-        gate, up = both.chunk(2, dim=-1)
-        return down(self._torch(lambda g: F.silu(g) if activation == "silu" else F.gelu(g, approximate="tanh"),
-                                gate) * up)
-
-    def sigmoid_gate(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """x * sigmoid(gate), gate [rows, n] like x [rows, n] or [rows, 1] for each row (Qwen3.5's output gate,
-        Qwen2-MoE's shared expert's)."""
-        if self._use_native() and x.dim() == 2 and x.is_contiguous():
-            return self.native.sigmoid_gate(x, gate)
-        return x * self._torch(torch.sigmoid, gate).to(x.dtype)
-
-    def gelu_times(self, gate: torch.Tensor, vector: torch.Tensor) -> torch.Tensor:
-        """gelu(gate) * vector (tanh approximation; Gemma 4's per-layer inputs): the gated activation over the two
-        side by side."""
-        if self._use_native() and gate.dim() == 2:
-            return self.native.gated(torch.cat([gate, vector.to(gate.dtype)], dim=-1), True)
-        return self._torch(lambda g: F.gelu(g, approximate="tanh"), gate) * vector
-
-    def softcap(self, logits: torch.Tensor, cap: float) -> torch.Tensor:
-        """cap * tanh(logits / cap) for float32 logits [rows, n] (Gemma's final softcap)."""
-        if self._use_native() and logits.dim() == 2 and logits.is_contiguous():
-            return self.native.softcap_(logits, cap)
-        return cap * self._torch(torch.tanh, logits / cap)
-
-    def _torch(self, function, x: torch.Tensor) -> torch.Tensor:
-        """torch's `function` of x, in x's dtype: through float64 where batch-invariant (see the class)."""
-        return function(x) if self.precise is None else function(x.to(self.precise)).to(x.dtype)
-
-    def delta_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                   state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The gated delta rule for one token (recurrent.delta_step): (out [n, 1, H, Dv], new state); the state
-        passed in is left as it was."""
-        if self._use_native():
-            return self.native.delta_step(q, k, v, g, beta, state)
-        return delta_step(q, k, v, g, beta, state)
 
 
 class DecodeLayers:

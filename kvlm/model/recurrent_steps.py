@@ -6,7 +6,7 @@ steps give it the same: each token of each sequence goes through one fixed seque
 state the token before left, a prompt as a run of decode steps. Every step computes in float64 and rounds once to
 float32: torch may round a float32 value differently in a tensor's vectorized body and in its scalar tail (its
 exp, its fused multiply-adds), which a float32 result would show and a rounded float64 one practically never does.
-The same trade as the torch fallback's attention and activations (kvlm.model.fused.LayerOps), at about the cost of
+The same trade as the torch fallback's attention and activations (kvlm.model.backend.TorchBackend), at about the cost of
 a decode step per prompt token: slow prompts, in a mode only machines without a compiler run.
 
 The interface is NativeRecurrentOps' (kvlm.kernels.recurrent), which kvlm.model.recurrent's layers take as

@@ -1,0 +1,222 @@
+"""The hot operations a decoder calls, as one table per device and mode: the models call `backend.norm(...)` and
+never ask which kernels run it.
+
+- `TorchBackend`: torch's ops alone, the reference every kernel is tested against, and the fallback: the reference
+  mode, a machine without a compiler, a graph torch.compile traces (it cannot trace a ctypes call).
+- `NativeCpuBackend`: kvlm's C++ kernels (kvlm.kernels) for each op whose inputs they take (a layout, a dtype),
+  TorchBackend's op for the others; products read straight from a GGUF's blocks; decode steps as one native call
+  per attention layer (kvlm.model.fused.DecodeLayers); attention, the delta rule and the recurrent layers natively.
+
+`backend_for(settings)` picks one from BACKENDS. A new device is one more entry: a class of this interface over
+its own kernels, the models untouched.
+
+At batch 1 a small model's step is mostly the small ops: an RMSNorm in bfloat16 is eight eager torch ops, RoPE five,
+the gated activation three. The native ones compute in float32 and round once at the end, where torch rounds after
+each step, so their results differ from torch's by at most a rounding of the activation dtype.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from kvlm.core.rope import apply_rope
+from kvlm.kernels import native_kernels
+from kvlm.kernels.native import NativeKernels
+from kvlm.model.ops import rms_norm
+from kvlm.model.recurrent import delta_step
+from kvlm.model.recurrent_steps import SteppedRecurrentOps
+
+if TYPE_CHECKING:
+    from kvlm.core.config import ModelConfig
+    from kvlm.model.fused import DecodeLayers
+    from kvlm.model.settings import ComputeSettings
+
+
+class Backend(Protocol):
+    """The table: what every backend offers a decoder."""
+
+    name: str
+    kernels: NativeKernels | None  # the library its quantized products, dequantization and experts come from
+    recurrent: object | None  # stepped recurrent layers (kvlm.kernels.recurrent's interface), None: torch's scans
+
+    def attention_kernel(self) -> object | None:
+        """What attention over cells may call (kvlm.model.attention), None for torch's attention."""
+
+    def decode_layers(self, config: ModelConfig, layers: list, dtype: torch.dtype) -> DecodeLayers | None:
+        """Whole attention layers as one call each for decode steps, or None."""
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def add_norm(self, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def head_norm(self, qk: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor: ...
+
+    def gated_mlp(self, x: torch.Tensor, gate_up, down, activation: str = "silu") -> torch.Tensor: ...
+
+    def sigmoid_gate(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor: ...
+
+    def gelu_times(self, gate: torch.Tensor, vector: torch.Tensor) -> torch.Tensor: ...
+
+    def softcap(self, logits: torch.Tensor, cap: float) -> torch.Tensor: ...
+
+    def delta_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class TorchBackend:
+    """torch's ops. `batch_invariant`: the transcendental functions (the activations, sigmoid, tanh) run in float64
+    and round once: torch rounds a value differently in a tensor's vectorized body and in its scalar tail, which a
+    float32 result would show and a rounded float64 one practically never does; recurrent layers step every token
+    (kvlm.model.recurrent_steps)."""
+
+    name = "torch"
+    kernels: NativeKernels | None = None
+
+    def __init__(self, batch_invariant: bool = False) -> None:
+        self.precise = torch.float64 if batch_invariant else None
+        self.recurrent = SteppedRecurrentOps() if batch_invariant else None
+
+    def attention_kernel(self) -> object | None:
+        return None
+
+    def decode_layers(self, config: ModelConfig, layers: list, dtype: torch.dtype) -> DecodeLayers | None:
+        return None
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def add_norm(self, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(x + h) * weight, x + h): the residual add and the next norm."""
+        x = x + h
+        return rms_norm(x, weight, eps), x
+
+    def head_norm(self, qk: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm over the last dimension of qk [T, heads, d], head h times weight[h] (QK-norm)."""
+        return F.rms_norm(qk, (qk.shape[-1],), eps=eps) * weight
+
+    def rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """qk [T, heads, d] rotated by float32 cos, sin [T, 1, d] (over their width: partial RoPE)."""
+        return apply_rope(qk, cos.to(qk.dtype), sin.to(qk.dtype))
+
+    def gated_mlp(self, x: torch.Tensor, gate_up, down, activation: str = "silu") -> torch.Tensor:
+        """down(act(gate(x)) * up(x)): SwiGLU with "silu", GeGLU with "gelu_tanh"; gate and up stacked in one."""
+        return down(self._gated(gate_up(x), activation))
+
+    def _gated(self, both: torch.Tensor, activation: str) -> torch.Tensor:
+        gate, up = both.chunk(2, dim=-1)
+        return self._torch(lambda g: F.silu(g) if activation == "silu" else F.gelu(g, approximate="tanh"), gate) * up
+
+    def sigmoid_gate(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """x * sigmoid(gate), gate [rows, n] like x [rows, n] or [rows, 1] for each row (an attention output gate,
+        a shared expert's)."""
+        return x * self._torch(torch.sigmoid, gate).to(x.dtype)
+
+    def gelu_times(self, gate: torch.Tensor, vector: torch.Tensor) -> torch.Tensor:
+        """gelu(gate) * vector (tanh approximation; per-layer inputs)."""
+        return self._torch(lambda g: F.gelu(g, approximate="tanh"), gate) * vector
+
+    def softcap(self, logits: torch.Tensor, cap: float) -> torch.Tensor:
+        """cap * tanh(logits / cap) for float32 logits [rows, n] (a final logit softcap)."""
+        return cap * self._torch(torch.tanh, logits / cap)
+
+    def delta_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gated delta rule for one token (recurrent.delta_step): (out [n, 1, H, Dv], new state); the state
+        passed in is left as it was."""
+        return delta_step(q, k, v, g, beta, state)
+
+    def _torch(self, function, x: torch.Tensor) -> torch.Tensor:
+        """torch's `function` of x, in x's dtype: through float64 where batch-invariant (see the class)."""
+        return function(x) if self.precise is None else function(x.to(self.precise)).to(x.dtype)
+
+
+class NativeCpuBackend(TorchBackend):
+    """kvlm's C++ kernels for this CPU, TorchBackend's ops where a kernel does not take the inputs or a graph is being
+    traced. Recurrent layers step every token natively, prompts too (batch invariance by construction)."""
+
+    name = "cpu"
+
+    def __init__(self, kernels: NativeKernels, batch_invariant: bool = False) -> None:
+        super().__init__(batch_invariant)
+        self.kernels, self.native, self.recurrent = kernels, kernels.layer_ops, kernels.recurrent
+
+    def _use_native(self) -> bool:
+        return not torch.compiler.is_compiling()
+
+    def attention_kernel(self) -> object | None:
+        return self.native if self._use_native() else None
+
+    def decode_layers(self, config: ModelConfig, layers: list, dtype: torch.dtype) -> DecodeLayers | None:
+        from kvlm.model.fused import DecodeLayers  # the fused layers read the decoder's weights records
+
+        return DecodeLayers(self.kernels, config, layers, dtype)
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if self._use_native() and x.dim() == 2 and x.is_contiguous():
+            return self.native.rms_norm(x, weight, eps)[0]
+        return super().norm(x, weight, eps)
+
+    def add_norm(self, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._use_native() and x.dim() == 2 and x.is_contiguous() and h.is_contiguous():
+            return self.native.rms_norm(x, weight, eps, residual=h)
+        return super().add_norm(x, h, weight, eps)
+
+    def head_norm(self, qk: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """In place."""
+        if self._use_native() and qk.stride(2) == 1 and qk.stride(1) == qk.shape[2]:
+            return self.native.head_norm_(qk, weight, eps)
+        return super().head_norm(qk, weight, eps)
+
+    def rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """In place, over whole heads (partial RoPE through torch)."""
+        if self._use_native() and qk.stride(2) == 1 and qk.stride(1) == qk.shape[2] and cos.shape[-1] == qk.shape[2]:
+            return self.native.rope_(qk, cos, sin)
+        return super().rope(qk, cos, sin)
+
+    def gated_mlp(self, x: torch.Tensor, gate_up, down, activation: str = "silu") -> torch.Tensor:
+        both = gate_up(x)
+        if self._use_native() and both.is_contiguous():
+            return down(self.native.gated(both, activation == "gelu_tanh"))
+        return down(self._gated(both, activation))
+
+    def sigmoid_gate(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if self._use_native() and x.dim() == 2 and x.is_contiguous():
+            return self.native.sigmoid_gate(x, gate)
+        return super().sigmoid_gate(x, gate)
+
+    def gelu_times(self, gate: torch.Tensor, vector: torch.Tensor) -> torch.Tensor:
+        """The gated activation over the two side by side."""
+        if self._use_native() and gate.dim() == 2:
+            return self.native.gated(torch.cat([gate, vector.to(gate.dtype)], dim=-1), True)
+        return super().gelu_times(gate, vector)
+
+    def softcap(self, logits: torch.Tensor, cap: float) -> torch.Tensor:
+        if self._use_native() and logits.dim() == 2 and logits.is_contiguous():
+            return self.native.softcap_(logits, cap)
+        return super().softcap(logits, cap)
+
+    def delta_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._use_native():
+            return self.native.delta_step(q, k, v, g, beta, state)
+        return super().delta_step(q, k, v, g, beta, state)
+
+
+# Every backend by name: what backend_for picks from.
+BACKENDS: dict[str, type[TorchBackend]] = {"torch": TorchBackend, "cpu": NativeCpuBackend}
+
+
+def backend_for(settings: ComputeSettings) -> Backend:
+    """The native CPU backend where the kernels are built and the mode is not the reference one (which stays on
+    torch's ops, as transformers computes); torch's otherwise."""
+    kernels = None if settings.reference else native_kernels()
+    if kernels is None:
+        return BACKENDS["torch"](settings.batch_invariant)
+    return BACKENDS["cpu"](kernels, settings.batch_invariant)
