@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from kvlm.memory.memory import KVMemory
-    from kvlm.memory.view import KVView, LayerViews
+    from kvlm.memory.view import MemoryView
 
 
 class Memory(Protocol):
@@ -66,7 +66,7 @@ class Memory(Protocol):
     def plan(self, ubatches) -> list | None:
         """Where each micro-batch goes; None if it does not fit; InvalidBatch for what the kind cannot take."""
     def begin(self) -> None: ...
-    def place(self, ubatch, slot) -> KVView | LayerViews: ...
+    def place(self, ubatch, slot) -> MemoryView: ...
     def commit(self) -> None: ...
     def roll_back(self) -> None: ...
 

@@ -35,6 +35,9 @@ class RecurrentView:
     def recurrent(self, layer: int) -> LayerState:
         return LayerState(self, layer)
 
+    def layer_view(self, layer: int):
+        raise TypeError(f"layer {layer} asks for K/V rows from a memory of recurrent states only")
+
 
 @dataclass
 class LayerState:

@@ -4,10 +4,28 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from kvlm.memory.kv_store import KVStore
+
+if TYPE_CHECKING:
+    from kvlm.memory.recurrent import LayerState
+
+
+class MemoryView(Protocol):
+    """What a decoder's layers receive from the memory for one micro-batch, whatever its kind (every memory's
+    `view` returns one): an attention layer asks `layer_view` for where to write this step's K/V (`KVView.rows`) and
+    which cells each token reads (`KVView.groups`, `KVView.token_cells`, with the masks); a recurrent layer asks
+    `recurrent` for its state slots, to read and to replace. Nothing written through a view is visible to another
+    call before the memory commits the batch."""
+
+    def layer_view(self, layer: int) -> tuple[KVView, int]:
+        """The view layer `layer` attends through, and the layer's index in that view's store."""
+
+    def recurrent(self, layer: int) -> LayerState:
+        """The state of recurrent layer `layer` for this micro-batch's sequences."""
 
 
 @dataclass
@@ -71,6 +89,9 @@ class KVView:
         """The view layer `layer` attends through (this one), and its index in the store."""
         return self, layer
 
+    def recurrent(self, layer: int) -> LayerState:
+        raise TypeError(f"layer {layer} asks for a recurrent state from a memory of K/V rows only")
+
     @functools.cached_property
     def token_cells(self) -> TokenCells:
         """The cells each token reads, for the native attention: the same for every layer of the view, so found
@@ -94,7 +115,7 @@ class LayerViews:
 
     by_layer: list[tuple[object, int]]
 
-    def recurrent(self, layer: int):
+    def recurrent(self, layer: int) -> LayerState:
         """A recurrent layer's state for this micro-batch (see kvlm.memory.recurrent)."""
         view, local = self.by_layer[layer]
         return view.recurrent(local)

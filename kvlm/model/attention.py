@@ -10,7 +10,7 @@ from kvlm.model.ops import gathered_attention, grouped_attention
 
 if TYPE_CHECKING:
     from kvlm.kernels.layer_ops import NativeLayerOps
-    from kvlm.memory.view import KVView, LayerViews
+    from kvlm.memory.view import KVView, MemoryView
 
 
 class TracedView:
@@ -22,13 +22,13 @@ class TracedView:
         raise NotImplementedError
 
 
-def attend_layer(kv: KVView | LayerViews | TracedView, layer: int, q: torch.Tensor, k: torch.Tensor | None,
+def attend_layer(kv: MemoryView | TracedView, layer: int, q: torch.Tensor, k: torch.Tensor | None,
                  v: torch.Tensor | None, batch_invariant: bool = False, native: NativeLayerOps | None = None,
                  sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Layer `layer`'s attention through the memory's view of the micro-batch: the step's K/V [n_tokens, n_kv, d]
     written first (none for a layer reading another's: k, v None), so every token reads the stored values, then q
     over the rows the view makes visible (`native`: the native layer ops, which every token then attends through;
-    `sinks`: attention sinks' logits per head, or None). `kv`: a KVView, or LayerViews (a view per layer)."""
+    `sinks`: attention sinks' logits per head, or None). `kv`: the memory's view, or a compiled step's."""
     if isinstance(kv, TracedView):
         return kv.attend(layer, q, k, v, batch_invariant, native, sinks)
     view, local = kv.layer_view(layer)

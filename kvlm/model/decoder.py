@@ -17,7 +17,7 @@ from kvlm.kernels import BlockMatrix, dequantize, native_kernels
 from kvlm.kernels.quantize import BLOCK as QUANT_BLOCK
 from kvlm.kernels.quantize import QUANTIZERS
 from kvlm.core.config import ModelConfig
-from kvlm.memory.view import KVView
+from kvlm.memory.view import MemoryView
 from kvlm.model.attention import attend_layer
 from kvlm.model.embedding import Embedding
 from kvlm.model.linear import (
@@ -405,7 +405,7 @@ class Decoder:
 
     @torch.inference_mode()
     def forward(
-        self, tokens: torch.Tensor, positions: torch.Tensor, kv: KVView, output_rows: torch.Tensor | None = None
+        self, tokens: torch.Tensor, positions: torch.Tensor, kv: MemoryView, output_rows: torch.Tensor | None = None
     ) -> torch.Tensor:
         """float32 logits [n_out, vocab] for the tokens at `output_rows` (all tokens when None).
 
@@ -455,7 +455,7 @@ class Decoder:
         return [none if i in c.unrotated_layers else local if kind == SLIDING else full
                 for i, kind in enumerate(c.layer_kinds)]
 
-    def _attention_block(self, index: int, layer: LayerWeights, x, cos, sin, kv: KVView) -> torch.Tensor:
+    def _attention_block(self, index: int, layer: LayerWeights, x, cos, sin, kv: MemoryView) -> torch.Tensor:
         """Pre-norm attention then a pre-norm gated MLP, each added to the residual stream (each output normed
         once more first, for sandwich-norm families); one native call for decode tokens where it can be."""
         activation = self.config.family.activation
@@ -524,7 +524,7 @@ class Decoder:
         state.write([conv_state, ssm_state])
         return x + y.reshape(x.shape)
 
-    def _attention(self, index: int, layer: LayerWeights, h, cos, sin, kv: KVView) -> torch.Tensor:
+    def _attention(self, index: int, layer: LayerWeights, h, cos, sin, kv: MemoryView) -> torch.Tensor:
         c, family = self.config, self.config.family
         kind = c.layer_kinds[index]
         n_head_kv, head_dim = c.attention_geometry(kind)
