@@ -86,8 +86,8 @@ class LLM:
 
         As in vLLM, `tools` (OpenAI function specs) and `chat_template_kwargs` (e.g. {"enable_thinking": False})
         reach the template. With `tools` (tool_choice "auto" by default, "none", "required", or a function's name
-        or {"type": "function", "function": {"name": ...}}) or a template that reasons (<think> blocks, gpt-oss's
-        harmony channels), each output also carries `message`: content, tool_calls and reasoning_content as OpenAI's
+        or {"type": "function", "function": {"name": ...}}) or a template that reasons (<think> blocks, harmony
+        channels), each output also carries `message`: content, tool_calls and reasoning_content as OpenAI's
         API returns them. A harmony output's text keeps its special tokens (<|channel|>...), which are read.
         """
         if conversations and isinstance(conversations[0], dict):
@@ -102,7 +102,7 @@ class LLM:
         params = _per_prompt(params, len(texts))
         if plan.forcing_grammar is not None:
             params = [_forcing(p, plan.forcing_grammar) for p in params]
-        # the readers' markers are special tokens (gpt-oss): the output text keeps them, so output.text shows them
+        # the readers' markers are special tokens (harmony): the output text keeps them, so output.text shows them
         params = [dataclasses.replace(p, skip_special_tokens=False) if spec.keeps_special_tokens else p
                   for p, spec in zip(params, specs)]
         prompts = [self.tokenizer.encode(text, add_special_tokens=False) for text in texts]

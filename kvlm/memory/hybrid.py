@@ -1,5 +1,5 @@
-"""llama.cpp's hybrid memory: a KV cache for the attention layers and recurrent state slots for the others (LFM2's
-short convolutions), planned, committed and rolled back together.
+"""llama.cpp's hybrid memory: a KV cache for the attention layers and recurrent state slots for the others (short
+convolutions, delta rules), planned, committed and rolled back together.
 
 The recurrent part sets the limits: a sequence is kept or removed whole, never shifted; micro-batches give each
 sequence the same number of tokens.

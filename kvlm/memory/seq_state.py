@@ -34,7 +34,7 @@ class StateError(CacheError):
 
 
 def model_identity(config: ModelConfig) -> str:
-    full = "x".join(map(str, config.attention_geometry(ATTENTION)))  # Gemma 4's full layers: their own rows
+    full = "x".join(map(str, config.attention_geometry(ATTENTION)))  # full layers may have rows of their own size
     return (f"{config.architecture}/{config.name}/L{config.n_layer}/E{config.n_embd}/H{config.n_head}"
             f"/KV{config.n_head_kv}x{config.head_dim}/full{full}/shared{config.n_kv_shared}/V{config.vocab_size}"
             f"/rope{config.rope}")

@@ -40,7 +40,7 @@ def attend_layer(kv: MemoryView | TracedView, layer: int, q: torch.Tensor, k: to
 def attend(q: torch.Tensor, layer: int, kv: KVView, batch_invariant: bool = False,
            native: NativeLayerOps | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, n_head, d] over the rows of `layer` that `kv` makes visible; returns [T, n_head * d] in q's dtype.
-    `sinks` [n_head] float32: attention sinks' logits (gpt-oss), or None.
+    `sinks` [n_head] float32: attention sinks' logits, or None.
 
     With `native`, every token attends in one native call per layer that reads K/V in place in the cells, per token
     over its own cells in position order (no gather, no conversion; float32 softmax): a prompt's token computes what

@@ -44,7 +44,8 @@ class Backend(Protocol):
     def attention_kernel(self) -> object | None:
         """What attention over cells may call (kvlm.model.attention), None for torch's attention."""
 
-    def decode_layers(self, config: ModelConfig, layers: list, dtype: torch.dtype) -> DecodeLayers | None:
+    def decode_layers(self, config: ModelConfig, layers: list, dtype: torch.dtype,
+                      activation: str = "silu") -> DecodeLayers | None:
         """Whole attention layers as one call each for decode steps, or None."""
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
@@ -84,7 +85,8 @@ class TorchBackend:
     def attention_kernel(self) -> object | None:
         return None
 
-    def decode_layers(self, config: ModelConfig, layers: list, dtype: torch.dtype) -> DecodeLayers | None:
+    def decode_layers(self, config: ModelConfig, layers: list, dtype: torch.dtype,
+                      activation: str = "silu") -> DecodeLayers | None:
         return None
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -152,10 +154,11 @@ class NativeCpuBackend(TorchBackend):
     def attention_kernel(self) -> object | None:
         return self.native if self._use_native() else None
 
-    def decode_layers(self, config: ModelConfig, layers: list, dtype: torch.dtype) -> DecodeLayers | None:
+    def decode_layers(self, config: ModelConfig, layers: list, dtype: torch.dtype,
+                      activation: str = "silu") -> DecodeLayers | None:
         from kvlm.model.fused import DecodeLayers  # the fused layers read the decoder's weights records
 
-        return DecodeLayers(self.kernels, config, layers, dtype)
+        return DecodeLayers(self.kernels, config, layers, dtype, activation)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if self._use_native() and x.dim() == 2 and x.is_contiguous():

@@ -20,21 +20,27 @@ class DecodeLayers:
     input), its experts after. `run` returns None for anything else (prompt chunks, which op by op prefill about 10%
     faster; a compiled graph's view), and the decoder runs the layer op by op. Not for what the native call does not
     compute:
-    Granite's residual multiplier, a whole-projection QK-norm after Q/K/V biases, Qwen3.5's output gate, RoPE over
-    part of each head, Gemma 4's attention."""
+    a residual multiplier, a whole-projection QK-norm after Q/K/V biases, an attention output gate, RoPE over part
+    of each head, a V norm, a kind's own head size or KV heads, K/V read from another layer."""
 
-    def __init__(self, kernels: NativeKernels, config: ModelConfig, layers: list, dtype: torch.dtype) -> None:
-        family = config.family
-        shapes = [LayerShape(config.n_head, config.n_head_kv, config.head_dim, config.n_embd, 0 if moe else config.n_ff,
-                             config.rms_norm_eps, config.query_scale, family.activation == "gelu_tanh",
-                             family.qk_norm_whole)
-                  for moe in config.moe_layers]
-        computed = (not (family.qk_norm_whole and family.qkv_bias) and config.residual_multiplier == 1.0
-                    and not family.attention_output_gate and config.rotary_dims == config.head_dim
-                    and not family.value_norm)  # Gemma 4's V norm, unscaled scores, per-kind heads, shared K/V
-        self.layers = {i: self._native(kernels, shapes[i], dtype, layer) for i, layer in enumerate(layers)
-                       if computed and self._eligible(layer) and config.head_dim % HEAD_DIM_STEP == 0}
+    def __init__(self, kernels: NativeKernels, config: ModelConfig, layers: list, dtype: torch.dtype,
+                 activation: str = "silu") -> None:
+        gelu, eps = activation == "gelu_tanh", config.rms_norm_eps
+        self.layers = {i: self._native(kernels, LayerShape(layer.spec.n_head, layer.spec.n_kv, layer.spec.head_dim,
+                                                           config.n_embd, 0 if layer.moe else config.ff_width(i), eps,
+                                                           layer.spec.scale, gelu, layer.spec.whole_qk_norm),
+                                       dtype, layer)
+                       for i, layer in enumerate(layers) if self._computed(config, layer) and self._eligible(layer)}
         self._steps: list[tuple[KVView, torch.Tensor, DecodeStep]] = []  # of the forward pass under way
+
+    @staticmethod
+    def _computed(config: ModelConfig, layer) -> bool:
+        """Whether the native call computes what this attention layer computes (see the class)."""
+        spec = getattr(layer, "spec", None)
+        return (spec is not None and not (spec.whole_qk_norm and layer.qkv_bias is not None)
+                and config.residual_multiplier == 1.0 and not spec.output_gate and not spec.value_norm
+                and config.rotary_dims == config.head_dim == spec.head_dim and spec.n_kv == config.n_head_kv
+                and spec.head_dim % HEAD_DIM_STEP == 0)
 
     @staticmethod
     def _matrices(layer) -> list:

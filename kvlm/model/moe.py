@@ -4,8 +4,8 @@ the family has one, adds its output for every token.
 
 Routing is computed in float32 whatever the activations (as transformers and llama.cpp do): softmax over all
 experts, the k most probable kept in descending order, their probabilities renormalised to sum to 1 where the model
-says so (gpt-oss's softmax over the k chosen logits is the same thing). gpt-oss adds biases to the router's and the
-experts' products and meets gate and up in a clamped SwiGLU. The experts themselves run as one native call over the blocks their file stores them in
+says so (a softmax over the k chosen logits is the same thing). Routers and experts may add biases to their
+products, and experts may meet gate and up in a clamped SwiGLU. The experts themselves run as one native call over the blocks their file stores them in
 (kvlm.kernels.experts), or, with dense weights (the reference mode, or no native kernels), as a loop over the experts
 that have tokens.
 """
@@ -30,14 +30,14 @@ def route(logits: torch.Tensor, n_used: int, normalize: bool) -> tuple[torch.Ten
 
 
 def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """gpt-oss's activation: the gate clamped above at `limit`, up to [-limit, limit], (up + 1) gate sigmoid(alpha gate)."""
+    """The clamped SwiGLU: the gate clamped above at `limit`, up to [-limit, limit], (up + 1) gate sigmoid(alpha gate)."""
     gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 @dataclass
 class DenseExperts:
-    """Each expert's gate and up (stacked) and down projection as dense products (kvlm.model.linear); gpt-oss's
+    """Each expert's gate and up (stacked) and down projection as dense products (kvlm.model.linear); the
     biases and activation parameters where it has them."""
 
     gate_up: list[Linear]
@@ -88,16 +88,16 @@ class MoEWeights:
     normalize: bool  # the chosen weights renormalised to sum to 1
     shared_gate_up: Linear | None = None  # the shared expert, every token through it
     shared_down: Linear | None = None
-    shared_gate: Linear | None = None  # [1, n_embd]: the shared expert's output times sigmoid of it (Qwen2-MoE)
-    router_bias: torch.Tensor | None = None  # [n_expert] float32 (gpt-oss)
-    # Gemma 4: the router reads RMSNorm(x) (no weight) times this [n_embd] vector and 1/sqrt(n_embd); the chosen
+    shared_gate: Linear | None = None  # [1, n_embd]: the shared expert's output times sigmoid of it
+    router_bias: torch.Tensor | None = None  # [n_expert] float32
+    # Experts beside an MLP: the router reads RMSNorm(x) (no weight) times this [n_embd] vector and 1/sqrt(n_embd); the chosen
     # experts' weights are multiplied by their entry of expert_scale [n_expert]
     router_input_scale: torch.Tensor | None = None
     expert_scale: torch.Tensor | None = None
     router_norm_eps: float = 1e-6
 
     def __call__(self, x: torch.Tensor, ops, activation: str, router_input: torch.Tensor | None = None) -> torch.Tensor:
-        """The experts' output for x [T, n_embd]; routed from `router_input` where it is not x (Gemma 4)."""
+        """The experts' output for x [T, n_embd]; routed from `router_input` where it is not x (experts beside an MLP)."""
         routed = (x if router_input is None else router_input).float()
         if self.router_input_scale is not None:
             routed = F.rms_norm(routed, (routed.shape[-1],), eps=self.router_norm_eps) * self.router_input_scale * routed.shape[-1] ** -0.5

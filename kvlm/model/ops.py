@@ -64,7 +64,7 @@ def gathered_attention(
 
 def with_sinks(keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                row_sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Attention sinks (gpt-oss) as one more key: a zero key and zero value row after the others, whose score is
+    """Attention sinks as one more key: a zero key and zero value row after the others, whose score is
     then the mask's value, the query row's sink logit. It joins the softmax's denominator and adds nothing to the
     output, which is what a sink is. keys, values [..., L, d]; mask [..., rows, L] additive; row_sinks broadcast to
     [..., rows, 1]."""

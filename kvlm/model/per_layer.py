@@ -1,4 +1,4 @@
-"""Gemma 4's per-layer inputs (PLE): besides its embedding, every token gets one small vector per layer.
+"""Per-layer inputs (PLE): besides its embedding, every token gets one small vector per layer.
 
 Each vector mixes what the token is (a row of a second embedding table, n_layer x width values per token, times
 sqrt(width)) with where it stands (the token's scaled embedding projected to the same size, times

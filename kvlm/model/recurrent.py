@@ -1,5 +1,5 @@
-"""The math of recurrent layers as plain functions over explicit states: LFM2's short convolution, Mamba2's mixer
-and Qwen3.5's gated delta rule ("Gated DeltaNet").
+"""The math of recurrent layers as plain functions over explicit states: a gated short convolution, Mamba2's mixer
+and the gated delta rule ("Gated DeltaNet").
 
 Each function takes T new tokens of each of n_seq sequences ([n_seq, T, ...]), with each sequence's state
 before them (zeros for a fresh sequence), and returns the output and the states after them. Feeding a sequence
@@ -62,7 +62,7 @@ def _project(proj: Projection, x: torch.Tensor, bias: torch.Tensor | None) -> to
 
 def short_conv(w: ShortConvWeights, x: torch.Tensor, conv_state: torch.Tensor,
                stepped: RecurrentSteps | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """LFM2's gated short convolution: out_proj(C * conv(B * x)).
+    """The gated short convolution: out_proj(C * conv(B * x)).
 
     conv_state [n_seq, d, L-1] holds the last L-1 inputs of the convolution. Returns y [n_seq, T, d] and the
     new conv_state. The gates are products, whose bits torch computes the same anywhere: only the convolution
@@ -225,7 +225,7 @@ def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, n_gro
 
 @dataclass
 class DeltaNetWeights:
-    """What Qwen3.5's linear-attention layer needs besides its projections (in_proj_qkv, _z, _b, _a, out_proj)."""
+    """What a Gated DeltaNet layer needs besides its projections (in_proj_qkv, _z, _b, _a, out_proj)."""
     conv: torch.Tensor  # [conv_dim, K]: depthwise causal filter over the q, k, v channels (no bias)
     dt_bias: torch.Tensor  # [Hv]
     A: torch.Tensor  # [Hv] float32: A = -exp(A_log), as GGUF files store it (ssm_a)
@@ -271,7 +271,7 @@ class DeltaNetWeights:
 def gated_delta_net(w: DeltaNetWeights, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
                     conv_state: torch.Tensor, state: torch.Tensor, step=None,
                     stepped: RecurrentSteps | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Qwen3.5's linear attention between its projections: causal conv + SiLU, the gated delta rule, gated RMS norm.
+    """Gated DeltaNet linear attention between its projections: causal conv + SiLU, the gated delta rule, gated RMS norm.
 
     qkv [n_seq, T, conv_dim] (in_proj_qkv's output: the rows of q, then k, then v), z [n_seq, T, Hv*Dv],
     b and a [n_seq, T, Hv]; conv_state [n_seq, conv_dim, K-1] holds the last K-1 inputs of the convolution,
