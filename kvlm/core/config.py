@@ -40,9 +40,9 @@ class ModelConfig:
     n_ff_shexp: int = 0  # the shared expert's width (every token goes through it too); 0 for none
     expert_weights_norm: bool = False  # the chosen experts' probabilities renormalised to sum to 1
     moe_layers: tuple[bool, ...] = ()  # per layer: experts instead of the MLP; empty means every layer when n_expert
-    embedding_multiplier: float = 1.0  # Granite: embeddings times it
-    residual_multiplier: float = 1.0  # Granite: attention and MLP outputs times it before each residual add
-    logit_scale: float = 1.0  # Granite: logits divided by it
+    embedding_multiplier: float = 1.0  # embeddings times it
+    residual_multiplier: float = 1.0  # attention and MLP outputs times it before each residual add
+    logit_scale: float = 1.0  # logits divided by it
     swiglu_alpha: float = 1.702  # gpt-oss's clamped SwiGLU: its sigmoid's gain ...
     swiglu_limit: float = 7.0  # ... and the clamp of its gate (above) and up (both sides)
     rope_dims: int = 0  # RoPE rotates the first rope_dims of each head (Qwen3.5's quarter); 0: the whole head

@@ -66,7 +66,6 @@ class Family:
     gguf_expert_weights_norm: bool = False
     hf_expert_weights_norm: bool | None = None  # always (Mixtral, Granite), whatever config.json says; None: it says
     shared_expert_gate: bool = False  # the shared expert's output times sigmoid(a learned row . x) (Qwen2-MoE)
-    granite_multipliers: bool = False  # Granite's embedding, attention, residual and logit multipliers
     # gpt-oss: a bias on the attention output too; a learned sink logit per head in each attention softmax; the
     # router's and the experts' products with biases; its experts in Hugging Face folders as [expert, in, out]
     # tensors with gate and up columns interleaved

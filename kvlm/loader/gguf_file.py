@@ -138,8 +138,7 @@ def _attention_layers(metadata: dict[str, Any], key, family) -> dict[str, Any]:
             "n_head_kv": _kv_heads(key("attention.head_count_kv", n_head)), "query_scale": query_scale,
             "final_logit_softcap": float(metadata.get(f"{arch}.final_logit_softcapping") or 0.0),
             **_sliding_options(metadata, arch, family), **_conv_options(metadata, arch),
-            **_gated_delta_options(metadata, key, arch, n_layer), "rope_dims": _rope_dims(metadata, arch, head_dim),
-            **(_granite_multipliers(metadata, arch, head_dim) if family.granite_multipliers else {})}
+            **_gated_delta_options(metadata, key, arch, n_layer), "rope_dims": _rope_dims(metadata, arch, head_dim)}
 
 
 # Routing that llama.cpp's files may ask for and kvlm does not implement: refused, not ignored.
@@ -167,14 +166,6 @@ def _expert_options(metadata: dict[str, Any], key, family, tensor_names: frozens
             "n_ff_shexp": int(metadata.get(f"{arch}.expert_shared_feed_forward_length") or 0),
             "expert_weights_norm": bool(metadata.get(f"{arch}.expert_weights_norm", family.gguf_expert_weights_norm)),
             "moe_layers": tuple(f"blk.{i}.ffn_gate_inp.weight" in tensor_names for i in range(n_layer))}
-
-
-def _granite_multipliers(metadata: dict[str, Any], arch: str, head_dim: int) -> dict[str, Any]:
-    """Granite's scales as llama.cpp reads them (attention.scale replaces 1/sqrt(head_dim); 0 or absent: that)."""
-    attention = float(metadata.get(f"{arch}.attention.scale") or head_dim ** -0.5)
-    return {"embedding_multiplier": float(metadata.get(f"{arch}.embedding_scale") or 1.0),
-            "residual_multiplier": float(metadata.get(f"{arch}.residual_scale") or 1.0),
-            "logit_scale": float(metadata.get(f"{arch}.logit_scale") or 1.0), "query_scale": attention * head_dim ** 0.5}
 
 
 def _kv_heads(value: Any) -> int:

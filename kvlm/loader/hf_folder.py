@@ -127,8 +127,7 @@ def _attention_layers(raw: dict, family) -> dict:
     return {"n_ff": family.hf_ff_size(raw) if family.hf_ff_size else n_ff, "n_head": n_head,
             "n_head_kv": raw.get("num_key_value_heads") or n_head, "head_dim": head_dim,
             "rms_norm_eps": float(raw.get("rms_norm_eps", raw.get("norm_eps", 1e-6))),
-            **_attention_options(raw, family, head_dim), **_expert_options(raw, family),
-            **(_granite_multipliers(raw, head_dim) if family.granite_multipliers else {})}
+            **_attention_options(raw, family, head_dim), **_expert_options(raw, family)}
 
 
 def _expert_options(raw: dict, family) -> dict:
@@ -150,14 +149,6 @@ def _expert_options(raw: dict, family) -> dict:
             "n_ff_shexp": raw.get("shared_expert_intermediate_size") or raw.get("shared_intermediate_size") or 0,
             "expert_weights_norm": bool(raw.get("norm_topk_prob", False)) if norm is None else norm,
             "moe_layers": tuple(i not in dense and (i + 1) % step == 0 for i in range(raw["num_hidden_layers"]))}
-
-
-def _granite_multipliers(raw: dict, head_dim: int) -> dict:
-    """Granite's scales; its attention scale replaces 1/sqrt(head_dim), so Q is multiplied by it times that root."""
-    return {"embedding_multiplier": float(raw.get("embedding_multiplier", 1.0)),
-            "residual_multiplier": float(raw.get("residual_multiplier", 1.0)),
-            "logit_scale": float(raw.get("logits_scaling", 1.0)),
-            "query_scale": float(raw.get("attention_multiplier", head_dim ** -0.5)) * head_dim ** 0.5}
 
 
 def _attention_options(raw: dict, family, head_dim: int) -> dict:
