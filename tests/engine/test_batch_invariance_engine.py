@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from conftest import load_on
-from server_helpers import serving
+from helpers.models import load_on
+from helpers.server import serving
 
 from kvlm import LLM, SamplingParams
 from kvlm.engine.engine import Engine

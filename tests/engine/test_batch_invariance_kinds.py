@@ -15,18 +15,16 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from family_factory import SPECS, family_gguf_metadata, family_gguf_tensors, random_model
-from gemma4_factory import random_gemma4, write_gemma4_gguf
-from gguf_factory import write_gguf
-from gptoss_factory import random_gpt_oss, write_gpt_oss_gguf
-from moe_factory import SPECS as MOE_SPECS
-from moe_factory import random_moe, save_moe_folder, write_moe_gguf
-from qwen35_factory import random_qwen35, write_qwen35_gguf
-from conftest import load_on
-from test_batch_invariance import KV_DTYPES, assert_every_layout_equal
-from test_gemma3 import gguf_of as gemma3_gguf
-from test_gemma3 import random_gemma3
-from test_recurrent_models import lfm2_gguf, mamba2_gguf, random_lfm2, random_mamba2
+from helpers.batch_invariance import KV_DTYPES, assert_every_layout_equal
+from helpers.family_factory import SPECS, family_gguf_metadata, family_gguf_tensors, random_model
+from helpers.gemma3_factory import gguf_of as gemma3_gguf, random_gemma3
+from helpers.gemma4_factory import random_gemma4, write_gemma4_gguf
+from helpers.gguf_factory import write_gguf
+from helpers.gptoss_factory import random_gpt_oss, write_gpt_oss_gguf
+from helpers.models import load_on
+from helpers.moe_factory import SPECS as MOE_SPECS, random_moe, save_moe_folder, write_moe_gguf
+from helpers.qwen35_factory import random_qwen35, write_qwen35_gguf
+from helpers.recurrent_factory import lfm2_gguf, mamba2_gguf, random_lfm2, random_mamba2
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

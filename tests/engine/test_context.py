@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from conftest import decode_ok, memory_state, one_batch, single_sequence_context
+from helpers.models import decode_ok, memory_state, one_batch, single_sequence_context
 from kvlm import Batch, Context, DecodeStatus
 from kvlm.core.errors import CacheError
 

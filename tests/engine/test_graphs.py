@@ -9,11 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import decode_ok, max_diff, reference_logits
-from family_factory import SPECS, random_model, save_model
+from helpers.family_factory import SPECS, random_model, save_model
+from helpers.models import decode_ok, max_diff, reference_logits, token_ids
 from kvlm import Batch, Context, load_model
 from kvlm.model.graphs import PREFILL_MIN_TOKENS, StepGraphs, check_compiler
-from test_random_models import token_ids
 
 TOLERANCE = 1e-4
 PROMPTS = (70, 23, 9)  # prompts for the prefill graph, each its own batch

@@ -9,9 +9,9 @@ import logging
 import re
 
 import pytest
-from gguf_factory import save_hf_folder
-from test_gemma3 import WINDOW, random_gemma3
-from test_recurrent_models import random_lfm2, random_mamba2
+from helpers.gemma3_factory import WINDOW, random_gemma3
+from helpers.gguf_factory import save_hf_folder
+from helpers.recurrent_factory import random_lfm2, random_mamba2
 
 import kvlm.cli.commands
 import kvlm.engine.llm

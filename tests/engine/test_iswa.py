@@ -3,19 +3,17 @@ layer, a small sliding pool whose cells are freed as the windows move on, agains
 same model with every cell kept (swa_full)."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
-from conftest import decode_ok, max_diff, one_batch, reference_logits
-from gguf_factory import save_hf_folder
+from helpers.gemma3_factory import WINDOW, random_gemma3
+from helpers.gguf_factory import save_hf_folder
+from helpers.models import assert_same_state, decode_ok, max_diff, one_batch, pool_state, reference_logits, token_ids
 from kvlm import LLM, Batch, Context, DecodeStatus, SamplingParams, load_model
 from kvlm.core.errors import CacheError
 from kvlm.memory.iswa import ISWAMemory
 from kvlm.memory.kv_store import BYTES_PER_ELEMENT
 from kvlm.memory.seq_state import StateError
-from test_gemma3 import WINDOW, random_gemma3
-from test_random_models import token_ids
 
 TOLERANCE = 1e-4
 
@@ -39,23 +37,6 @@ def iswa_context(model, n_seq_max=1, n_ubatch=7, **kwargs) -> Context:
                   n_seq_max=n_seq_max, **kwargs)
     assert isinstance(ctx.memory, ISWAMemory)
     return ctx
-
-
-def pool_state(ctx: Context) -> list:
-    """Every pool's bookkeeping and the K/V bytes of its used cells: what a refused or rolled-back operation must
-    leave as it was (free cells may hold anything)."""
-    states = []
-    for pool in ctx.memory.pools:
-        used = torch.from_numpy(np.flatnonzero(pool.cells.pos >= 0))
-        states.append((pool.cells.pos.copy(), pool.cells.seqs.copy(), pool.cells.shift.copy(),
-                       pool.store.k.data[:, used].clone(), pool.store.v.data[:, used].clone()))
-    return states
-
-
-def assert_same_state(a: list, b: list) -> None:
-    for pool_a, pool_b in zip(a, b):
-        for x, y in zip(pool_a, pool_b):
-            assert (np.array_equal(x, y) if isinstance(x, np.ndarray) else torch.equal(x, y))
 
 
 def test_pools_are_sized_as_llama_cpp_and_their_bytes_add_up(ours):

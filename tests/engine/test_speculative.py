@@ -9,61 +9,16 @@ run that only saw the committed tokens; stop strings, max_tokens and the end of 
 """
 from __future__ import annotations
 
-import random
-
 import numpy as np
 import pytest
 import torch
 
-from family_factory import SPECS, random_model, write_family_gguf
+from helpers.speculative import NGRAM, REPEATING, _random_gguf, exact_model, oracle_guesses
 from kvlm import LLM, Batch, Context, SamplingParams, load_model
 import kvlm.speculative.speculator as speculator_module
 from kvlm.engine.engine import Engine
-from kvlm.kernels import native_kernels
-from test_gemma3 import gguf_of as gemma3_gguf
-from test_gemma3 import random_gemma3
-from gemma4_factory import random_gemma4, write_gemma4_gguf
-from qwen35_factory import random_qwen35, write_qwen35_gguf
-from test_recurrent_models import lfm2_gguf, mamba2_gguf, random_lfm2, random_mamba2
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "adaptive": False}
-REPEATING = [5, 6, 7, 8, 9, 10, 11, 12] * 6  # a prompt prompt lookup finds its own n-grams in
-
-
-def _random_gguf(family: str, folder, perturbed: bool = False):
-    """A random model of the family as a GGUF file; `perturbed`: the same with every weight moved a little, a draft
-    whose guesses are often but not always the target's."""
-    if family in SPECS:
-        spec = SPECS[family]
-        model = random_model(spec)
-        write = lambda m, f: write_family_gguf(m, spec, f / "model.gguf")  # noqa: E731
-    else:
-        make, write = {"gemma3": (random_gemma3, gemma3_gguf), "lfm2": (random_lfm2, lfm2_gguf),
-                       "mamba2": (random_mamba2, mamba2_gguf),
-                       # 3 delta-rule layers and an attention layer: the pattern once (the suite's time)
-                       "qwen35": (lambda: random_qwen35(num_hidden_layers=4),
-                                  lambda m, f: write_qwen35_gguf(m, f / "model.gguf")),
-                       # iSWA with two row sizes, layers reading others' K/V, per-layer inputs
-                       "gemma4": (random_gemma4, lambda m, f: write_gemma4_gguf(m, f / "model.gguf"))}[family]
-        model = make()
-    if perturbed:
-        generator = torch.Generator().manual_seed(5)
-        with torch.no_grad():
-            for param in model.parameters():
-                param.add_(torch.randn(param.shape, generator=generator) * param.std().nan_to_num(0.1) * 0.5)
-    return write(model, folder)
-
-
-def exact_model(path, default: bool = False):
-    """A model whose rows compute the same bits whatever rows are beside them: the native kernels' products (the
-    weights requantized to Q8_0, or as the file stores them when `default`), or where those are not built, the
-    batch-invariant float32 mode."""
-    if native_kernels() is None:
-        return load_model(str(path), "float32", batch_invariant=True, progress=False)
-    return load_model(str(path), progress=False) if default else load_model(str(path), quant="int8", progress=False)
-
 
 # unified x3, iSWA (one row size; two, and shared K/V), hybrid (short convolutions; delta rule), recurrent
 FAMILIES = ["llama-llama3", "qwen2", "qwen3", "gemma3", "gemma4", "lfm2", "qwen35", "mamba2"]
@@ -94,23 +49,6 @@ def _generate(model, prompts, params, speculative=None, **engine):
 def _prompts(vocab: int) -> list[list[int]]:
     generator = np.random.default_rng(3)
     return [REPEATING, [1, *generator.integers(3, vocab, 20).tolist()] * 3, [1, 40, 41, 42, 43] * 4]
-
-
-def oracle_guesses(prompts, outputs, vocab: int):
-    """A proposer that knows the unspeculated output and guesses it with one token wrong at a position that moves
-    from step to step (none wrong when it falls past the guesses): every count of accepted guesses occurs."""
-    def propose(tokens, min_n, max_n, k, max_len=None):
-        tokens = list(tokens)
-        for prompt, output in zip(prompts, outputs):
-            if tokens[: len(prompt)] == prompt and tokens[len(prompt):] == output[: len(tokens) - len(prompt)]:
-                done = len(tokens) - len(prompt)
-                guesses = list(output[done : done + k])
-                wrong = random.Random(done).randrange(k + 1)
-                if wrong < len(guesses):
-                    guesses[wrong] = (guesses[wrong] + 1) % vocab
-                return guesses
-        return []
-    return propose
 
 
 def test_greedy_output_is_unchanged_whatever_is_accepted(target, monkeypatch):

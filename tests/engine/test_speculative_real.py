@@ -14,8 +14,8 @@ from kvlm import LLM, SamplingParams, load_model
 from kvlm.engine.engine import Engine
 from kvlm.server.app import create_app
 from kvlm.speculative.vocab import IncompatibleDraftError
-from server_helpers import serving
-from test_speculative import exact_model
+from helpers.server import serving
+from helpers.speculative import exact_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

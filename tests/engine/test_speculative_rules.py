@@ -12,7 +12,7 @@ from kvlm import LLM, Batch, Context, SamplingParams
 from kvlm.engine.engine import PREFIX_CACHE_SEQ, Engine
 from kvlm.speculative.config import SpeculativeConfig
 from kvlm.speculative.tuning import Acceptance, Candidate, StepCosts, choose_guesses
-from test_speculative import NGRAM, REPEATING, _random_gguf, exact_model, oracle_guesses
+from helpers.speculative import NGRAM, REPEATING, _random_gguf, exact_model, oracle_guesses
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from gguf_factory import llama_config, random_llama, save_hf_folder
+from helpers.gguf_factory import llama_config, random_llama, save_hf_folder
 from kvlm.core.family import CONV
 from kvlm.kernels import BlockMatrix, dequantize
 from kvlm.loader.gguf_file import open_gguf_model
@@ -102,7 +102,7 @@ def test_recurrent_layers_are_refused(folder):
 def moe_files(tmp_path_factory):
     """A Qwen2-MoE (experts and a gated shared expert) 64 wide each, as a folder and as a Q8_0 GGUF file."""
     from gguf import GGMLQuantizationType
-    from moe_factory import SPECS, random_moe, save_moe_folder, write_moe_gguf
+    from helpers.moe_factory import SPECS, random_moe, save_moe_folder, write_moe_gguf
 
     spec = dataclasses.replace(SPECS["qwen2moe"], options={**SPECS["qwen2moe"].options, "moe_intermediate_size": 64})
     model, folder = random_moe(spec), tmp_path_factory.mktemp("tp-moe")
@@ -147,7 +147,7 @@ def test_gpt_oss_ranks_split_sinks_and_expert_biases_and_keep_the_added_once_bia
     """gpt-oss's parts beyond other MoE: the sinks go with their heads, the experts' gate and up biases with their
     rows, and the biases added after the ranks' partial sums (attention output, experts' down) are read whole."""
     from gguf import GGMLQuantizationType
-    from gptoss_factory import random_gpt_oss, save_gpt_oss_folder, write_gpt_oss_gguf
+    from helpers.gptoss_factory import random_gpt_oss, save_gpt_oss_folder, write_gpt_oss_gguf
 
     model, folder = random_gpt_oss(), tmp_path_factory.mktemp("tp-gpt-oss")
     path = save_gpt_oss_folder(model, folder) if kind == "folder" else \

@@ -19,11 +19,11 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import decode_ok, max_diff, memory_state, on_two_ranks
-from gguf_factory import llama_config, random_llama, save_hf_folder
-from server_helpers import free_port
-from test_gemma3 import random_gemma3
-from test_random_models import token_ids
+from helpers.gemma3_factory import random_gemma3
+from helpers.gguf_factory import llama_config, random_llama, save_hf_folder
+from helpers.models import decode_ok, max_diff, memory_state, on_two_ranks, token_ids
+from helpers.server import free_port
+from helpers.tensor_parallel import TOLERANCE, VOCAB, assert_same_outputs
 
 from kvlm import Batch, Context, DecodeStatus, load_model
 from kvlm.engine.llm import LLM
@@ -33,10 +33,8 @@ from kvlm.loader.tensors import GGUFTensors
 from kvlm.parallel import launch
 from kvlm.parallel.leader import MUTATING, READS
 
-TOLERANCE = 1e-4
 KVLM = str(Path(sys.executable).with_name("kvlm"))
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-VOCAB = 1000
 
 
 @pytest.fixture(scope="module")
@@ -59,12 +57,6 @@ def two(gemma_folder):
 def llama_folder(tmp_path_factory):
     config = llama_config(hidden_size=128, n_head=8, n_head_kv=4, n_layer=3, intermediate_size=192)
     return save_hf_folder(random_llama(config, seed=3), tmp_path_factory.mktemp("tp-llama"))
-
-
-def assert_same_outputs(ours, expected) -> None:
-    for a, b in zip(ours, expected, strict=True):
-        assert a.token_ids == b.token_ids
-        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) <= TOLERANCE
 
 
 # --- in this process: the Gemma 3 model on two ranks ---

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import on_two_ranks
-from gptoss_factory import random_gpt_oss, save_gpt_oss_folder
-from moe_factory import SPECS, random_moe, save_moe_folder
-from test_random_models import token_ids
-from test_tensor_parallel_engine import VOCAB, assert_same_outputs
+from helpers.gptoss_factory import random_gpt_oss, save_gpt_oss_folder
+from helpers.models import on_two_ranks, token_ids
+from helpers.moe_factory import SPECS, random_moe, save_moe_folder
+from helpers.tensor_parallel import VOCAB, assert_same_outputs
 
 from kvlm import load_model
 from kvlm.engine.llm import LLM

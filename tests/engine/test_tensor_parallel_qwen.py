@@ -10,8 +10,8 @@ import httpx
 import pytest
 import torch
 import uvicorn
-from conftest import decode_ok, max_diff, on_two_ranks
-from server_helpers import free_port
+from helpers.models import decode_ok, max_diff, on_two_ranks
+from helpers.server import free_port
 
 from kvlm import Batch, Context, load_model
 from kvlm.engine.engine import Engine

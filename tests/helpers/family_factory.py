@@ -36,7 +36,7 @@ from transformers import (
     SmolLM3ForCausalLM,
 )
 
-from gguf_factory import BOS_ID, EOS_ID, gguf_metadata, gguf_tensors, save_hf_folder, write_gguf
+from helpers.gguf_factory import BOS_ID, EOS_ID, gguf_metadata, gguf_tensors, save_hf_folder, write_gguf
 from kvlm.loader.hf_folder import gguf_name
 
 SOURCES = ("hf-new", "hf-old", "gguf")

@@ -46,8 +46,8 @@ from gguf import GGMLQuantizationType
 from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig
 from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
 
-from gguf_factory import BOS_ID, EOS_ID, byte_level_tokenizer, gguf_metadata, save_hf_folder
-from qwen35_factory import _write_gguf  # the converter's F32 / F16-fallback rules, the same prepare_tensors
+from helpers.gguf_factory import BOS_ID, EOS_ID, byte_level_tokenizer, gguf_metadata, save_hf_folder
+from helpers.qwen35_factory import _write_gguf  # the converter's F32 / F16-fallback rules, the same prepare_tensors
 
 F32 = GGMLQuantizationType.F32
 SLIDING, FULL = "sliding_attention", "full_attention"

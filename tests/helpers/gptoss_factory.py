@@ -18,8 +18,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import GptOssConfig, GptOssForCausalLM
 
-from family_factory import randomized_norms_and_biases, rope_scaling_metadata
-from gguf_factory import BOS_ID, EOS_ID, gguf_metadata, save_hf_folder, write_gguf
+from helpers.family_factory import randomized_norms_and_biases, rope_scaling_metadata
+from helpers.gguf_factory import BOS_ID, EOS_ID, gguf_metadata, save_hf_folder, write_gguf
 
 ARCH = "gpt-oss"
 WINDOW = 8  # the sliding layers' window: prompts in the tests run well past it

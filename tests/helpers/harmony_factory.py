@@ -6,12 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from gguf_factory import SPECIAL_TOKENS, byte_level_vocab, gguf_metadata, gguf_tensors, llama_config, random_llama, \
-    write_gguf
+from helpers import DATA
+from helpers.gguf_factory import SPECIAL_TOKENS, byte_level_vocab, gguf_metadata, gguf_tensors, llama_config, \
+    random_llama, write_gguf
 
 from kvlm.text.tokenizer import Tokenizer
 
-TEMPLATE = (Path(__file__).parent / "data" / "gpt-oss-chat-template.jinja").read_bytes().decode("utf-8")
+TEMPLATE = (DATA / "gpt-oss-chat-template.jinja").read_bytes().decode("utf-8")
 HARMONY_TOKENS = ("<|return|>", "<|constrain|>", "<|channel|>", "<|start|>", "<|end|>", "<|message|>", "<|call|>")
 BYTE_LEVEL_SIZE = 1000
 VOCAB_SIZE = BYTE_LEVEL_SIZE + len(HARMONY_TOKENS)

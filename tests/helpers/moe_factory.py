@@ -31,8 +31,8 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from family_factory import Spec, randomized_norms_and_biases
-from gguf_factory import BOS_ID, EOS_ID, gguf_metadata, permute_rope_rows, save_hf_folder, write_gguf
+from helpers.family_factory import Spec, randomized_norms_and_biases
+from helpers.gguf_factory import BOS_ID, EOS_ID, gguf_metadata, permute_rope_rows, save_hf_folder, write_gguf
 
 _BASE = dict(vocab_size=1000, hidden_size=128, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.15, bos_token_id=BOS_ID,

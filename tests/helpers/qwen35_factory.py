@@ -36,8 +36,8 @@ from transformers import (
     Qwen3_5TextConfig,
 )
 
-from gguf_factory import BOS_ID, EOS_ID, add_value, byte_level_tokenizer, gguf_metadata, save_hf_folder
-from moe_factory import relaid_experts
+from helpers.gguf_factory import BOS_ID, EOS_ID, add_value, byte_level_tokenizer, gguf_metadata, save_hf_folder
+from helpers.moe_factory import relaid_experts
 
 F32 = GGMLQuantizationType.F32
 FULL_ATTENTION_INTERVAL = 4

@@ -13,11 +13,11 @@ import sys
 import pytest
 import torch
 
-from conftest import decode_ok
+from helpers.gemma3_factory import WINDOW, gguf_of, random_gemma3
+from helpers.models import decode_ok
 from kvlm import Batch, Context, load_model
 from kvlm.kernels import native_kernels
 from kvlm.kernels.decode_layer import NativeDecodeLayer
-from test_gemma3 import WINDOW, gguf_of, random_gemma3
 
 pytestmark = pytest.mark.skipif(native_kernels() is None, reason="the native kernels are not built here")
 
@@ -124,7 +124,7 @@ def test_layers_of_experts_run_their_attention_natively_as_op_by_op(tmp_path, mo
     """Random mixtures of experts (Q8_0): the native call runs each layer's attention up to its experts' input
     (per-head QK-norm; OLMoE's over whole projections; Qwen2-MoE's biases), the experts run after it."""
     from gguf import GGMLQuantizationType
-    from moe_factory import SPECS, random_moe, save_moe_folder, write_moe_gguf
+    from helpers.moe_factory import SPECS, random_moe, save_moe_folder, write_moe_gguf
 
     reference = random_moe(SPECS[name])
     path = write_moe_gguf(reference, SPECS[name], save_moe_folder(reference, tmp_path / "hf"), tmp_path / "m.gguf",
@@ -141,7 +141,7 @@ def test_the_plain_cpp_build_decodes_as_op_by_op(smollm2_gguf_path):
     own (the kernels are chosen once per process)."""
     script = f"""
 import sys
-sys.path.insert(0, {os.path.dirname(__file__)!r})
+sys.path[:0] = [{os.path.dirname(__file__)!r}, {os.path.dirname(os.path.dirname(__file__))!r}]  # it, and helpers
 import pytest, torch
 from kvlm import load_model
 from kvlm.kernels import native_kernels

@@ -1,7 +1,7 @@
 """The native dense product (kvlm/kernels/csrc/dense.h) against a float64 product, for every weight and activation
 dtype, in this CPU's build and in plain C++ (no AVX2): close to the exact result, and each output row the same bits
-whatever other rows share the call and whatever the number of threads. Every build test_kernels makes (this CPU's,
-AVX2, plain C++ with one value at a time, AVX-512 where it runs)."""
+whatever other rows share the call and whatever the number of threads. Every build the `kernels` fixture makes
+(tests/kernels/conftest.py: this CPU's, AVX2, plain C++ with one value at a time, AVX-512 where it runs)."""
 from __future__ import annotations
 
 import ctypes
@@ -9,7 +9,6 @@ import ctypes
 import pytest
 import torch
 
-from test_kernels import kernels  # noqa: F401  - the library built for each -march
 
 WEIGHT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 ACTIVATION_DTYPES = [torch.float32, torch.bfloat16]
@@ -47,7 +46,7 @@ def assert_close_to_exact(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
 
 @pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES, ids=str)
 @pytest.mark.parametrize("x_dtype", ACTIVATION_DTYPES, ids=str)
-def test_product_matches_float64(kernels, weight_dtype, x_dtype):  # noqa: F811
+def test_product_matches_float64(kernels, weight_dtype, x_dtype):
     for out_features, in_features in SHAPES:
         weight = random_weight(out_features, in_features, weight_dtype)
         product = kernels.dense(weight)
@@ -62,7 +61,7 @@ def test_product_matches_float64(kernels, weight_dtype, x_dtype):  # noqa: F811
 
 @pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES, ids=str)
 @pytest.mark.parametrize("x_dtype", ACTIVATION_DTYPES, ids=str)
-def test_rows_do_not_depend_on_the_batch_or_threads(kernels, weight_dtype, x_dtype, restore_threads):  # noqa: F811
+def test_rows_do_not_depend_on_the_batch_or_threads(kernels, weight_dtype, x_dtype, restore_threads):
     weight = random_weight(93, 333, weight_dtype)  # 11 panels and 5 rows after them, shared by 1 or 2 threads
     product = kernels.dense(weight)
     x = random_x(300, 333, x_dtype)
@@ -76,12 +75,12 @@ def test_rows_do_not_depend_on_the_batch_or_threads(kernels, weight_dtype, x_dty
         assert torch.equal(shifted, alone[7:]), f"rows 7.. of 300, {threads} threads"
 
 
-def test_no_rows(kernels):  # noqa: F811
+def test_no_rows(kernels):
     product = kernels.dense(random_weight(9, 20, torch.float32))
     assert product(torch.empty(0, 20)).shape == (0, 9)
 
 
-def test_bad_shapes_are_refused(kernels):  # noqa: F811
+def test_bad_shapes_are_refused(kernels):
     product = kernels.dense(random_weight(12, 40, torch.bfloat16))
     with pytest.raises(ValueError, match=r"\[m, 40\].*\[12, 40\].*\[3, 41\]"):
         product(torch.zeros(3, 41))
@@ -95,7 +94,7 @@ def test_bad_shapes_are_refused(kernels):  # noqa: F811
         kernels.dense(torch.zeros(480))
 
 
-def test_c_api_refuses_bad_arguments(kernels):  # noqa: F811
+def test_c_api_refuses_bad_arguments(kernels):
     """What the C side says about arguments the Python class never passes: BAD_SHAPE (2)."""
     lib = kernels._lib
     weight, y = torch.zeros(8, 4), torch.zeros(1, 8)

@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as T
 from kvlm.kernels import NATIVE_TYPES, BlockMatrix, reference
 from kvlm.kernels.experts import ExpertBiases, NativeExperts
 from kvlm.kernels.native import BuildError, NativeKernels, build, compiler
-from test_kernels import K_QUANTS, random_blocks
+from helpers.blocks import K_QUANTS, random_blocks
 
 TYPES = sorted(NATIVE_TYPES, key=int)
 N_EXPERT, N_USED = 6, 3

@@ -13,75 +13,18 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, GGUFWriter
 from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
 
+from helpers.blocks import K_QUANTS, SCALES_AT, random_blocks, scale_width
 from kvlm.kernels import NATIVE_TYPES, BlockMatrix, reference
-from kvlm.kernels.native import BuildError, NativeKernels, cpu_flags, build, compiler
 from kvlm.kernels.quantize import quantize_q4_0, quantize_q4_1, quantize_q8_0
 from kvlm.loader.gguf_reader import GGUFFile
 from kvlm.loader.tensors import GGUFTensors
 
-K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)
 TYPES = sorted(NATIVE_TYPES, key=int)
-# gcc -march values: this CPU's, AVX2 alone, plain x86-64 (no vector readers); AVX-512 without VNNI if this CPU can
-# run it (checked by running the build, below).
-MARCHES = ["native", "x86-64-v3", "x86-64", "skylake-avx512"]
-
-
-def scale_bytes(rng, n: int) -> np.ndarray:
-    """f16 scales as a file has them: mostly small, some negative, zero and subnormal ones too."""
-    values = rng.standard_normal(n).astype(np.float32) * 0.01
-    values[::7] = 0.0
-    values[3::11] = -values[3::11]
-    values[5::13] = 3e-7  # subnormal in f16
-    return values.astype(np.float16).view(np.uint8).reshape(n, 2)
-
-
-def exponent_bytes(rng, n: int) -> np.ndarray:
-    """MXFP4's E8M0 exponents as a file has them: scales 2^(e - 128) of about 2^-10 .. 2^2."""
-    return rng.integers(118, 131, size=(n, 1), dtype=np.uint8)
-
-
-# Where a block's scales are: the offsets of its f16 scales, or of MXFP4's one exponent byte.
-SCALES_AT = {T.Q4_0: [0], T.Q5_0: [0], T.Q8_0: [0], T.Q4_1: [0, 2], T.Q5_1: [0, 2], T.Q4_K: [0, 2], T.Q5_K: [0, 2],
-             T.Q6_K: [208], T.MXFP4: [0]}
-
-
-def scale_width(qtype: T) -> int:
-    return 1 if qtype == T.MXFP4 else 2
-
-
-def random_blocks(qtype: T, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """Rows of blocks with random levels and plausible scales: [rows, row_bytes] uint8."""
-    rng = np.random.default_rng(seed)
-    block_weights, block_bytes = GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, size=(rows * cols // block_weights, block_bytes), dtype=np.uint8)
-    scales = exponent_bytes if qtype == T.MXFP4 else scale_bytes
-    for at in SCALES_AT[qtype]:
-        raw[:, at:at + scale_width(qtype)] = scales(rng, raw.shape[0])
-    return raw.reshape(rows, -1)
 
 
 def width_for(qtype: T, chunks: float = 2.5) -> int:
     """A row width: whole super-blocks for K-quants; for 32-weight formats, a last chunk that is partial."""
     return 512 if qtype in K_QUANTS else int(256 * chunks) + 32
-
-
-@pytest.fixture(scope="module", params=MARCHES)
-def kernels(request):
-    if compiler() is None:
-        pytest.skip("no C++ compiler here: the pure-torch path is tested instead")
-    try:
-        built = NativeKernels(build(request.param))
-    except BuildError as exc:
-        pytest.skip(f"cannot build for -march={request.param}: {exc}")
-    if request.param == "skylake-avx512" and not runs_avx512():
-        pytest.skip("this CPU cannot run AVX-512")
-    return built
-
-
-def runs_avx512() -> bool:
-    """Whether this CPU has the AVX-512 subsets gcc's skylake-avx512 emits (from the kernel's own list of flags)."""
-    flags = set(cpu_flags().split())
-    return {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"} <= flags
 
 
 def assert_rounding_close(actual: torch.Tensor, x: torch.Tensor, parts: list[BlockMatrix], relative: float = 1e-5):

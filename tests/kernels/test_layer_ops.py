@@ -14,7 +14,6 @@ from kvlm.model.backend import BACKENDS, NativeCpuBackend, TorchBackend
 from kvlm.core.rope import apply_rope
 from kvlm.model.ops import grouped_attention, rms_norm
 from kvlm.model.recurrent import delta_step
-from test_kernels import kernels  # noqa: F401  - the library built for each -march
 
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -47,7 +46,7 @@ def per_token(cells: torch.Tensor, lengths: torch.Tensor) -> TokenCells:
 @pytest.mark.parametrize("kv_dtype", ["f32", "f16", "bf16", "q8_0"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n_head,n_kv,dim", [(4, 4, 32), (9, 3, 64), (8, 2, 96)])
-def test_attention_matches_torch(kernels, kv_dtype, dtype, n_head, n_kv, dim):  # noqa: F811
+def test_attention_matches_torch(kernels, kv_dtype, dtype, n_head, n_kv, dim):
     n_cells, n_tokens = 50, 5
     (k_plane, k_values), (v_plane, v_values) = planes(kv_dtype, n_cells, n_kv, dim, seed=n_head + dim)
     g = torch.Generator().manual_seed(7)
@@ -75,7 +74,7 @@ def sink_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 
 @pytest.mark.parametrize("kv_dtype", ["f32", "q8_0"])
-def test_attention_with_sinks_matches_their_definition(kernels, kv_dtype):  # noqa: F811
+def test_attention_with_sinks_matches_their_definition(kernels, kv_dtype):
     """gpt-oss's sinks in the native attention (and torch's attention with them as an extra key), over
     lengths of one cell, a chunk and past it (the chunks' merge starts from the sink)."""
     n_cells, n_head, n_kv, dim = 600, 8, 2, 32
@@ -97,7 +96,7 @@ def test_attention_with_sinks_matches_their_definition(kernels, kv_dtype):  # no
 
 
 @pytest.mark.parametrize("kv_dtype", ["f32", "q8_0"])
-def test_long_contexts_are_attended_in_chunks_merged_exactly(kernels, kv_dtype):  # noqa: F811
+def test_long_contexts_are_attended_in_chunks_merged_exactly(kernels, kv_dtype):
     """Cells beyond one chunk of 256: the partial softmaxes merged give torch's attention; and the result is the
     same bits whatever the number of threads and the other tokens of the step."""
     n_cells, n_head, n_kv, dim = 1200, 8, 2, 64
@@ -122,7 +121,7 @@ def test_long_contexts_are_attended_in_chunks_merged_exactly(kernels, kv_dtype):
 
 @pytest.mark.parametrize("kv_dtype", ["f16", "q8_0"])
 @pytest.mark.parametrize("window", [0, 300])
-def test_a_prompts_tokens_over_shared_cells_compute_what_each_alone_computes(kernels, kv_dtype, window):  # noqa: F811
+def test_a_prompts_tokens_over_shared_cells_compute_what_each_alone_computes(kernels, kv_dtype, window):
     """A prompt's tokens point into one shared run of cells (each from its window's start up to its own); each gets
     the bits it gets reading its own copy of those cells as a decode token, whatever the other tokens of the call."""
     n_cells, n_head, n_kv, dim, n_tokens = 700, 6, 2, 32, 600
@@ -142,7 +141,7 @@ def test_a_prompts_tokens_over_shared_cells_compute_what_each_alone_computes(ker
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,width", [(1, 576), (3, 40), (70, 1000)])
-def test_rms_norm_with_and_without_residual(kernels, dtype, rows, width):  # noqa: F811
+def test_rms_norm_with_and_without_residual(kernels, dtype, rows, width):
     g = torch.Generator().manual_seed(rows)
     x, h = (torch.randn(rows, width, generator=g).to(dtype) for _ in range(2))
     weight = (1 + 0.1 * torch.randn(width, generator=g)).to(dtype)
@@ -156,7 +155,7 @@ def test_rms_norm_with_and_without_residual(kernels, dtype, rows, width):  # noq
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n_tokens,n_heads,dim", [(1, 12, 64), (7, 3, 2), (33, 5, 128)])
-def test_rope_in_place_on_a_strided_view(kernels, dtype, n_tokens, n_heads, dim):  # noqa: F811
+def test_rope_in_place_on_a_strided_view(kernels, dtype, n_tokens, n_heads, dim):
     g = torch.Generator().manual_seed(dim)
     qkv = torch.randn(n_tokens, (n_heads + 1) * dim, generator=g).to(dtype)  # one more head after the rotated ones
     angles = torch.rand(n_tokens, 1, dim // 2, generator=g) * 100
@@ -171,7 +170,7 @@ def test_rope_in_place_on_a_strided_view(kernels, dtype, n_tokens, n_heads, dim)
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n_tokens,n_heads,dim", [(1, 6, 64), (5, 3, 32), (9, 2, 256)])
-def test_head_norm_in_place_on_a_strided_view(kernels, dtype, n_tokens, n_heads, dim):  # noqa: F811
+def test_head_norm_in_place_on_a_strided_view(kernels, dtype, n_tokens, n_heads, dim):
     """QK-norm: each head normed over its d values, times its own weight; the other heads of the row untouched."""
     g = torch.Generator().manual_seed(dim)
     qkv = torch.randn(n_tokens, (n_heads + 1) * dim, generator=g).to(dtype)
@@ -187,7 +186,7 @@ def test_head_norm_in_place_on_a_strided_view(kernels, dtype, n_tokens, n_heads,
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("rows,width", [(1, 1536), (5, 7), (64, 2048)])
-def test_gated_activation(kernels, dtype, activation, rows, width):  # noqa: F811
+def test_gated_activation(kernels, dtype, activation, rows, width):
     gate_up = torch.randn(rows, 2 * width, generator=torch.Generator().manual_seed(width)).to(dtype)
     out = kernels.layer_ops.gated(gate_up, activation == "gelu_tanh")
     gate, up = gate_up.double().chunk(2, dim=-1)
@@ -212,7 +211,7 @@ def delta_inputs(n_seq: int, n_heads: int, k_dim: int, v_dim: int, decay: str, s
 @pytest.mark.parametrize("k_dim,v_dim", [(128, 128), (64, 32)])
 @pytest.mark.parametrize("n_heads", [4, 16])
 @pytest.mark.parametrize("n_seq", [1, 3])
-def test_delta_step_matches_torch(kernels, n_seq, n_heads, k_dim, v_dim, decay):  # noqa: F811
+def test_delta_step_matches_torch(kernels, n_seq, n_heads, k_dim, v_dim, decay):
     """The gated delta rule's one-token step natively: torch's output and new state up to float32 summation
     order, and the state passed in untouched (it may be a view of the committed state)."""
     q, k, v, g, beta, state = delta_inputs(n_seq, n_heads, k_dim, v_dim, decay, seed=n_seq * n_heads + k_dim)
@@ -226,7 +225,7 @@ def test_delta_step_matches_torch(kernels, n_seq, n_heads, k_dim, v_dim, decay):
     assert torch.equal(state, before)
 
 
-def test_delta_step_takes_views_and_leaves_them(kernels):  # noqa: F811
+def test_delta_step_takes_views_and_leaves_them(kernels):
     """Non-contiguous inputs (q, k, v as slices of one projection, the state a slice of a larger store) give what
     their contiguous copies give; the store is untouched."""
     q, k, v, g, beta, _ = delta_inputs(2, 4, 64, 32, "weak", seed=1)
@@ -267,7 +266,7 @@ def prompt_then_steps(model, prompt: list[int], n_prompt: int, kv_dtype: str) ->
     """Logits of every prompt token (one batch) and of each later token decoded alone; two sequences each step so
     decode goes through per-token cell lists, and a lone one through all cells."""
     from kvlm import Batch, Context
-    from conftest import decode_ok
+    from helpers.models import decode_ok
 
     ctx = Context(model, n_ctx=128, n_batch=64, n_ubatch=64, n_seq_max=2, kv_dtype=kv_dtype)
     decode_ok(ctx, Batch(tokens=prompt[:n_prompt], seq_ids=[0] * n_prompt, logits=[True] * n_prompt))
@@ -307,8 +306,8 @@ def test_qwen35_decoder_with_the_native_delta_step_matches_torch(tmp_path, monke
     delta rule's step among them, against the torch ops: float32 summation order only."""
     from kvlm import load_model
     from kvlm.kernels import native_kernels
-    from qwen35_factory import random_qwen35, write_qwen35_gguf
-    from test_random_models import token_ids
+    from helpers.qwen35_factory import random_qwen35, write_qwen35_gguf
+    from helpers.models import token_ids
 
     library = native_kernels()
     if library is None:

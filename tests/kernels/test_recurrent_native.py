@@ -5,163 +5,16 @@ whether it comes whole or in pieces, alone or among other sequences, on one thre
 And the delta rule stepped over one token gives kvlm_delta_step's bits."""
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import pytest
 import torch
 
-from kvlm.model.recurrent import (DeltaNetWeights, Mamba2Weights, ShortConvWeights, causal_conv, gated_delta_net,
-                                  gated_delta_rule, mamba2_mixer, short_conv)
-from test_kernels import kernels  # noqa: F401  - the library built for each -march
-
-DTYPES = (torch.float32, torch.bfloat16)
-N_TOKENS = 40
-PIECES = [1, 7, N_TOKENS - 8]
+from helpers.recurrent_layers import (
+    DTYPES, LAYERS, N_TOKENS, PIECES, assert_equal, assert_near, conv_state, delta_net_layer, generator, in_pieces,
+    mamba2_layer, random, short_conv_layer,
+)
+from kvlm.model.recurrent import causal_conv, gated_delta_rule
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # test_threads_leave_the_bits_alone sets two itself
-
-
-def assert_near(ours: torch.Tensor, reference: torch.Tensor, dtype: torch.dtype) -> None:
-    """ours against torch's float32 on the same values: within float32 rounding of the reference's scale (stepped
-    vs chunked sums); for bfloat16 activations, each value within its one rounding to bfloat16, plus as much of the
-    scale for the roundings before it (LFM2's gates: torch's products in bfloat16, in either path)."""
-    assert ours.shape == reference.shape
-    scale = reference.abs().max().item()
-    error = (ours.double() - reference.double()).abs()
-    if dtype == torch.float32:
-        assert error.max().item() <= 1e-5 * scale, f"{error.max().item():.3g} at scale {scale:.3g}"
-    else:
-        excess = error - 2 ** -8 * (reference.abs().double() + scale)
-        assert excess.max().item() <= 0, f"{excess.max().item():.3g} past bfloat16 rounding at scale {scale:.3g}"
-
-
-def random(*shape: int, gen: torch.Generator, dtype: torch.dtype, scale: float = 1.0,
-           mean: float = 0.0) -> torch.Tensor:
-    """Normal values, bfloat16's in either dtype: a float32 layer then computes exactly what a bfloat16 one reads."""
-    return (mean + torch.randn(*shape, generator=gen) * scale).bfloat16().to(dtype)
-
-
-class Identity:
-    """A projection as a kvlm Linear ([rows, in] -> [rows, out]) that leaves its input as it is: the layers here
-    take their projections' outputs as inputs, and give the kernels' output untouched (a real product's bits may
-    depend on the number of rows, which is not what these tests are about)."""
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-
-@dataclass
-class Layer:
-    """One recurrent layer with seeded random weights in `dtype`: its per-token inputs and fresh (non-zero) states
-    for n_seq sequences, and a run of it over them."""
-    inputs: Callable[[int, int, int], list[torch.Tensor]]  # (n_seq, n_tokens, seed) -> [n_seq, n_tokens, ...] each
-    states: Callable[[int, int], list[torch.Tensor]]  # (n_seq, seed) -> [n_seq, ...] each
-    run: Callable  # (inputs, states, stepped ops or None) -> (y, new states)
-
-
-def generator(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def projected(width: int, dtype: torch.dtype) -> Callable[[int, int, int], list[torch.Tensor]]:
-    """A layer's inputs: what its in_proj (the identity) would have made, [n_seq, n_tokens, width]."""
-    return lambda n_seq, n_tokens, seed: [random(n_seq, n_tokens, width, gen=generator(seed), dtype=dtype)]
-
-
-def conv_state(n_seq: int, channels: int, taps: int, gen: torch.Generator) -> torch.Tensor:
-    """A convolution's state as kvlm keeps it: float32, holding earlier inputs (so values of the activation dtype)."""
-    return random(n_seq, channels, taps - 1, gen=gen, dtype=torch.float32)
-
-
-def short_conv_layer(dtype: torch.dtype, channels: int = 24, taps: int = 3) -> Layer:
-    gen = generator(channels + taps)
-    w = ShortConvWeights(in_proj=Identity(), conv=random(channels, taps, gen=gen, dtype=dtype, scale=0.5),
-                         out_proj=Identity(), conv_bias=random(channels, gen=gen, dtype=dtype, scale=0.1))
-
-    def states(n_seq: int, seed: int) -> list[torch.Tensor]:
-        return [conv_state(n_seq, channels, taps, generator(seed))]
-
-    def run(inputs, states, stepped):
-        y, state = short_conv(w, *inputs, *states, stepped=stepped)
-        return y, [state]
-
-    return Layer(projected(3 * channels, dtype), states, run)
-
-
-def mamba2_layer(dtype: torch.dtype, heads: int = 4, head_dim: int = 8, d_state: int = 16, groups: int = 2,
-                 taps: int = 4) -> Layer:
-    gen = generator(heads * head_dim)
-    d_inner = heads * head_dim
-    conv_dim = d_inner + 2 * groups * d_state
-    w = Mamba2Weights(
-        in_proj=Identity(), conv=random(conv_dim, taps, gen=gen, dtype=dtype, scale=0.5),
-        conv_bias=random(conv_dim, gen=gen, dtype=dtype, scale=0.1),
-        dt_bias=torch.empty(heads).uniform_(-3.0, 1.0, generator=gen),
-        A_log=torch.empty(heads).uniform_(-1.0, 2.0, generator=gen), D=torch.randn(heads, generator=gen),
-        norm=random(d_inner, gen=gen, dtype=dtype, scale=0.3, mean=1.0), out_proj=Identity(), n_heads=heads,
-        head_dim=head_dim, d_state=d_state, n_groups=groups, eps=1e-5)
-
-    def states(n_seq: int, seed: int) -> list[torch.Tensor]:
-        gen = generator(seed)
-        return [conv_state(n_seq, conv_dim, taps, gen), torch.randn(n_seq, heads, head_dim, d_state, generator=gen)]
-
-    def run(inputs, states, stepped):
-        y, *states = mamba2_mixer(w, *inputs, *states, stepped=stepped)
-        return y, states
-
-    return Layer(projected(d_inner + conv_dim + heads, dtype), states, run)
-
-
-def delta_net_layer(dtype: torch.dtype, v_heads_tiled: bool = False, k_heads: int = 2, v_heads: int = 4,
-                    dim: int = 32, taps: int = 4) -> Layer:
-    gen = generator(v_heads * dim + v_heads_tiled)
-    w = DeltaNetWeights(conv=random(2 * k_heads * dim + v_heads * dim, taps, gen=gen, dtype=dtype, scale=0.3),
-                        dt_bias=torch.empty(v_heads).uniform_(-2.0, 1.0, generator=gen),
-                        A=-torch.exp(torch.empty(v_heads).uniform_(-2.0, 1.0, generator=gen)),
-                        norm=torch.empty(dim).uniform_(0.5, 1.5, generator=gen).bfloat16().to(dtype),
-                        n_k_heads=k_heads, n_v_heads=v_heads, k_head_dim=dim, v_head_dim=dim, eps=1e-6,
-                        v_heads_tiled=v_heads_tiled)
-
-    def inputs(n_seq: int, n_tokens: int, seed: int) -> list[torch.Tensor]:
-        """qkv, z, b and a as slices of one projection's output, as the decoder hands them over."""
-        sizes = [w.conv_dim, w.value_dim, v_heads, v_heads]
-        return list(random(n_seq, n_tokens, sum(sizes), gen=generator(seed), dtype=dtype).split(sizes, dim=-1))
-
-    def states(n_seq: int, seed: int) -> list[torch.Tensor]:
-        gen = generator(seed)
-        return [conv_state(n_seq, w.conv_dim, taps, gen), torch.randn(n_seq, v_heads, dim, dim, generator=gen)]
-
-    def run(inputs, states, stepped):
-        y, *states = gated_delta_net(w, *inputs, *states, stepped=stepped)
-        return y, states
-
-    return Layer(inputs, states, run)
-
-
-LAYERS = {
-    "conv24_k3": lambda dtype: short_conv_layer(dtype, 24, 3),
-    "conv48_k4": lambda dtype: short_conv_layer(dtype, 48, 4),
-    "mamba2": mamba2_layer,
-    "delta_grouped": lambda dtype: delta_net_layer(dtype, v_heads_tiled=False),
-    "delta_tiled": lambda dtype: delta_net_layer(dtype, v_heads_tiled=True),
-}
-
-
-def in_pieces(layer: Layer, inputs: list[torch.Tensor], states: list[torch.Tensor], sizes: list[int], stepped):
-    """The layer over its inputs cut into pieces of `sizes` tokens, each from the states the one before left."""
-    ys = []
-    for piece in zip(*(t.split(sizes, dim=1) for t in inputs)):
-        y, states = layer.run(piece, states, stepped)
-        ys.append(y)
-    return torch.cat(ys, dim=1), states
-
-
-def assert_equal(ours: tuple, reference: tuple) -> None:
-    """(y, states) with the same bits."""
-    (y, states), (ref_y, ref_states) = ours, reference
-    assert torch.equal(y, ref_y)
-    assert len(states) == len(ref_states) and all(torch.equal(s, r) for s, r in zip(states, ref_states))
 
 
 # --- against the torch functions ---
@@ -169,7 +22,7 @@ def assert_equal(ours: tuple, reference: tuple) -> None:
 @pytest.mark.parametrize("n_tokens", [1, N_TOKENS])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", LAYERS)
-def test_layers_match_torch(kernels, name, dtype, n_tokens):  # noqa: F811
+def test_layers_match_torch(kernels, name, dtype, n_tokens):
     """Each layer natively against torch's functions in float32 on the same values (for bfloat16 activations: what
     they would be without rounding), from non-zero states: outputs and new states."""
     layer, reference = LAYERS[name](dtype), LAYERS[name](torch.float32)
@@ -188,7 +41,7 @@ def test_layers_match_torch(kernels, name, dtype, n_tokens):  # noqa: F811
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("channels,taps", [(24, 3), (48, 4)])
-def test_causal_conv_matches_torch(kernels, channels, taps, dtype, bias, silu):  # noqa: F811
+def test_causal_conv_matches_torch(kernels, channels, taps, dtype, bias, silu):
     """The convolution alone, against torch's in float32 on the same values: one rounding to bfloat16 at most."""
     gen = generator(channels)
     x = random(3, 10, channels, gen=gen, dtype=dtype)
@@ -215,7 +68,7 @@ def delta_rule_inputs(n_seq: int, n_tokens: int, heads: int, k_dim: int, v_dim: 
 
 
 @pytest.mark.parametrize("n_tokens", [1, 5, 70])
-def test_delta_rule_matches_torch(kernels, n_tokens):  # noqa: F811
+def test_delta_rule_matches_torch(kernels, n_tokens):
     q, k, v, g, beta, state = delta_rule_inputs(2, n_tokens, 4, 32, 16)
     out, new_state = kernels.recurrent.delta_rule(q, k, v, g, beta, state)
     ref_out, ref_state = gated_delta_rule(q, k, v, g, beta, state)
@@ -223,7 +76,7 @@ def test_delta_rule_matches_torch(kernels, n_tokens):  # noqa: F811
     torch.testing.assert_close(new_state, ref_state, rtol=1e-5, atol=1e-5)
 
 
-def test_one_token_of_the_delta_rule_is_kvlm_delta_step(kernels):  # noqa: F811
+def test_one_token_of_the_delta_rule_is_kvlm_delta_step(kernels):
     """The multi-token rule over one token is the one-token step, bit for bit."""
     q, k, v, g, beta, state = delta_rule_inputs(3, 1, 4, 64, 32, seed=5)
     out, new_state = kernels.recurrent.delta_rule(q, k, v, g, beta, state)
@@ -235,7 +88,7 @@ def test_one_token_of_the_delta_rule_is_kvlm_delta_step(kernels):  # noqa: F811
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", LAYERS)
-def test_pieces_give_the_bits_of_the_whole(kernels, name, dtype):  # noqa: F811
+def test_pieces_give_the_bits_of_the_whole(kernels, name, dtype):
     """A sequence fed whole, and in pieces of 1, 7 and the rest tokens carrying the states: the same bits."""
     layer = LAYERS[name](dtype)
     inputs, states = layer.inputs(1, N_TOKENS, 3), layer.states(1, 4)
@@ -247,7 +100,7 @@ def test_pieces_give_the_bits_of_the_whole(kernels, name, dtype):  # noqa: F811
 @pytest.mark.parametrize("n_tokens", [1, N_TOKENS])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", LAYERS)
-def test_other_sequences_leave_the_bits_alone(kernels, name, dtype, n_tokens):  # noqa: F811
+def test_other_sequences_leave_the_bits_alone(kernels, name, dtype, n_tokens):
     """A sequence among three in one call (each with its own inputs and states) gives what it gives alone."""
     layer = LAYERS[name](dtype)
     inputs, states = layer.inputs(3, n_tokens, 5), layer.states(3, 6)
@@ -266,7 +119,7 @@ THREADED_LAYERS = {  # large enough for the kernels to share the work out (kerne
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", THREADED_LAYERS)
-def test_threads_leave_the_bits_alone(kernels, name, dtype):  # noqa: F811
+def test_threads_leave_the_bits_alone(kernels, name, dtype):
     """Two threads, sharing out the sequences' heads or channels, give one thread's bits."""
     layer = THREADED_LAYERS[name](dtype)
     inputs, states = layer.inputs(3, 64, 7), layer.states(3, 8)
@@ -275,7 +128,7 @@ def test_threads_leave_the_bits_alone(kernels, name, dtype):  # noqa: F811
     assert_equal(layer.run(inputs, states, kernels.recurrent), one)
 
 
-def test_bad_shapes_are_refused(kernels):  # noqa: F811
+def test_bad_shapes_are_refused(kernels):
     with pytest.raises(ValueError, match="cannot take"):
         kernels.recurrent.causal_conv(torch.zeros(1, 0, 8), torch.zeros(1, 8, 3), torch.zeros(8, 4), None)
     with pytest.raises(ValueError, match="causal_conv got"):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvlm.model.recurrent_steps import SteppedRecurrentOps
-from test_recurrent_native import DTYPES, LAYERS, N_TOKENS, PIECES, assert_equal, assert_near, in_pieces
+from helpers.recurrent_layers import DTYPES, LAYERS, N_TOKENS, PIECES, assert_equal, assert_near, in_pieces
 
 STEPS = SteppedRecurrentOps()
 

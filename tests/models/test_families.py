@@ -13,15 +13,13 @@ import pytest
 import torch
 import transformers
 
-from conftest import (
-    assert_greedy_generate_equals_transformers,
-    ModelZoo, decode_ok, full_sequence_logits, max_diff, memory_state, one_batch, prefill_then_decode_logits,
-    reference_logits,
+from helpers.family_factory import ORIGINAL_POSITIONS, SOURCES, SPECS, head_dim_of, random_model, save_model
+from helpers.models import (
+    ModelZoo, assert_greedy_generate_equals_transformers, decode_ok, full_sequence_logits, max_diff, memory_state,
+    one_batch, prefill_then_decode_logits, reference_logits, token_ids,
 )
-from family_factory import ORIGINAL_POSITIONS, SOURCES, SPECS, head_dim_of, random_model, save_model
 from kvlm import Batch, Context, DecodeStatus, load_model
 from kvlm.core.rope import Rope
-from test_random_models import token_ids
 
 TOLERANCE = 1e-4
 N_GREEDY = 16

@@ -1,10 +1,10 @@
-"""Gemma 4 text against transformers, on random models transformers makes (tests/gemma4_factory.py): 8 layers of
-3 sliding-window layers then 1 full one, twice; full layers with their own head size (64 against 32) and "proportional"
-RoPE; the last 4 layers reading the K/V of layers 2 (sliding) and 3 (full); per-layer inputs; double-wide MLPs on
-the shared layers; a final logit cap. Read from save_pretrained's folder, from config.json as google's releases write
-it, from a Gemma4ForConditionalGeneration folder (vision and audio towers beside) and from a GGUF file written as
-llama.cpp's converter writes it; variants with K = V full layers, without sharing and per-layer inputs, and with
-experts beside the MLP. Each mechanism broken on purpose must make a test fail."""
+"""Gemma 4 text against transformers, on random models transformers makes (tests/helpers/gemma4_factory.py): 8 layers
+of 3 sliding-window layers then 1 full one, twice; full layers with their own head size (64 against 32) and
+"proportional" RoPE; the last 4 layers reading the K/V of layers 2 (sliding) and 3 (full); per-layer inputs;
+double-wide MLPs on the shared layers; a final logit cap. Read from save_pretrained's folder, from config.json as
+google's releases write it, from a Gemma4ForConditionalGeneration folder (vision and audio towers beside) and from a
+GGUF file written as llama.cpp's converter writes it; variants with K = V full layers, without sharing and per-layer
+inputs, and with experts beside the MLP. Each mechanism broken on purpose must make a test fail."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,21 +15,12 @@ import torch
 from gguf import GGMLQuantizationType
 
 import kvlm.cli.commands
-from conftest import (
-    assert_greedy_generate_equals_transformers,
-    decode_ok,
-    full_sequence_logits,
-    llama_cpp_logits,
-    max_diff,
-    prefill_then_decode_logits,
-    reference_logits,
+from helpers.gemma4_factory import (
+    random_gemma4, random_gemma4_moe, save_gemma4_folder, save_gemma4_multimodal_folder, write_gemma4_gguf,
 )
-from gemma4_factory import (
-    random_gemma4,
-    random_gemma4_moe,
-    save_gemma4_folder,
-    save_gemma4_multimodal_folder,
-    write_gemma4_gguf,
+from helpers.models import (
+    assert_greedy_generate_equals_transformers, assert_same_state, decode_ok, full_sequence_logits, llama_cpp_logits,
+    max_diff, pool_state, prefill_then_decode_logits, reference_logits, token_ids,
 )
 from kvlm import LLM, Batch, Context, DecodeStatus, SamplingParams, load_model
 from kvlm.core.family import ATTENTION, SLIDING
@@ -37,8 +28,6 @@ from kvlm.core.config import ModelConfig
 from kvlm.memory.iswa import ISWAMemory
 from kvlm.memory.kv_store import BYTES_PER_ELEMENT
 from kvlm.memory.layout import memory_bytes
-from test_iswa import assert_same_state, pool_state
-from test_random_models import token_ids
 
 TOLERANCE = 1e-4
 N_PROMPT = 60  # past the sliding window (8) many times over

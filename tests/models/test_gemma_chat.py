@@ -12,7 +12,6 @@ import jinja2
 import pytest
 import torch
 
-from test_gemma_tokenizer import metadata, tokenizer  # noqa: F401 - the real file's metadata and tokenizer
 
 from kvlm import LLM, SamplingParams, load_model
 from kvlm.families import gemma3

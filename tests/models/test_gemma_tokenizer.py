@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 
 from kvlm.core.errors import ModelFileError
 from kvlm.families import gemma3
-from kvlm.loader.gguf_reader import read_gguf_metadata
 from kvlm.text.tokenizer import StreamDecoder, Tokenizer
 
 SPACE = "\u2581"
@@ -58,16 +57,6 @@ PIECES = st.sampled_from(
 RANDOM_TEXT = st.lists(st.one_of(st.text(max_size=16), PIECES), max_size=12).map("".join)
 
 
-@pytest.fixture(scope="module")
-def metadata(gemma_gguf_path) -> dict:
-    return read_gguf_metadata(gemma_gguf_path)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(metadata) -> Tokenizer:
-    return Tokenizer.from_gguf_metadata(metadata)
-
-
 def _stream(tokenizer: Tokenizer, ids: list[int], skip_special_tokens: bool = False) -> list[str]:
     decoder = StreamDecoder(tokenizer, skip_special_tokens=skip_special_tokens)
     return [*(decoder.feed(i) for i in ids), decoder.flush()]
@@ -87,7 +76,7 @@ def test_properties(tokenizer, metadata, hf_gemma_tokenizer):
 
 
 def test_the_base_model_file_has_no_chat_template_and_gets_gemmas(tokenizer, metadata):
-    """Gemma 3's built-in template (tests/test_gemma_chat.py checks it against transformers)."""
+    """Gemma 3's built-in template (tests/models/test_gemma_chat.py checks it against transformers)."""
     assert "tokenizer.chat_template" not in metadata and tokenizer.chat_template == gemma3.CHAT_TEMPLATE
 
 

@@ -13,28 +13,17 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from conftest import (
-    assert_greedy_generate_equals_transformers,
-    decode_ok,
-    full_sequence_logits,
-    llama_cpp_logits,
-    max_diff,
-    prefill_then_decode_logits,
-    reference_logits,
+from helpers.gptoss_factory import (
+    WINDOW, load_gguf_experts_into, random_gpt_oss, save_gpt_oss_folder, save_mxfp4_folder, write_gpt_oss_gguf,
 )
-from gptoss_factory import (
-    WINDOW,
-    load_gguf_experts_into,
-    random_gpt_oss,
-    save_gpt_oss_folder,
-    save_mxfp4_folder,
-    write_gpt_oss_gguf,
+from helpers.models import (
+    assert_greedy_generate_equals_transformers, decode_ok, full_sequence_logits, llama_cpp_logits, max_diff,
+    prefill_then_decode_logits, reference_logits, token_ids,
 )
 from kvlm import Batch, Context, load_model
 from kvlm.core.family import ATTENTION, SLIDING
 from kvlm.kernels import BlockMatrix, native_kernels
 from kvlm.model.moe import BlockExperts
-from test_random_models import token_ids
 
 TOLERANCE = 1e-4
 N_GREEDY = 12

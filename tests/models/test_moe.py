@@ -12,20 +12,14 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from conftest import (
-    ModelZoo,
-    assert_greedy_generate_equals_transformers,
-    decode_ok,
-    full_sequence_logits,
-    max_diff,
-    prefill_then_decode_logits,
-    reference_logits,
+from helpers.models import (
+    ModelZoo, assert_greedy_generate_equals_transformers, decode_ok, full_sequence_logits, max_diff,
+    prefill_then_decode_logits, reference_logits, token_ids,
 )
+from helpers.moe_factory import SPECS, random_moe, save_moe_folder, write_moe_gguf
 from kvlm import Batch, Context, load_model
 from kvlm.kernels import native_kernels
 from kvlm.model.moe import BlockExperts, DenseExperts
-from moe_factory import SPECS, random_moe, save_moe_folder, write_moe_gguf
-from test_random_models import token_ids
 
 TOLERANCE = 1e-4
 N_GREEDY = 12
@@ -220,9 +214,9 @@ def test_other_mixtures_of_experts_are_refused_by_name(tmp_path):
                                         ("expert_group_count", 8)])
 def test_routing_a_file_asks_for_and_kvlm_lacks_is_refused(zoo, tmp_path, key, value):
     """Sigmoid gating, scaled expert weights, group-limited routing: refused with the key and value named."""
-    from gguf_factory import write_gguf
+    from helpers.gguf_factory import write_gguf
     from kvlm.core.errors import UnsupportedModelError
-    from moe_factory import moe_gguf_metadata, moe_gguf_tensors
+    from helpers.moe_factory import moe_gguf_metadata, moe_gguf_tensors
 
     reference, spec = zoo.reference("qwen3moe"), SPECS["qwen3moe"]
     hf = save_moe_folder(reference, tmp_path / "hf")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import reference_logits
+from helpers.models import reference_logits
 from kvlm.cli.commands import main
 from kvlm.runtime.perplexity import (
     Accumulator, ChunkReport, ChunkScore, PerplexityError, PerplexityResult, iter_perplexity, perplexity, plan_chunks,
@@ -179,7 +179,7 @@ def test_iterator_reports_the_running_ppl_after_each_chunk(smollm2, smollm2_resu
 
 def test_bos_model_chunks_start_with_bos_and_match_transformers(tmp_path):
     """A tiny random Llama whose tokenizer adds BOS: every chunk's first token becomes BOS, as in llama.cpp."""
-    from gguf_factory import BOS_ID, gguf_metadata, gguf_tensors, llama_config, random_llama, write_gguf
+    from helpers.gguf_factory import BOS_ID, gguf_metadata, gguf_tensors, llama_config, random_llama, write_gguf
     from kvlm.loader.load import load_model
 
     reference = random_llama(llama_config(n_layer=2))

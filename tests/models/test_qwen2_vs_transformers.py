@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import full_sequence_logits, reference_logits
+from helpers.models import full_sequence_logits, reference_logits
 from kvlm import LLM, SamplingParams
 from kvlm.loader.load import load_model
 

@@ -1,35 +1,26 @@
-"""Qwen3.5 against transformers on random-weight models it builds (tests/qwen35_factory.py): three Gated DeltaNet
-layers then one gated full-attention layer, twice, value heads twice the key heads, RoPE over a quarter of each
-head. From its Qwen3_5ForCausalLM folder, from the text part of a Qwen3_5ForConditionalGeneration folder, and from
-GGUF files written as llama.cpp's converter writes them (value heads tiled, norms with their +1, A = -exp(A_log));
-the MoE model (experts on every layer, delta-rule layers included) likewise. Context, rollback, state save/load and
-the engine run through tests/test_recurrent_models.py, which takes Qwen3.5 as one of its families."""
+"""Qwen3.5 against transformers on random-weight models it builds (tests/helpers/qwen35_factory.py): three Gated
+DeltaNet layers then one gated full-attention layer, twice, value heads twice the key heads, RoPE over a quarter of
+each head. From its Qwen3_5ForCausalLM folder, from the text part of a Qwen3_5ForConditionalGeneration folder, and
+from GGUF files written as llama.cpp's converter writes them (value heads tiled, norms with their +1,
+A = -exp(A_log)); the MoE model (experts on every layer, delta-rule layers included) likewise. Context, rollback, state
+save/load and the engine run through tests/models/test_recurrent_models.py, which takes Qwen3.5 as one of its
+families."""
 from __future__ import annotations
 
 import pytest
 from gguf import GGMLQuantizationType
 
-from conftest import (
-    assert_greedy_generate_equals_transformers,
-    full_sequence_logits,
-    llama_cpp_logits,
-    max_diff,
-    prefill_then_decode_logits,
-    reference_logits,
+from helpers.models import (
+    assert_greedy_generate_equals_transformers, full_sequence_logits, llama_cpp_logits, max_diff,
+    prefill_then_decode_logits, reference_logits, token_ids,
+)
+from helpers.qwen35_factory import (
+    random_qwen35, random_qwen35_moe, save_qwen35_folder, save_qwen35_moe_folder, save_qwen35_vl_folder,
+    write_qwen35_gguf, write_qwen35moe_gguf,
 )
 from kvlm import load_model
 from kvlm.memory.hybrid import HybridMemory
 from kvlm.memory.layout import memory_layout
-from qwen35_factory import (
-    random_qwen35,
-    random_qwen35_moe,
-    save_qwen35_folder,
-    save_qwen35_moe_folder,
-    save_qwen35_vl_folder,
-    write_qwen35_gguf,
-    write_qwen35moe_gguf,
-)
-from test_random_models import token_ids
 
 TOLERANCE = 1e-4
 N_PROMPT = 150  # over two delta-rule blocks (kvlm.model.recurrent.DELTA_CHUNK = 64) and transformers' chunks

@@ -14,8 +14,8 @@ import torch
 import transformers
 from gguf import GGMLQuantizationType
 
-from conftest import full_sequence_logits, max_diff, prefill_then_decode_logits, reference_logits
-from gguf_factory import llama_config, random_llama, save_hf_folder, write_model_gguf
+from helpers.gguf_factory import llama_config, random_llama, save_hf_folder, write_model_gguf
+from helpers.models import full_sequence_logits, max_diff, prefill_then_decode_logits, reference_logits, token_ids
 from kvlm.runtime.generate import GenerationSettings, generate
 from kvlm.loader.load import load_model
 from kvlm.kernels import BlockMatrix, dequantize
@@ -57,10 +57,6 @@ def hf_folder(reference, layout, tmp_path_factory):
 @pytest.fixture(scope="module")
 def ours_from_folder(hf_folder):
     return load_model(str(hf_folder), "float32")
-
-
-def token_ids(vocab_size: int, n: int, seed: int = 0) -> list[int]:
-    return torch.randint(0, vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def assert_logits_match(ours, hf_model) -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import full_sequence_logits, generation_logits, max_diff, prefill_then_decode_logits, reference_logits
+from helpers.models import (
+    full_sequence_logits, generation_logits, max_diff, prefill_then_decode_logits, reference_logits,
+)
 from kvlm.runtime.generate import GenerationSettings, generate
 
 TOLERANCE = 1e-4

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T, GGUFWriter
 
-from gguf_factory import add_value, gguf_metadata, llama_config
+from helpers.blocks import random_blocks
+from helpers.gguf_factory import add_value, gguf_metadata, llama_config
 from kvlm.kernels import native_kernels
-from test_kernels import random_blocks
 
 # Llama shapes at a few hundred MB: 8 layers of width 2048, MLP 8192, GQA 16:4.
 SHAPE = dict(vocab_size=3000, hidden_size=2048, n_head=16, n_head_kv=4, n_layer=8, intermediate_size=8192)

@@ -10,7 +10,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from server_helpers import serving
+from helpers.server import serving
 
 from kvlm.engine.engine import Engine
 from kvlm.server.app import create_app

@@ -11,25 +11,13 @@ import json
 
 import pytest
 
+from helpers.chat import NO_THINKING, QWEN3_STYLE_TEMPLATE
 import kvlm.cli.commands
 import kvlm.engine.llm
 from kvlm.engine.chat_session import ChatSession
 from kvlm.engine.llm import LLM
 from kvlm.sampling.params import SamplingParams
 
-# The tail is Qwen3's chat template word for word.
-QWEN3_STYLE_TEMPLATE = (
-    "{%- for message in messages %}\n"
-    "    {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}\n"
-    "{%- endfor %}\n"
-    "{%- if add_generation_prompt %}\n"
-    "    {{- '<|im_start|>assistant\\n' }}\n"
-    "    {%- if enable_thinking is defined and enable_thinking is false %}\n"
-    "        {{- '<think>\\n\\n</think>\\n\\n' }}\n"
-    "    {%- endif %}\n"
-    "{%- endif %}\n"
-)
-NO_THINKING = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
 MESSAGES = [{"role": "user", "content": "Hi"}]
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0)
 

@@ -37,28 +37,19 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-from pathlib import Path
 
 import jinja2
 import pytest
-from gguf_factory import SPECIAL_TOKENS, byte_level_tokenizer, byte_level_vocab, gguf_metadata, llama_config, \
-    template_folder_tokenizers
-from test_qwen35_chat import ASK, CALL, RESULT, TIME, TIME_CALL, TOOL_TURNS, USER, reference, render
+from helpers.chat import ASK, CALL, RESULT, TIME, TIME_CALL, TOOL_TURNS, USER, reference, render
+from helpers.gemma4_chat import BOS, TEMPLATE, TEMPLATE_PATH, gemma4_chat_metadata
+from helpers.gguf_factory import template_folder_tokenizers
 
 from kvlm.server.chat_turn import chat_prompt
 from kvlm.server.protocol import ChatCompletionRequest
 from kvlm.text.tokenizer import Tokenizer
 
-TEMPLATE_PATH = Path(__file__).parent / "data" / "gemma4-chat-template.jinja"
 TEMPLATE_SHA256 = "85a08664d16d8f3be4416c92427b3ac10df1024ac566cc0b4bc3bab409393f98"
-# read_bytes + decode, not read_text: universal newlines would hide a stray \r
-TEMPLATE = TEMPLATE_PATH.read_bytes().decode("utf-8")
 
-BOS, EOS = "<bos>", "<eos>"
-CHAT_TOKENS = ("<|turn>", "<turn|>", "<|think|>", "<|channel>", "<channel|>", "<|tool>", "<tool|>", "<|tool_call>",
-               "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>', "<|image|>", "<|audio|>", "<|video|>")
-BYTE_LEVEL_SIZE = 1000
-_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4  # llama.cpp token types
 
 NO_THOUGHT = "<|turn>model\n<|channel>thought\n<channel|>"  # the generation prompt with thinking off (the default)
 THINKING = "<|turn>model\n"  # ... and on
@@ -82,7 +73,7 @@ FLIGHTS = {"type": "function", "function": {
             "required": ["direct"]},
         "flexible": {"type": "boolean"},
     }, "required": ["origin", "destination"]}}}
-WEATHER = {"type": "function", "function": {  # the tool CALL (from test_qwen35_chat) calls
+WEATHER = {"type": "function", "function": {  # the tool CALL (from helpers.chat) calls
     "name": "get_weather", "description": "Current weather and forecast for a city",
     "parameters": {"type": "object", "properties": {
         "city": {"type": "string"}, "days": {"type": "integer"}, "threshold": {"type": "number"},
@@ -161,28 +152,6 @@ REFUSED = {
     "a function name that is not a string": [ASK, {"role": "assistant", "tool_calls": [
         {"type": "function", "function": {"name": 7, "arguments": {}}}]}],
 }
-
-
-@pytest.fixture(scope="module")
-def reference_tokenizer():
-    """transformers' renderer, over the vocabulary kvlm's tokenizer has: `<bos>` its bos_token."""
-    hf_tokenizer = byte_level_tokenizer(BYTE_LEVEL_SIZE)
-    hf_tokenizer.add_special_tokens({"bos_token": BOS, "eos_token": EOS})
-    hf_tokenizer.add_tokens(list(CHAT_TOKENS))
-    return hf_tokenizer
-
-
-def gemma4_chat_metadata(template: str = TEMPLATE) -> dict:
-    """GGUF metadata of the byte-level vocabulary, then <bos>, <eos> (control) and Gemma 4's chat tokens
-    (user-defined), carrying the template."""
-    config = llama_config(vocab_size=BYTE_LEVEL_SIZE + 2 + len(CHAT_TOKENS))
-    tokens, merges = byte_level_vocab(BYTE_LEVEL_SIZE)
-    tokens = [*tokens, BOS, EOS, *CHAT_TOKENS]
-    control = {*SPECIAL_TOKENS, BOS, EOS}
-    types = [_CONTROL if t in control else _USER_DEFINED if t in CHAT_TOKENS else _NORMAL for t in tokens]
-    return {**gguf_metadata(config), "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": merges,
-            "tokenizer.ggml.token_type": types, "tokenizer.ggml.bos_token_id": tokens.index(BOS),
-            "tokenizer.ggml.eos_token_id": tokens.index(EOS), "tokenizer.chat_template": template}
 
 
 @pytest.fixture(scope="module")

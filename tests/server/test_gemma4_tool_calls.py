@@ -23,10 +23,10 @@ from kvlm.tool_calls.formats import GEMMA4, format_for_template
 from kvlm.tool_calls.reasoning import Gemma4Reasoning, ReasoningStream, reasoning_for_template
 from kvlm.loader.load import load_model
 from kvlm.text.tokenizer import Tokenizer
-from gguf_factory import gguf_metadata, gguf_tensors, llama_config, random_llama, write_gguf
-from test_gemma4_chat import BYTE_LEVEL_SIZE, TEMPLATE, gemma4_chat_metadata, reference_tokenizer  # noqa: F401 (a fixture)
-from test_qwen35_chat import MODEL, client, reference, script, write  # noqa: F401 (client, script: fixtures)
-from test_tool_call_streaming import SETTINGS, check_stream
+from helpers.chat import MODEL, reference, write
+from helpers.gemma4_chat import BYTE_LEVEL_SIZE, TEMPLATE, gemma4_chat_metadata
+from helpers.gguf_factory import gguf_metadata, gguf_tensors, llama_config, random_llama, write_gguf
+from helpers.tool_calls import SETTINGS, check_stream
 
 START, END, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {

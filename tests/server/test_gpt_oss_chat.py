@@ -20,14 +20,14 @@ from __future__ import annotations
 import copy
 import hashlib
 from datetime import date, datetime
-from pathlib import Path
 
 import jinja2
 import pytest
 import transformers.utils.chat_template_utils
 
 import kvlm.text.tokenizer
-from gguf_factory import (
+from helpers import DATA
+from helpers.gguf_factory import (
     BOS_ID, SPECIAL_TOKENS, byte_level_tokenizer, gguf_metadata, gguf_tensors, llama_config, random_llama,
     template_folder_tokenizers, write_gguf,
 )
@@ -36,7 +36,7 @@ from kvlm.server.chat_turn import chat_prompt
 from kvlm.server.protocol import ChatCompletionRequest
 from kvlm.text.tokenizer import Tokenizer
 
-TEMPLATE_PATH = Path(__file__).parent / "data" / "gpt-oss-chat-template.jinja"
+TEMPLATE_PATH = DATA / "gpt-oss-chat-template.jinja"
 TEMPLATE_SHA256 = "a4c9919cbbd4acdd51ccffe22da049264b1b73e59055fa58811a99efbd7c8146"
 # read_bytes + decode, not read_text: universal newlines would hide a stray \r
 TEMPLATE = TEMPLATE_PATH.read_bytes().decode("utf-8")

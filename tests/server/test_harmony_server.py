@@ -1,5 +1,5 @@
 """gpt-oss's harmony output through the server and LLM.chat, end to end, on a tiny random Llama whose vocabulary has
-harmony's special tokens and whose chat template is gpt-oss's (tests/harmony_factory.py).
+harmony's special tokens and whose chat template is gpt-oss's (tests/helpers/harmony_factory.py).
 
 A random model writes no harmony, so each test scripts the output: every step's logits are replaced by ones that
 favour the script's next token and go through the request's real sampler, so a constraint's mask, the stop tokens
@@ -16,8 +16,8 @@ import httpx
 import openai
 import pytest
 import torch
-from harmony_factory import N_CTX, write_harmony_gguf
-from server_helpers import serving
+from helpers.harmony_factory import N_CTX, write_harmony_gguf
+from helpers.server import serving
 
 from kvlm.engine.engine import Engine
 from kvlm.engine.llm import LLM

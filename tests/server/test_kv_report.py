@@ -13,12 +13,12 @@ from importlib import resources
 
 import numpy as np
 import pytest
-from gguf_factory import save_hf_folder
+from helpers.browser import CHROMIUM, render_page
+from helpers.gemma3_factory import WINDOW, random_gemma3
+from helpers.gguf_factory import save_hf_folder
+from helpers.models import token_ids
+from helpers.recurrent_factory import random_lfm2, random_mamba2
 from prometheus_client.parser import text_string_to_metric_families
-from test_gemma3 import WINDOW, random_gemma3
-from test_random_models import token_ids
-from test_recurrent_models import random_lfm2, random_mamba2
-from test_server_api import CHROMIUM, render_page
 
 from kvlm import load_model
 from kvlm.engine.engine import PREFIX_CACHE_SEQ, Engine

@@ -39,22 +39,20 @@ import copy
 import functools
 import hashlib
 import json
-from pathlib import Path
 
 import jinja2
-import openai
 import pytest
-import torch
-from gguf_factory import SPECIAL_TOKENS, byte_level_tokenizer, byte_level_vocab, gguf_metadata, gguf_tensors, \
-    llama_config, random_llama, template_folder_tokenizers, write_gguf
-from server_helpers import serving
-from test_chat_output import streamed
-from test_tool_call_formats import xml_call
+from helpers import DATA
+from helpers.chat import (
+    ARGUMENTS, ASK, CALL, MODEL, N_CTX, RESULT, TIME, TIME_CALL, TOOL_TURNS, USER, reference, render, write,
+)
+from helpers.gguf_factory import (
+    SPECIAL_TOKENS, byte_level_tokenizer, byte_level_vocab, gguf_metadata, gguf_tensors, llama_config, random_llama,
+    template_folder_tokenizers, write_gguf,
+)
+from helpers.tool_calls import streamed, xml_call
 
-from kvlm.engine.engine import Engine
-from kvlm.sampling.sampler import RequestSampler
 from kvlm.loader.load import load_model
-from kvlm.server.app import create_app
 from kvlm.server.chat_turn import chat_prompt
 from kvlm.server.protocol import ChatCompletionRequest
 from kvlm.text.tokenizer import Tokenizer
@@ -63,7 +61,7 @@ from kvlm.tool_calls.formats import QWEN3_XML, format_for_template
 from kvlm.tool_calls.reasoning import QWEN35_CALL, ReasoningParser, reasoning_for_template
 from kvlm.tool_calls.tool_choice import plan_tools
 
-TEMPLATE_PATH = Path(__file__).parent / "data" / "qwen35-chat-template.jinja"
+TEMPLATE_PATH = DATA / "qwen35-chat-template.jinja"
 TEMPLATE_SHA256 = "a4aee8afcf2e0711942cf848899be66016f8d14a889ff9ede07bca099c28f715"
 # read_bytes + decode, not read_text: universal newlines would hide a stray \r
 TEMPLATE = TEMPLATE_PATH.read_bytes().decode("utf-8")
@@ -100,25 +98,7 @@ WEATHER = {"type": "function", "function": {
         "hourly": {"type": "boolean"},
         "note": {"type": ["string", "null"]},
     }, "required": ["city"]}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "The local time in a time zone",
-    "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}
 TOOLS = [WEATHER, TIME]
-
-USER = {"role": "user", "content": "Écris un haïku sur la mer. 🌊"}
-ASK = {"role": "user", "content": "What is the weather in Zürich for the next two days?"}
-ARGUMENTS = {"city": "Zürich", "days": 2, "threshold": 21.5, "options": {"unit": "celsius", "hourly": False},
-             "fields": ["wind", "rain"]}
-CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": ARGUMENTS}}
-TIME_CALL = {"id": "call_2", "type": "function",
-             "function": {"name": "get_time", "arguments": {"zone": "Europe/Zurich"}}}
-RESULT = {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21, "sky": "sunny <b>&</b>"}'}
-TOOL_TURNS = [
-    ASK,
-    # content None, as OpenAI clients send it: transformers drops None values, and so must kvlm
-    {"role": "assistant", "content": None, "reasoning_content": "I need the forecast.", "tool_calls": [CALL]},
-    RESULT,
-]
 
 # name: (messages, add_generation_prompt, tools, template kwargs)
 CONVERSATIONS = {
@@ -177,25 +157,12 @@ def reference_tokenizer():
     return byte_level_tokenizer(1000)
 
 
-def reference(hf_tokenizer, template, messages, add_generation_prompt, tools=None, **kwargs) -> str:
-    # deep copies: neither renderer may see the other's edits (both add reasoning aliases to their own copies)
-    return hf_tokenizer.apply_chat_template(
-        copy.deepcopy(messages), tools=copy.deepcopy(tools), chat_template=template, tokenize=False,
-        add_generation_prompt=add_generation_prompt, **kwargs)
-
-
-def render(tokenizer, messages, add_generation_prompt, tools=None, **kwargs) -> str:
-    return tokenizer.apply_chat_template(copy.deepcopy(messages), add_generation_prompt, copy.deepcopy(tools),
-                                         **kwargs)
-
-
 # --- a tiny Qwen3.5-like vocabulary: the byte-level one, then Qwen3.5's chat tokens --------------------------------
 
 # As Qwen3.5's tokenizer.json has them: <|im_end|> special (a GGUF control token), the think and tool-call tags
 # added but not special (user-defined), so they stay in the output text.
 CHAT_TOKENS = ("<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>")
 BYTE_LEVEL_SIZE = 1000
-N_CTX = 2048  # the tools system message is over a thousand byte-level tokens
 _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4  # llama.cpp token types
 
 
@@ -498,7 +465,6 @@ def test_what_the_template_writes_of_a_turn_reads_back_as_that_turn(tokenizers, 
 
 # --- through the server, end to end ------------------------------------------------------------------------------
 
-MODEL = "qwen35-test"
 SCRIPTED_CALL = "Need the weather.\n</think>\n\n" + xml_call("get_weather", city="Paris", days="3") + "<|im_end|>"
 
 
@@ -508,39 +474,6 @@ def model(tmp_path_factory):
     path = write_gguf(tmp_path_factory.mktemp("qwen35-template") / "tiny.gguf", qwen35_metadata(config=config),
                       gguf_tensors(random_llama(config)))
     return load_model(str(path), "float32", progress=False)
-
-
-@pytest.fixture(scope="module")
-def client(model, one_thread):
-    with serving(create_app(Engine(model, n_ctx=N_CTX, max_num_seqs=1), MODEL)) as url:
-        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
-
-
-@pytest.fixture
-def script(monkeypatch, model) -> dict:
-    """Every request writes state["text"]: each step's logits favour its next token (through the request's real
-    sampler); state["prompts"] records each request's prompt ids."""
-    state = {"ids": [], "prompts": []}
-    init, sample = RequestSampler.__init__, RequestSampler.sample
-
-    def recording_init(self, params, prompt_token_ids):
-        init(self, params, prompt_token_ids)
-        state["prompts"].append(list(prompt_token_ids))
-        self.scripted = 0
-
-    def scripted_sample(self, logits, allowed=None):
-        favoured = torch.full_like(logits, -30.0)
-        favoured[state["ids"][self.scripted]] = 30.0
-        self.scripted += 1
-        return sample(self, favoured, allowed)
-
-    monkeypatch.setattr(RequestSampler, "__init__", recording_init)
-    monkeypatch.setattr(RequestSampler, "sample", scripted_sample)
-    return state
-
-
-def write(script: dict, model, text: str) -> None:
-    script["ids"] = model.tokenizer.encode(text, add_special_tokens=False)
 
 
 def test_the_file_keeps_the_template_and_its_chat_tokens(model):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_helpers import free_port
+from helpers.server import free_port
 
 KVLM = str(Path(sys.executable).with_name("kvlm"))
 

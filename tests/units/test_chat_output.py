@@ -6,26 +6,13 @@ import json
 
 import pytest
 
-from kvlm.tool_calls.chat_output import ChatOutputSpec, ChoiceStream
+from helpers.tool_calls import streamed
+from kvlm.tool_calls.chat_output import ChatOutputSpec
 from kvlm.tool_calls.formats import HERMES
 from kvlm.tool_calls.reasoning import ReasoningParser
 
 CALL = '<tool_call>\n{"name": "f", "arguments": {"city": "Zürich"}}\n</tool_call>'
 TWO_CALLS = CALL + "\n" + CALL.replace('"f"', '"g"')
-
-
-def streamed(spec: ChatOutputSpec, text: str, finish_reason: str, piece: int = 3) -> tuple[dict, str]:
-    stream, message = ChoiceStream(spec), {"content": "", "reasoning_content": "", "tool_calls": {}}
-    deltas = [d for i in range(0, len(text), piece) for d in stream.deltas(text[i:i + piece])]
-    for delta in deltas + stream.last_deltas():
-        message["content"] += delta.get("content") or ""
-        message["reasoning_content"] += delta.get("reasoning_content") or ""
-        for call in delta.get("tool_calls", []):
-            entry = message["tool_calls"].setdefault(call["index"], {"name": None, "arguments": ""})
-            entry["name"] = call["function"].get("name") or entry["name"]
-            entry["arguments"] += call["function"]["arguments"]
-    assert deltas[0]["role"] == "assistant"
-    return message, stream.finish_reason(finish_reason)
 
 
 @pytest.mark.parametrize("spec, text, reason, content, calls, reasoning, finish", [

@@ -13,7 +13,7 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import Regex, models, normalizers, pre_tokenizers, trainers
 from transformers import GemmaTokenizer
 
-from gguf_factory import gguf_metadata, gguf_tensors, llama_config, random_llama, write_gguf
+from helpers.gguf_factory import gguf_metadata, gguf_tensors, llama_config, random_llama, write_gguf
 from kvlm.text.tokenizer import StreamDecoder, Tokenizer
 
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>", "<|tool_response>"]

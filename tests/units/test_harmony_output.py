@@ -14,11 +14,11 @@ import json
 
 import llguidance
 import pytest
-from gguf_factory import gguf_metadata, llama_config
-from harmony_factory import TEMPLATE, harmony_metadata, harmony_tokenizer
+from helpers.gguf_factory import gguf_metadata, llama_config
+from helpers.harmony_factory import TEMPLATE, harmony_metadata, harmony_tokenizer
+from helpers.tool_calls import arguments, names
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_tool_call_streaming import arguments, names
 
 from kvlm.text.tokenizer import StreamDecoder, Tokenizer
 from kvlm.tool_calls.chat_output import ChatOutputSpec, ChoiceStream

@@ -8,7 +8,7 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "kvlm"
+PACKAGE = Path(__file__).resolve().parents[2] / "kvlm"  # the repository's, from tests/units/
 
 # From the bottom up: a package may import its own layer's and those below (never one above). Top-level modules
 # count as packages of their own.

@@ -9,17 +9,17 @@ whitespace beyond the bound); `pytest -s` prints how many, with the coverage.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
+from helpers import DATA
 from kvlm.loader.fetch import DEFAULT_MODEL, pull
 from kvlm.loader.gguf_reader import read_gguf_metadata
 from kvlm.structured.compiler import GrammarCompiler, GrammarError
 from kvlm.structured.params import StructuredOutputsParams
 from kvlm.text.tokenizer import Tokenizer
 
-SUITE = Path(__file__).parent / "data" / "json_schema_test_suite"
+SUITE = DATA / "json_schema_test_suite"
 
 
 def suite_cases() -> list[tuple[str, dict]]:

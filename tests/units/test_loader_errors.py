@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from gguf_factory import gguf_metadata, gguf_tensors, llama_config, random_llama, write_gguf
+from helpers.gguf_factory import gguf_metadata, gguf_tensors, llama_config, random_llama, write_gguf
 from kvlm.core.errors import ModelFileError, UnsupportedModelError
 from kvlm.loader.load import load_model
 from kvlm.core.config import ModelConfig

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gguf_factory import llama_config, random_llama, save_hf_folder
+from helpers.gguf_factory import llama_config, random_llama, save_hf_folder
 from kvlm.engine.llm import LLM
 from kvlm.kernels import native_kernels
 from kvlm.loader import memory_plan

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from family_factory import llama3_rope_factors
+from helpers.family_factory import llama3_rope_factors
 from kvlm.core.errors import UnsupportedModelError
 from kvlm.core.rope import apply_rope
 from kvlm.core.rope import KINDS, Rope, RopeScaling, hf_rotary_dims, rope_from_gguf, rope_from_hf_config

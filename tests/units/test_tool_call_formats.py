@@ -8,6 +8,7 @@ import re
 import llguidance
 import pytest
 
+from helpers.tool_calls import xml_call
 from kvlm.loader.fetch import pull
 from kvlm.loader.gguf_reader import read_gguf_metadata
 from kvlm.text.tokenizer import Tokenizer
@@ -91,11 +92,6 @@ TYPED = {"type": "function", "function": {"name": "book", "parameters": {"type":
     "room": {"type": "string"}, "guests": {"type": "integer"}, "price": {"type": "number"},
     "late": {"type": "boolean"}, "extras": {"type": "array"}, "meta": {"type": "object"},
     "note": {"type": ["string", "null"]}, "code": {"type": "string"}}}}}
-
-
-def xml_call(name, **params):
-    body = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in params.items())
-    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
 
 
 def test_qwen3_xml_converts_values_to_the_declared_types():

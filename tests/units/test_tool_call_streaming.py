@@ -4,53 +4,16 @@ never contradicted."""
 from __future__ import annotations
 
 import json
-import keyword
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
+from helpers.tool_calls import SETTINGS, arguments, check_deltas, check_stream, json_scalars, names, split, without_ids
 from kvlm.tool_calls.formats import FORMATS, HERMES, LLAMA3_JSON, QWEN3_XML
 from kvlm.tool_calls.streaming import ContentDelta, ToolCallDelta, ToolCallStream, assemble, stream_parse
 
-SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-json_scalars = (st.none() | st.booleans() | st.integers(-10**20, 10**20)
-                | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12))
-json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=3)
-                           | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=8)
-names = st.from_regex(r"[a-z_][a-z0-9_]{0,10}", fullmatch=True).filter(lambda name: not keyword.iskeyword(name))
-arguments = st.dictionaries(names, json_values, max_size=4)
 contents = st.text(max_size=30) | st.sampled_from(["Let me check.\n", "  ", "Sure < not a tag <tool", "Dа 🙂\n"])
-
-
-def without_ids(parsed):
-    return parsed.content, [(call.name, call.arguments) for call in parsed.calls]
-
-
-def split(text, cuts):
-    points = sorted({0, len(text), *(cut % (len(text) + 1) for cut in cuts)})
-    return [text[a:b] for a, b in zip(points, points[1:])]
-
-
-def check_stream(fmt, text, cuts, tools=()):
-    """The stream of `text` in pieces assembles to the finished parse, and its deltas follow OpenAI's rules."""
-    assembled, deltas = stream_parse(fmt, split(text, cuts), tools)
-    assert without_ids(assembled) == without_ids(fmt.parse(text, tools))
-    check_deltas(deltas)
-    return assembled
-
-
-def check_deltas(deltas):
-    heads = [delta for delta in deltas if isinstance(delta, ToolCallDelta) and delta.id is not None]
-    assert [delta.index for delta in heads] == list(range(len(heads)))  # one head per call, in order
-    assert len({delta.id for delta in heads}) == len(heads)
-    assert all(delta.name for delta in heads)
-    for delta in deltas:
-        if isinstance(delta, ToolCallDelta) and delta.id is None:
-            assert delta.name is None and delta.arguments and delta.index < len(heads)
-        if isinstance(delta, ContentDelta):
-            assert delta.text
 
 
 def json_call(name, args, ascii_only, compact, key="arguments"):
