@@ -1,7 +1,7 @@
 """Dense float weights times activations through the native library (csrc/dense.h): each output row the same bits
 whatever other rows share the call and whatever the number of threads, which MKL's GEMM does not promise; the
 weights rearranged once into panels of 8 rows, in their own dtype (bf16 and f16 stay 2 bytes a value).
-tests/test_dense_kernel.py compares it with a float64 product."""
+tests/kernels/test_dense_kernel.py compares it with a float64 product."""
 from __future__ import annotations
 
 import ctypes

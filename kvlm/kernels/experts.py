@@ -1,7 +1,7 @@
 """A mixture-of-experts block's experts as one native call (csrc/experts.h): tokens grouped by expert, each chosen
 expert's gate, up and down read once from the blocks its file stores them in. Its reference is a plain loop over
 the experts in torch with the products' exact definition (kvlm.kernels.reference.quantized_product), which
-tests/test_expert_kernel.py compares it with."""
+tests/kernels/test_expert_kernel.py compares it with."""
 from __future__ import annotations
 
 import ctypes
