@@ -4,8 +4,9 @@ and the gated delta rule ("Gated DeltaNet").
 Each function takes T new tokens of each of n_seq sequences ([n_seq, T, ...]), with each sequence's state
 before them (zeros for a fresh sequence), and returns the output and the states after them. Feeding a sequence
 in pieces, each piece continuing from the states the previous one returned, gives what feeding it whole gives.
-Projections run in x's dtype, the scans and their states in float32. They match transformers' Lfm2ShortConv,
-Mamba2Mixer and Qwen3_5GatedDeltaNet (whose projections the caller does: gated_delta_net takes their outputs).
+Projections run in x's dtype, the scans and their states in float32. They match transformers' modules for the
+short convolution, the Mamba2 mixer and the gated delta net (whose projections the caller does: gated_delta_net
+takes their outputs).
 
 Given `stepped` (kvlm.kernels.recurrent's native ops, or kvlm.model.recurrent_steps' torch ones where those cannot
 be built), everything between the projections steps every token in order with one fixed sequence of float
@@ -302,7 +303,7 @@ def l2_normalize(x: torch.Tensor) -> torch.Tensor:
 
 def norm_then_gate(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """transformers' Qwen3_5RMSNormGated, in float32 (or `dtype`): RMSNorm(y) * weight * silu(z) over the last dim
+    """transformers' gated RMSNorm of the delta net, in float32 (or `dtype`): RMSNorm(y) * weight * silu(z) over the last dim
     (one value head). Unlike Mamba2's gated norm, the gate comes after the norm."""
     y = y.to(dtype)
     y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
