@@ -14,16 +14,19 @@ from kvlm import Batch, Context, DecodeStatus
 
 
 def hf_model_of(gguf_path):
-    """transformers' own reading of a GGUF, dequantized to float32: the independent reference."""
-    transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
-                                                              dtype=torch.float32)
-    return model.eval()
+    """transformers' own reading of a GGUF, dequantized to float32: the independent reference (kept between runs, see
+    helpers.references)."""
+    pytest.importorskip("transformers")
+    from helpers.references import reference_model
+
+    return reference_model(gguf_path)
 
 
 def hf_tokenizer_of(gguf_path):
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    pytest.importorskip("transformers")
+    from helpers.references import reference_tokenizer
+
+    return reference_tokenizer(gguf_path)
 
 
 @contextmanager
