@@ -1,7 +1,7 @@
 """What each kind of layer computes, over the decoder's ops (kvlm.model.backend), its settings and its tensor-parallel
 hook: a pre-norm attention block (sandwich norms, an output bias, experts instead of or beside the MLP where the
 layer has them), a short-convolution block, a Gated DeltaNet block and a Mamba2 block. The decoder is one of these:
-it walks its layers through `block_of(kind)`."""
+it walks its layers through `blocks_by_kind()`."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -28,10 +28,10 @@ class Blocks:
 
     all_reduce: Callable[[torch.Tensor], object] | None = None
 
-    def block_of(self, kind: str):
-        """The block a layer of this kind runs: (index, layer, x, cos, sin, kv) -> x."""
+    def blocks_by_kind(self) -> dict:
+        """The block each layer kind runs: (index, layer, x, cos, sin, kv) -> x."""
         return {ATTENTION: self._attention_block, SLIDING: self._attention_block, CONV: self._conv_block,
-                MAMBA: self._mamba_block, GATED_DELTA: self._delta_block}[kind]
+                MAMBA: self._mamba_block, GATED_DELTA: self._delta_block}
 
     def _whole_qk_norm(self, qk: torch.Tensor, weight: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
         """RMSNorm over each token's whole Q projection, and over its whole K projection."""

@@ -67,6 +67,7 @@ class Decoder(Blocks):
         self.token_embd = Embedding(table if build.keeps_blocks(table) else build.dense(table), self.dtype)
         self.output = build.head(weights, table if tied else weights.output())
         self.layer_ropes = self._layer_ropes(None)
+        self.blocks = self.blocks_by_kind()
         self.per_layer_inputs = build.per_layer_inputs(weights) if config.per_layer_embd else None
         self.embedding_scale = build.embedding_scale()
         # Tensor parallelism: this rank holds a share of each layer's heads and MLP width; the attention output
@@ -114,9 +115,11 @@ class Decoder(Blocks):
         if self.embedding_scale is not None:
             x = x * self.embedding_scale
         per_layer = self.per_layer_inputs(tokens, x) if self.per_layer_inputs is not None else None
-        rotations = {id(rope): rope.cos_sin(positions, torch.float32) for rope in self.layer_ropes}
+        ropes = {id(rope): rope for rope in self.layer_ropes}  # a few distinct ones: each rotation computed once
+        rotations = {key: rope.cos_sin(positions, torch.float32) for key, rope in ropes.items()}
+        blocks = self.blocks
         for index, (kind, layer) in enumerate(zip(self.config.layer_kinds, self.layers)):
-            x = self.block_of(kind)(index, layer, x, *rotations[id(self.layer_ropes[index])], kv)
+            x = blocks[kind](index, layer, x, *rotations[id(self.layer_ropes[index])], kv)
             if per_layer is not None:
                 x = self.per_layer_inputs.add(layer.per_layer, x, per_layer[:, index])
             if getattr(layer, "output_scale", None) is not None:
