@@ -7,7 +7,8 @@ Each batch size runs B requests (distinct 64-token prompts, EOS ignored) to the 
 
 - weight products: every Linear call (native quantized kernels, packed or dense products), and the products
   inside the fused decode layers (timed by their C++ between its phases: kvlm.kernels.decode_layer.layer_times);
-- attention: the K/V write and attention of every layer (`KVView.attend`), and the fused layers' attention;
+- attention: the K/V write and attention of every layer (`attend_layer`, as the blocks call it), and the fused
+  layers' attention;
 - other model ops: the rest of the forward pass (norms, RoPE, activations, residual adds, embedding, head's norm,
   the eager dispatch of each, and the calls into the fused layers);
 - memory bookkeeping: `Context.decode` outside the forward pass (batch checks, cell search, views, masks);
@@ -46,8 +47,7 @@ from kvlm.engine.scheduler import Scheduler
 from kvlm.engine.stop import StopChecker
 from kvlm.kernels import native_kernels
 from kvlm.kernels.decode_layer import layer_times
-from kvlm.memory.view import KVView
-from kvlm.model import linear
+from kvlm.model import blocks, linear
 from kvlm.model.decoder import Decoder
 from kvlm.server.async_engine import AsyncEngine
 from kvlm.server.metrics import ServerMetrics
@@ -128,9 +128,9 @@ class StepClock:
 
 def instrument() -> StepClock:
     clock = StepClock()
-    for cls in (linear.DenseLinear, linear.PackedLinear, linear.QuantizedLinear):
+    for cls in (linear.DenseLinear, linear.PackedLinear, linear.QuantizedLinear, linear.NativeDenseLinear):
         clock.wrap(cls, "__call__", "products")
-    clock.wrap(KVView, "attend", "attention")
+    clock.wrap(blocks, "attend_layer", "attention")
     clock.wrap(Decoder, "forward", "forward")
     clock.wrap(Context, "decode", "decode")
     clock.wrap(Scheduler, "schedule", "schedule")
