@@ -4,8 +4,9 @@ never ask which kernels run it.
 - `TorchBackend`: torch's ops alone, the reference every kernel is tested against, and the fallback: the reference
   mode, a machine without a compiler, a graph torch.compile traces (it cannot trace a ctypes call).
 - `NativeCpuBackend`: kvlm's C++ kernels (kvlm.kernels) for each op whose inputs they take (a layout, a dtype),
-  TorchBackend's op for the others; products read straight from a GGUF's blocks; decode steps as one native call
-  per attention layer (kvlm.model.fused.DecodeLayers); attention, the delta rule and the recurrent layers natively.
+  TorchBackend's op for the others; products read straight from a GGUF's blocks (or requantized ones), experts as
+  one call over their blocks; decode steps as one native call per attention layer (kvlm.model.fused.DecodeLayers);
+  attention, the delta rule and the recurrent layers natively.
 
 `backend_for(settings)` picks one from BACKENDS. A new device is one more entry: a class of this interface over
 its own kernels, the models untouched.
@@ -22,15 +23,22 @@ import torch
 import torch.nn.functional as F
 
 from kvlm.core.rope import apply_rope
-from kvlm.kernels import native_kernels
+from kvlm.kernels import BlockMatrix, dequantize, native_kernels
+from kvlm.kernels.experts import ExpertBiases, NativeExperts
 from kvlm.kernels.native import NativeKernels
+from kvlm.kernels.quantize import BLOCK as QUANT_BLOCK
+from kvlm.kernels.quantize import QUANTIZERS
+from kvlm.model.linear import Linear, QuantizedLinear, dense_linear
+from kvlm.model.moe import BlockExperts
 from kvlm.model.ops import rms_norm
 from kvlm.model.recurrent import delta_step
 from kvlm.model.recurrent_steps import SteppedRecurrentOps
+from kvlm.model.settings import FROM_FILE
 
 if TYPE_CHECKING:
     from kvlm.core.config import ModelConfig
     from kvlm.model.fused import DecodeLayers
+    from kvlm.loader.tensors import Stored
     from kvlm.model.settings import ComputeSettings
 
 
@@ -43,6 +51,22 @@ class Backend(Protocol):
 
     def attention_kernel(self) -> object | None:
         """What attention over cells may call (kvlm.model.attention), None for torch's attention."""
+
+    def matrix(self, parts: list[Stored], storage: str | None, dtype: torch.dtype,
+               batch_invariant: bool) -> Linear:
+        """The product of a matrix stacked by rows from `parts`, held as `storage` says (ComputeSettings.
+        matrix_storage: its file's blocks, requantized, or dense) for activations in `dtype`."""
+
+    def dense_matrix(self, weight: torch.Tensor, dtype: torch.dtype, batch_invariant: bool) -> Linear:
+        """The product of a dense matrix with activations in `dtype`."""
+
+    def products_layout(self, stored: BlockMatrix) -> BlockMatrix:
+        """A block matrix in the layout this backend's products read (a tied embedding reads it there too)."""
+
+    def block_experts(self, parts: list[Stored], storage: str | None, n_expert: int, activation: str,
+                      biases: ExpertBiases | None, swiglu: tuple[float, float]) -> BlockExperts | None:
+        """All experts of a layer (gate, up and down stored as [expert x rows, cols] each) as one call over their
+        blocks, or None where this backend runs them as dense products, one expert at a time."""
 
     def decode_layers(self, config: ModelConfig, layers: list, dtype: torch.dtype,
                       activation: str = "silu") -> DecodeLayers | None:
@@ -83,6 +107,23 @@ class TorchBackend:
         self.recurrent = SteppedRecurrentOps() if batch_invariant else None
 
     def attention_kernel(self) -> object | None:
+        return None
+
+    def matrix(self, parts: list[Stored], storage: str | None, dtype: torch.dtype,
+               batch_invariant: bool) -> Linear:
+        """Dense, whatever `storage` asks: torch multiplies no blocks (the reference mode, and the fallback where
+        no compiler built the native kernels, whose settings never ask for blocks)."""
+        weight = torch.cat([dequantize(part, dtype) if isinstance(part, BlockMatrix) else part for part in parts])
+        return self.dense_matrix(weight, dtype, batch_invariant)
+
+    def dense_matrix(self, weight: torch.Tensor, dtype: torch.dtype, batch_invariant: bool) -> Linear:
+        return dense_linear(weight, dtype, batch_invariant, self.kernels)
+
+    def products_layout(self, stored: BlockMatrix) -> BlockMatrix:
+        return stored
+
+    def block_experts(self, parts: list[Stored], storage: str | None, n_expert: int, activation: str,
+                      biases: ExpertBiases | None, swiglu: tuple[float, float]) -> BlockExperts | None:
         return None
 
     def decode_layers(self, config: ModelConfig, layers: list, dtype: torch.dtype,
@@ -154,6 +195,35 @@ class NativeCpuBackend(TorchBackend):
     def attention_kernel(self) -> object | None:
         return self.native if self._use_native() else None
 
+    def matrix(self, parts: list[Stored], storage: str | None, dtype: torch.dtype,
+               batch_invariant: bool) -> Linear:
+        """Blocks multiplied natively: the file's (each part rearranged in place: read for this matrix alone) or
+        requantized ones; dense where `storage` says, or where requantized rows are not of whole blocks (16-wide
+        per-layer inputs in a small model), float16 and bfloat16 parts then kept as stored (the native dense
+        product reads them)."""
+        if storage == FROM_FILE:
+            return QuantizedLinear([self.kernels.interleave(part) for part in parts], dtype, self.kernels)
+        if storage is None:
+            return super().matrix(parts, storage, dtype, batch_invariant)
+        weight = torch.cat([_float(part) for part in parts])
+        if weight.shape[-1] % QUANT_BLOCK:
+            return self.dense_matrix(weight, dtype, batch_invariant)
+        return QuantizedLinear([self.kernels.interleave(QUANTIZERS[storage](weight))], dtype, self.kernels)
+
+    def products_layout(self, stored: BlockMatrix) -> BlockMatrix:
+        return self.kernels.interleave(stored)
+
+    def block_experts(self, parts: list[Stored], storage: str | None, n_expert: int, activation: str,
+                      biases: ExpertBiases | None, swiglu: tuple[float, float]) -> BlockExperts | None:
+        """The file's blocks, or every expert's rows requantized in turn as the file stacks them."""
+        if storage is None:
+            return None
+        if storage != FROM_FILE:
+            parts = [_requantized(part, storage) for part in parts]
+        blocks = [self.kernels.interleave(part) for part in parts]
+        native = NativeExperts(self.kernels, *blocks, n_expert, activation, biases, *swiglu)
+        return BlockExperts(native, (*blocks, biases))
+
     def decode_layers(self, config: ModelConfig, layers: list, dtype: torch.dtype,
                       activation: str = "silu") -> DecodeLayers | None:
         from kvlm.model.fused import DecodeLayers  # the fused layers read the decoder's weights records
@@ -210,6 +280,17 @@ class NativeCpuBackend(TorchBackend):
         if self._use_native():
             return self.native.delta_step(q, k, v, g, beta, state)
         return super().delta_step(q, k, v, g, beta, state)
+
+
+def _float(stored: Stored) -> torch.Tensor:
+    """A stored tensor's values in float32 (what requantization reads)."""
+    return dequantize(stored) if isinstance(stored, BlockMatrix) else stored.float()
+
+
+def _requantized(stored: Stored, storage: str) -> BlockMatrix:
+    """A stored tensor's rows (of every expert in turn, for a stack of them) in the blocks of `storage`."""
+    values = _float(stored)
+    return QUANTIZERS[storage](values.reshape(-1, values.shape[-1]))
 
 
 # Every backend by name: what backend_for picks from.

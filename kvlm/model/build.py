@@ -9,10 +9,8 @@ import torch
 
 from kvlm.core.config import ModelConfig
 from kvlm.core.family import CONV, GATED_DELTA, MAMBA
-from kvlm.kernels import BlockMatrix, dequantize, native_kernels
-from kvlm.kernels.experts import ExpertBiases, NativeExperts
-from kvlm.kernels.quantize import BLOCK as QUANT_BLOCK
-from kvlm.kernels.quantize import QUANTIZERS
+from kvlm.kernels import BlockMatrix, dequantize
+from kvlm.kernels.experts import ExpertBiases
 from kvlm.model.embedding import Embedding
 from kvlm.model.layers import (
     AttentionSpec,
@@ -23,7 +21,7 @@ from kvlm.model.layers import (
     MambaLayerWeights,
     PerLayerInput,
 )
-from kvlm.model.linear import Linear, QuantizedLinear, dense_linear
+from kvlm.model.linear import Linear
 from kvlm.model.moe import BlockExperts, DenseExperts, MoEWeights
 from kvlm.model.per_layer import PerLayerInputs
 from kvlm.model.recurrent import DeltaNetWeights, Mamba2Weights, ShortConvWeights
@@ -50,7 +48,7 @@ class LayerBuilder:
 
     def __init__(self, config: ModelConfig, settings: ComputeSettings, backend) -> None:
         self.config, self.settings, self.ops = config, settings, backend
-        self.dtype, self.batch_invariant, self.kernels = settings.torch_dtype, settings.batch_invariant, backend.kernels
+        self.dtype, self.batch_invariant = settings.torch_dtype, settings.batch_invariant
         self.activation = config.family.activation
 
     def embedding_scale(self) -> torch.Tensor | None:
@@ -74,23 +72,11 @@ class LayerBuilder:
 
     def _matrix(self, parts: list[Stored], storage: str | None) -> Linear:
         """One matrix from parts stacked by rows, held as `storage` says (see ComputeSettings.matrix_storage)."""
-        kernels = native_kernels()
-        if storage == FROM_FILE:  # parts read for this matrix alone: rearranged in place for the products
-            return QuantizedLinear([kernels.interleave(part) for part in parts], self.dtype, kernels)
-        weight = torch.cat([self._unpacked(part) if storage is None else self._float(part) for part in parts])
-        if storage is None or weight.shape[-1] % QUANT_BLOCK:  # rows not of whole blocks stay dense when
-            # requantizing (16-wide per-layer inputs in a small model)
-            return self._dense_linear(weight)
-        return QuantizedLinear([kernels.interleave(QUANTIZERS[storage](weight))], self.dtype, kernels)
+        return self.ops.matrix(parts, storage, self.dtype, self.batch_invariant)
 
     def _dense_linear(self, weight: torch.Tensor, dtype: torch.dtype | None = None) -> Linear:
-        """A dense matrix's product with activations in `dtype` (default: the model's); see linear.dense_linear."""
-        return dense_linear(weight, dtype or self.dtype, self.batch_invariant, self.kernels)
-
-    def _unpacked(self, stored: Stored) -> torch.Tensor:
-        """A dense matrix as its file stores it (float16 and bfloat16 kept: the native dense product reads them),
-        or dequantized to the activation dtype from a format the kernels do not read."""
-        return dequantize(stored, self.dtype) if isinstance(stored, BlockMatrix) else stored
+        """A dense matrix's product with activations in `dtype` (default: the model's)."""
+        return self.ops.dense_matrix(weight, dtype or self.dtype, self.batch_invariant)
 
     @staticmethod
     def _float(stored: Stored) -> torch.Tensor:
@@ -184,20 +170,13 @@ class LayerBuilder:
         where the settings keep matrices dense or a part's format is not one the kernels read."""
         c, names = self.config, [weights.layer_name(i, f"ffn_{part}_exps") for part in ("gate", "up", "down")]
         storage = self.settings.matrix_storage([weights.file_type(n) for n in names])
-        kernels = native_kernels()
-        if storage is not None and kernels is not None:
-            blocks = []
-            for name in names:
-                stored = weights.read(name)
-                if storage != FROM_FILE:  # requantized: every expert's rows in turn, as the file stacks them
-                    values = self._float(stored)
-                    stored = QUANTIZERS[storage](values.reshape(-1, values.shape[-1]))
-                blocks.append(kernels.interleave(stored))
-            biases = self._expert_biases(weights, i, torch.float32)
-            native = NativeExperts(kernels, blocks[0], blocks[1], blocks[2], c.n_expert, self.activation,
-                                   biases, c.swiglu_alpha, c.swiglu_limit)
-            return BlockExperts(native, (*blocks, biases))
-        gate, up, down = (self._expert_values(weights.read(name), c.n_expert) for name in names)
+        stored = [weights.read(name) for name in names]
+        block_experts = self.ops.block_experts(stored, storage, c.n_expert, self.activation,
+                                               self._expert_biases(weights, i, torch.float32),
+                                               (c.swiglu_alpha, c.swiglu_limit))
+        if block_experts is not None:  # (which may have rearranged `stored` in place)
+            return block_experts
+        gate, up, down = (self._expert_values(part, c.n_expert) for part in stored)
         return DenseExperts([self._dense_linear(torch.cat([g, u])) for g, u in zip(gate, up)],
                             [self._dense_linear(d) for d in down],
                             self._expert_biases(weights, i, self.dtype), (c.swiglu_alpha, c.swiglu_limit))

@@ -15,7 +15,7 @@ import torch
 from kvlm.core.config import ModelConfig
 from kvlm.core.family import ATTENTION, SLIDING
 from kvlm.core.rope import NoRope, Rope
-from kvlm.kernels import BlockMatrix, native_kernels
+from kvlm.kernels import BlockMatrix
 from kvlm.memory.view import MemoryView
 from kvlm.model.backend import backend_for
 from kvlm.model.blocks import Blocks
@@ -52,7 +52,6 @@ class Decoder(Blocks):
         # no compiler builds them. Recurrent layers step every token (a prompt as a run of decode steps) where the
         # backend offers it; otherwise prompts take torch's chunked scans.
         self.ops = backend_for(settings)
-        self.kernels = self.ops.kernels
         self._recurrent = self.ops.recurrent
         build = LayerBuilder(config, settings, self.ops)
         self.activation = build.activation
@@ -63,7 +62,7 @@ class Decoder(Blocks):
         table = weights.read("token_embd.weight")
         tied = weights.output_name == "token_embd.weight" and weights.shard is None
         if tied and build.keeps_blocks(table):  # the LM head's layout, which the embedding then reads too
-            table = native_kernels().interleave(table)
+            table = self.ops.products_layout(table)
         self.token_embd = Embedding(table if build.keeps_blocks(table) else build.dense(table), self.dtype)
         self.output = build.head(weights, table if tied else weights.output())
         self.layer_ropes = self._layer_ropes(None)
