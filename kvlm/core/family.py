@@ -86,7 +86,9 @@ class Family:
     unscaled_attention: bool = False
     value_norm: bool = False
     layer_output_scale: bool = False
-    experts_beside_mlp: bool = False
+    experts_beside_mlp: Callable[[object], dict] | None = None  # given: the tensors this adds to a MoE layer (c -> shapes)
+    # The mixer tensors of its recurrent layers (CONV, MAMBA or GATED_DELTA), GGUF names: ModelConfig -> shapes
+    recurrent_shapes: Callable[[object], dict] | None = None
     tensor_parallel: bool = True  # whether kvlm.loader.shard can split its layers over ranks (not Gemma 4's yet)
     # Layer tensors its files store stacked by rows in one: (the stored tensor, the parts it stacks in order), GGUF
     # names; each part is read as its rows (Phi-3's Q/K/V as attn_qkv, its gate and up as ffn_up)
@@ -106,18 +108,17 @@ class Family:
         torch's linear expects, [expert, out, in] for experts'."""
         kind, moe = c.layer_kinds[layer], c.moe_layers[layer]
         n_embd, n_ff = c.n_embd, c.ff_width(layer)
-        if kind == MAMBA:
-            return mamba2_shapes(c)
         dense = {"ffn_gate.weight": (n_ff, n_embd), "ffn_up.weight": (n_ff, n_embd), "ffn_down.weight": (n_embd, n_ff)}
         mlp = self.expert_shapes(c) if moe else dense
         if moe and self.experts_beside_mlp:
-            mlp = {**dense, **mlp, **gemma4_expert_shapes(c)}
-        if kind == GATED_DELTA:
-            return {"attn_norm.weight": (n_embd,), "ffn_norm.weight": (n_embd,), **mlp, **gated_delta_shapes(c)}
-        shapes = {"attn_norm.weight": (n_embd,), "ffn_norm.weight": (n_embd,), **mlp}
-        if kind == CONV:
-            return {**shapes, "shortconv.in_proj.weight": (3 * n_embd, n_embd),
-                    "shortconv.conv.weight": (n_embd, c.conv_kernel), "shortconv.out_proj.weight": (n_embd, n_embd)}
+            mlp = {**dense, **mlp, **self.experts_beside_mlp(c)}
+        shapes = {"attn_norm.weight": (n_embd,)}
+        if moe or n_ff:  # (a Mamba2 layer is its mixer alone)
+            shapes.update({"ffn_norm.weight": (n_embd,), **mlp})
+        if kind in RECURRENT_KINDS:
+            if self.recurrent_shapes is None:
+                raise UnsupportedModelError(f"{self.name} declares no tensors for its {kind} layers")
+            return {**shapes, **self.recurrent_shapes(c)}
         shapes.update(self._attention_shapes(layer, c))
         if c.per_layer_embd:
             shapes.update({"inp_gate.weight": (c.per_layer_embd, n_embd), "proj.weight": (n_embd, c.per_layer_embd),
@@ -169,35 +170,6 @@ class Family:
 
 
 _KV_PARTS = ("attn_k", "attn_v", "attn_k_norm")  # what a layer reading another's K/V does without
-
-
-def gemma4_expert_shapes(c) -> dict[str, tuple]:
-    """What Gemma 4's experts have beside the MLP: the router's scale vector, the per-expert scale (stored as the
-    experts' down projection's scale, as llama.cpp's converter names it) and their three norms."""
-    n_embd = c.n_embd
-    return {"ffn_gate_inp.scale": (n_embd,), "ffn_down_exps.scale": (c.n_expert,), "pre_ffw_norm_2.weight": (n_embd,),
-            "post_ffw_norm_1.weight": (n_embd,), "post_ffw_norm_2.weight": (n_embd,)}
-
-
-def mamba2_shapes(c) -> dict[str, tuple]:
-    """A Mamba2 layer's tensors in GGUF naming; A (= -exp(A_log)) and D as vectors, the norm over d_inner."""
-    heads, inner, groups, state = c.n_head, c.ssm_inner, c.ssm_groups, c.ssm_state
-    conv_dim = inner + 2 * groups * state
-    return {"attn_norm.weight": (c.n_embd,), "ssm_in.weight": (inner + conv_dim + heads, c.n_embd),
-            "ssm_conv1d.weight": (conv_dim, c.conv_kernel), "ssm_conv1d.bias": (conv_dim,), "ssm_dt.bias": (heads,),
-            "ssm_a": (heads,), "ssm_d": (heads,), "ssm_norm.weight": (inner,), "ssm_out.weight": (c.n_embd, inner)}
-
-
-def gated_delta_shapes(c) -> dict[str, tuple]:
-    """A Gated DeltaNet layer's own tensors in GGUF naming (llama.cpp's qwen35): the Q/K/V projection, the output
-    gate's (attn_gate), beta's and the decay's (ssm_beta, ssm_alpha), the convolution, A (= -exp(A_log)), the
-    time-step bias, the gated norm (over one value head) and the output projection."""
-    n_embd, k_dim, v_heads = c.n_embd, c.ssm_groups * c.ssm_state, c.ssm_heads
-    conv_dim = 2 * k_dim + c.ssm_inner
-    return {"attn_qkv.weight": (conv_dim, n_embd), "attn_gate.weight": (c.ssm_inner, n_embd),
-            "ssm_beta.weight": (v_heads, n_embd), "ssm_alpha.weight": (v_heads, n_embd),
-            "ssm_conv1d.weight": (conv_dim, c.conv_kernel), "ssm_a": (v_heads,), "ssm_dt.bias": (v_heads,),
-            "ssm_norm.weight": (c.ssm_inner // v_heads,), "ssm_out.weight": (n_embd, c.ssm_inner)}
 
 
 # Every family by its GGUF `general.architecture`: filled by kvlm.families (imported with kvlm itself).

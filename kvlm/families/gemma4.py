@@ -157,11 +157,19 @@ def _per_layer(value, n_layer: int) -> list[int]:
     return values
 
 
+def expert_shapes(c) -> dict[str, tuple]:
+    """What its experts have beside the MLP: the router's scale vector, the per-expert scale (stored as the experts'
+    down projection's scale, as llama.cpp's converter names it) and their three norms."""
+    n_embd = c.n_embd
+    return {"ffn_gate_inp.scale": (n_embd,), "ffn_down_exps.scale": (c.n_expert,), "pre_ffw_norm_2.weight": (n_embd,),
+            "post_ffw_norm_1.weight": (n_embd,), "post_ffw_norm_2.weight": (n_embd,)}
+
+
 FAMILY = Family(
     name="gemma4", hf_architectures=("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
     hf_model_type="gemma4_text", hf_other_model_types=("gemma4",), qk_norm=True, sandwich_norms=True,
     activation="gelu_tanh", scaled_embedding=True,
-    unscaled_attention=True, value_norm=True, layer_output_scale=True, experts_beside_mlp=True, tensor_parallel=False,
+    unscaled_attention=True, value_norm=True, layer_output_scale=True, experts_beside_mlp=expert_shapes, tensor_parallel=False,
     hf_layer_names=(("post_attention_layernorm", "post_attention_norm"), ("pre_feedforward_layernorm", "ffn_norm"),
                     ("post_feedforward_layernorm", "post_ffw_norm"), ("pre_feedforward_layernorm_2", "pre_ffw_norm_2"),
                     ("post_feedforward_layernorm_1", "post_ffw_norm_1"),

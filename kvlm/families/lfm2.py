@@ -17,6 +17,13 @@ def hf_ff_size(config: dict) -> int:
     return step * ((int(multiplier * size) + step - 1) // step)
 
 
+def conv_shapes(c) -> dict[str, tuple]:
+    """A gated short convolution's tensors: B, C and x from one projection, the depthwise kernel, the output."""
+    n_embd = c.n_embd
+    return {"shortconv.in_proj.weight": (3 * n_embd, n_embd), "shortconv.conv.weight": (n_embd, c.conv_kernel),
+            "shortconv.out_proj.weight": (n_embd, n_embd)}
+
+
 FAMILY = Family(
     name="lfm2", hf_architectures=("Lfm2ForCausalLM",), hf_model_type="lfm2", qk_norm=True,
     hf_layer_names=(("operator_norm", "attn_norm"), ("ffn_norm", "ffn_norm"), ("self_attn.out_proj", "attn_output"),
@@ -25,6 +32,7 @@ FAMILY = Family(
                     ("conv.in_proj", "shortconv.in_proj"), ("conv.conv", "shortconv.conv"),
                     ("conv.out_proj", "shortconv.out_proj")),
     hf_global_names=(("model.embedding_norm", "output_norm"),), hf_ff_size=hf_ff_size,
+    recurrent_shapes=conv_shapes,
     gguf_names=(("output_norm.weight", "token_embd_norm.weight"),),  # llama.cpp's LFM2 normalizes its output with it
 )
 

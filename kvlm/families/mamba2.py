@@ -29,6 +29,15 @@ def gguf_config(key, tensor_names: frozenset[str]) -> dict:
             "ssm_groups": int(key("ssm.group_count"))}
 
 
+def layer_shapes(c) -> dict[str, tuple]:
+    """A Mamba2 mixer's tensors in GGUF naming; A (= -exp(A_log)) and D as vectors, the norm over d_inner."""
+    heads, inner, groups, state = c.n_head, c.ssm_inner, c.ssm_groups, c.ssm_state
+    conv_dim = inner + 2 * groups * state
+    return {"ssm_in.weight": (inner + conv_dim + heads, c.n_embd), "ssm_conv1d.weight": (conv_dim, c.conv_kernel),
+            "ssm_conv1d.bias": (conv_dim,), "ssm_dt.bias": (heads,), "ssm_a": (heads,), "ssm_d": (heads,),
+            "ssm_norm.weight": (inner,), "ssm_out.weight": (c.n_embd, inner)}
+
+
 def _float(value) -> float:
     """A number of config.json; transformers writes infinity as {"__float__": "Infinity"}."""
     return float(value["__float__"]) if isinstance(value, dict) and "__float__" in value else float(value)
@@ -41,7 +50,7 @@ FAMILY = Family(
                     ("mixer.D", "ssm_d"), ("mixer.dt_bias", "ssm_dt.bias")),
     hf_global_names=(("backbone.embeddings", "token_embd"), ("backbone.norm_f", "output_norm")),
     hf_values=(("ssm_a", lambda a_log: -torch.exp(a_log)),),  # GGUF stores A itself, as llama.cpp's converter
-    fixed_layer_kind=MAMBA, hf_config=hf_config, gguf_config=gguf_config,
+    fixed_layer_kind=MAMBA, recurrent_shapes=layer_shapes, hf_config=hf_config, gguf_config=gguf_config,
     gguf_reshaped=("ssm_a", "ssm_d", "ssm_norm.weight"),  # llama.cpp: A, D as [H, 1], the norm as [G, d_inner / G]
 )
 

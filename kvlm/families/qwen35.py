@@ -19,8 +19,23 @@ _LAYER_NAMES = (("linear_attn.in_proj_qkv", "attn_qkv"), ("linear_attn.in_proj_z
 _EXPERT_NAMES = (("mlp.gate", "ffn_gate_inp"), ("mlp.shared_expert_gate", "ffn_gate_inp_shexp"),
                  ("mlp.shared_expert.gate_proj", "ffn_gate_shexp"), ("mlp.shared_expert.up_proj", "ffn_up_shexp"),
                  ("mlp.shared_expert.down_proj", "ffn_down_shexp"))
+
+
+def gated_delta_shapes(c) -> dict[str, tuple]:
+    """A Gated DeltaNet mixer's tensors in GGUF naming (llama.cpp's qwen35): the Q/K/V projection, the output
+    gate's (attn_gate), beta's and the decay's (ssm_beta, ssm_alpha), the convolution, A (= -exp(A_log)), the
+    time-step bias, the gated norm (over one value head) and the output projection."""
+    n_embd, k_dim, v_heads = c.n_embd, c.ssm_groups * c.ssm_state, c.ssm_heads
+    conv_dim = 2 * k_dim + c.ssm_inner
+    return {"attn_qkv.weight": (conv_dim, n_embd), "attn_gate.weight": (c.ssm_inner, n_embd),
+            "ssm_beta.weight": (v_heads, n_embd), "ssm_alpha.weight": (v_heads, n_embd),
+            "ssm_conv1d.weight": (conv_dim, c.conv_kernel), "ssm_a": (v_heads,), "ssm_dt.bias": (v_heads,),
+            "ssm_norm.weight": (c.ssm_inner // v_heads,), "ssm_out.weight": (n_embd, c.ssm_inner)}
+
+
 # GGUF stores A itself (-exp(A_log)), as llama.cpp's converter writes it; its pre-MLP norm is post_attention_norm
 _COMMON = dict(qk_norm=True, attention_output_gate=True, hf_norm_offset=1.0, default_head_dim=256,
+               recurrent_shapes=gated_delta_shapes,
                hf_values=(("ssm_a", lambda a_log: -torch.exp(a_log)),),
                gguf_layer_names=(("ffn_norm", "post_attention_norm"),))
 

@@ -104,8 +104,7 @@ class LayerBuilder:
         qkv = tuple(part for part in ("attn_q", "attn_k", "attn_v") if f"{part}.weight" in shapes)
         vector = lambda part, kind="weight": self.vector(weights.layer(i, part, kind))  # noqa: E731
         has = lambda part: part in shapes  # noqa: E731
-        moe, beside = c.moe_layers[i], has("pre_ffw_norm_2.weight")
-        has_mlp = not moe or beside
+        moe, beside, has_mlp = c.moe_layers[i], has("pre_ffw_norm_2.weight"), has("ffn_gate.weight")
         spec = attention_spec(c, i)
         k_norm = vector("attn_k_norm") if has("attn_k_norm.weight") else None
         return LayerWeights(
