@@ -15,7 +15,13 @@ built in a helper; `slow` on the modules SLOW_MODULES names. `pytest -m "not slo
 from __future__ import annotations
 
 import inspect
+import os
 from functools import cache
+
+# The GPU backend's Triton kernels run on a machine without an NVIDIA GPU through Triton's interpreter, which must be
+# chosen before triton is imported (torch imports it): before kvlm and torch are.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import kvlm  # noqa: F401  (first: it sets up OpenMP before torch loads)
 import pytest
