@@ -4,6 +4,8 @@
 
     git worktree add /tmp/before <commit>
     python -m bench.before_after --before /tmp/before [--models smollm2-135m-instruct ...] [--repeats 3]
+    python -m bench.before_after --before /tmp/before --models ~/.cache/kvlm/bench/qwen2.5-7b-shaped-q4_k_m.gguf \
+        --tokens 16 --sequences 0 --repeats 2    # bench.big_model_file's 7B shape: prefill and batch-1 decode
 
 Prints each checkout's median and the ratio after / before. The other checkout is imported from its own folder (its
 children run there), so it needs no install of its own; both use this venv's packages.
@@ -24,14 +26,14 @@ from kvlm.loader.gguf_file import read_gguf_config
 
 HERE = Path(__file__).resolve().parent.parent
 MODELS = ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "gemma-3-270m")
-MEASURES = ("prefill tok/s", "decode tok/s", "32 seqs tok/s")
+MEASURES = ("prefill tok/s", "decode tok/s")  # and "N seqs tok/s" with --sequences N
 
 
 def run_child(checkout: Path, path: Path, vocab: int, args: argparse.Namespace) -> dict:
     """bench.big_model's kvlm child, run from `checkout` (so that checkout's kvlm is the one imported)."""
     command = [sys.executable, "-m", "bench.big_model", "--child", "kvlm defaults", "--child-path", str(path),
                "--child-vocab", str(vocab), "--threads", str(args.threads), "--n-ctx", "4096",
-               "--tokens", str(args.tokens), "--sequences", "32"]
+               "--tokens", str(args.tokens), "--sequences", str(args.sequences)]
     environment = {**os.environ, "PYTHONPATH": str(checkout)}
     done = subprocess.run(command, capture_output=True, text=True, cwd=checkout, env=environment, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
@@ -47,7 +49,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="children per checkout and model (median)")
     parser.add_argument("--tokens", type=int, default=64, help="greedy tokens decoded one at a time")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--sequences", type=int, default=32, help="sequences decoding together (0: not measured)")
     args = parser.parse_args()
+    measures = MEASURES + ((f"{args.sequences} seqs tok/s",) if args.sequences else ())
     checkouts = {"before": args.before.resolve(), "after": HERE}
     print(machine_line(), flush=True)
     rows = []
@@ -58,9 +62,9 @@ def main() -> None:
         for _ in range(args.repeats):  # the checkouts take turns, so drift on the machine hits both
             for label, checkout in checkouts.items():
                 results[label].append(run_child(checkout, path, vocab, args))
-        for measure in MEASURES:
+        for measure in measures:
             before, after = (statistics.median(r[measure] for r in results[label]) for label in checkouts)
-            rows.append([name, measure, f"{before:.1f}", f"{after:.1f}", f"{after / before:.2f}x"])
+            rows.append([Path(name).name, measure, f"{before:.1f}", f"{after:.1f}", f"{after / before:.2f}x"])
             print(" | ".join(rows[-1]), flush=True)
     print(markdown_table(["model", "measure", "before", "after", "after / before"], rows))
 

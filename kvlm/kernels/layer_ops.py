@@ -38,6 +38,11 @@ class NativeLayerOps:
         self._delta_step = lib.kvlm_delta_step
         self._delta_step.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i32, i32, i32]
 
+    @staticmethod
+    def takes_head_dim(head_dim: int) -> bool:
+        """Whether attention takes heads of this size."""
+        return head_dim % HEAD_DIM_STEP == 0
+
     def attention(self, q: torch.Tensor, k_plane: tuple, v_plane: tuple, cells: TokenCells, scale: float,
                   sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, n_head, d] (float32 or bfloat16, contiguous) over the cells each token reads (`cells`, see

@@ -5,7 +5,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvlm.kernels.layer_ops import HEAD_DIM_STEP
 from kvlm.model.ops import gathered_attention, grouped_attention
 
 if TYPE_CHECKING:
@@ -42,10 +41,11 @@ def attend(q: torch.Tensor, layer: int, kv: KVView, batch_invariant: bool = Fals
     """q [T, n_head, d] over the rows of `layer` that `kv` makes visible; returns [T, n_head * d] in q's dtype.
     `sinks` [n_head] float32: attention sinks' logits, or None.
 
-    With `native`, every token attends in one native call per layer that reads K/V in place in the cells, per token
-    over its own cells in position order (no gather, no conversion; float32 softmax): a prompt's token computes what
-    it would compute as a decode token, bit for bit. Without, torch's fused kernel per group of gathered rows."""
-    if native is not None and q.shape[-1] % HEAD_DIM_STEP == 0:
+    With `native` (the backend's attention kernel: the native CPU one, or the GPU's Triton one), every token attends
+    in one call per layer that reads K/V in place in the cells, per token over its own cells in position order (no
+    gather, no conversion; float32 softmax): with the native CPU kernel, a prompt's token computes what it would
+    compute as a decode token, bit for bit. Without, torch's fused kernel per group of gathered rows."""
+    if native is not None and native.takes_head_dim(q.shape[-1]):
         planes = (kv.store.k.native(layer), kv.store.v.native(layer))
         return native.attention(q.contiguous(), *planes, kv.token_cells, q.shape[-1] ** -0.5, sinks)
     keys, values = kv.read(layer)

@@ -8,8 +8,8 @@ never ask which kernels run it.
   one call over their blocks; decode steps as one native call per attention layer (kvlm.model.fused.DecodeLayers);
   attention, the delta rule and the recurrent layers natively.
 
-`backend_for(settings)` picks one from BACKENDS. A new device is one more entry: a class of this interface over
-its own kernels, the models untouched.
+kvlm.model.backends picks one (`backend_for`). A new device is one more entry there: a class of this interface over
+its own kernels (the GPU's: kvlm.model.triton_backend), the models untouched.
 
 At batch 1 a small model's step is mostly the small ops: an RMSNorm in bfloat16 is eight eager torch ops, RoPE five,
 the gated activation three. The native ones compute in float32 and round once at the end, where torch rounds after
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlm.core.rope import apply_rope
-from kvlm.kernels import BlockMatrix, dequantize, native_kernels
+from kvlm.kernels import BlockMatrix, dequantize
 from kvlm.kernels.experts import ExpertBiases, NativeExperts
 from kvlm.kernels.native import NativeKernels
 from kvlm.kernels.quantize import BLOCK as QUANT_BLOCK
@@ -39,7 +39,6 @@ if TYPE_CHECKING:
     from kvlm.core.config import ModelConfig
     from kvlm.model.fused import DecodeLayers
     from kvlm.loader.tensors import Stored
-    from kvlm.model.settings import ComputeSettings
 
 
 class Backend(Protocol):
@@ -291,16 +290,3 @@ def _requantized(stored: Stored, storage: str) -> BlockMatrix:
     """A stored tensor's rows (of every expert in turn, for a stack of them) in the blocks of `storage`."""
     values = _float(stored)
     return QUANTIZERS[storage](values.reshape(-1, values.shape[-1]))
-
-
-# Every backend by name: what backend_for picks from.
-BACKENDS: dict[str, type[TorchBackend]] = {"torch": TorchBackend, "cpu": NativeCpuBackend}
-
-
-def backend_for(settings: ComputeSettings) -> Backend:
-    """The native CPU backend where the kernels are built and the mode is not the reference one (which stays on
-    torch's ops, as transformers computes); torch's otherwise."""
-    kernels = None if settings.reference else native_kernels()
-    if kernels is None:
-        return BACKENDS["torch"](settings.batch_invariant)
-    return BACKENDS["cpu"](kernels, settings.batch_invariant)

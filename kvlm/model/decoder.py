@@ -17,7 +17,7 @@ from kvlm.core.family import ATTENTION, SLIDING
 from kvlm.core.rope import NoRope, Rope
 from kvlm.kernels import BlockMatrix
 from kvlm.memory.view import MemoryView
-from kvlm.model.backend import backend_for
+from kvlm.model.backends import backend_for
 from kvlm.model.blocks import Blocks
 from kvlm.model.build import LayerBuilder
 from kvlm.model.embedding import Embedding

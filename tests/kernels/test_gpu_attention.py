@@ -72,15 +72,17 @@ def test_attention_matches_reference(case, kv_dtype, n_head, n_kv):
     torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)  # a GPU's tf32 products
 
 
+@pytest.mark.parametrize("case", ["prompt", "long"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_sinks_softcap_and_odd_head_size(dtype):
-    """A head size that is no power of two (80: padded rows), sink logits, a softcap, fp16 queries and cache."""
+def test_sinks_softcap_and_odd_head_size(dtype, case):
+    """A head size that is no power of two (80: padded rows), sink logits, a softcap, fp16 queries and cache; within
+    one split (each program finishes its rows) and over three (the reduction adds the sinks)."""
     generator = torch.Generator().manual_seed(3)
     n_head, n_kv, dim = 8, 4, 80
-    cells = scenario("prompt", 64, generator)
-    k, v = planes(64, n_kv, dim, "f16" if dtype == torch.float16 else "f32", generator)
+    cells = scenario(case, 800, generator)
+    k, v = planes(800, n_kv, dim, "f16" if dtype == torch.float16 else "f32", generator)
     q = (3 * torch.randn(len(cells.offsets), n_head, dim, generator=generator)).to(dtype).to(DEVICE)
-    sinks = torch.randn(n_head, generator=generator).to(DEVICE)
+    sinks = (6 + torch.randn(n_head, generator=generator)).to(DEVICE)  # weighty beside 700 cells too
     got = attention(q, k, v, cells, dim ** -0.5, sinks=sinks, softcap=5.0)
     want = reference.cell_attention(q, k, v, cells, dim ** -0.5, sinks=sinks, softcap=5.0)
     tolerance = 2e-3 if dtype == torch.float32 else 2e-2

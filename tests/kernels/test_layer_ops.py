@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from kvlm.memory.kv_store import Q8Plane
 from kvlm.memory.view import TokenCells
-from kvlm.model.backend import BACKENDS, NativeCpuBackend, TorchBackend
+from kvlm.model.backend import NativeCpuBackend, TorchBackend
 from kvlm.core.rope import apply_rope
 from kvlm.model.ops import grouped_attention, rms_norm
 from kvlm.model.recurrent import delta_step
@@ -244,7 +244,7 @@ def test_delta_step_takes_views_and_leaves_them(kernels):
 
 def test_layer_ops_fall_back_to_torch_without_the_library():
     """The torch backend: torch's ops, as in the reference mode and where no compiler built the library."""
-    ops = BACKENDS["torch"]()
+    ops = TorchBackend()
     assert ops.kernels is None and ops.decode_layers(None, [], torch.float32) is None and ops.recurrent is None
     x, h, weight = torch.randn(3, 16), torch.randn(3, 16), torch.rand(16) + 0.5
     assert ops.attention_kernel() is None

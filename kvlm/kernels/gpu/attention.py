@@ -39,19 +39,23 @@ def attention(q: torch.Tensor, k_plane: tuple, v_plane: tuple, cells, scale: flo
     if tiles is None:
         tiles = plan_tiles(cells.offsets.cpu().numpy(), cells.lengths.cpu().numpy(), block_m, q.device)
     tile_table, n_tiles, n_splits = tiles
-    parts = torch.empty(n_splits, n_tokens, n_head, dim + 2, dtype=torch.float32, device=q.device)
+    out = torch.empty(n_tokens, n_head * dim, dtype=q.dtype, device=q.device)
+    # one split: each program finishes its rows' softmax itself; more: partial results, then _reduce_splits
+    parts = (torch.empty(n_splits, n_tokens, n_head, dim + 2, dtype=torch.float32, device=q.device)
+             if n_splits > 1 else out)
     q8 = k_scales is not None
     block_d = max(MIN_DOT, triton.next_power_of_2(dim))
+    sink_logits = sinks if sinks is not None else out
     _attend_tile[(n_tiles, n_kv, n_splits)](
         q, k, v, k_scales if q8 else k, v_scales if q8 else v, cells.cells, cells.offsets, cells.lengths,
-        tile_table, parts, scale, softcap, group, dim, n_head, n_tokens,
+        tile_table, parts, sink_logits, out, scale, softcap, group, dim, n_head, n_tokens,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), (k_scales if q8 else k).stride(0),
         (k_scales if q8 else k).stride(1),
-        Q8=q8, SOFTCAP=softcap > 0, BLOCK_M=block_m, BLOCK_G=block_g, BLOCK_N=32, BLOCK_D=block_d,
-        Q8_BLOCK=Q8_BLOCK)
-    out = torch.empty(n_tokens, n_head * dim, dtype=q.dtype, device=q.device)
-    _reduce_splits[(n_tokens, n_head)](parts, sinks if sinks is not None else parts, out, n_splits, n_tokens,
-                                       n_head, dim, SINKS=sinks is not None, BLOCK_D=block_d)
+        Q8=q8, SOFTCAP=softcap > 0, SINKS=sinks is not None, SPLIT=n_splits > 1, BLOCK_M=block_m,
+        BLOCK_G=block_g, BLOCK_N=32, BLOCK_D=block_d, Q8_BLOCK=Q8_BLOCK)
+    if n_splits > 1:
+        _reduce_splits[(n_tokens,)](parts, sink_logits, out, n_splits, n_tokens, n_head, dim,
+                                    SINKS=sinks is not None, BLOCK_H=triton.next_power_of_2(n_head), BLOCK_D=block_d)
     return out
 
 
@@ -82,12 +86,13 @@ def _tanh(x):
 
 @triton.jit
 def _attend_tile(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, cells_ptr, offsets_ptr, lengths_ptr, tiles_ptr, parts_ptr,
-                 scale, softcap, group, head_dim, n_head, n_tokens,
+                 sinks_ptr, out_ptr, scale, softcap, group, head_dim, n_head, n_tokens,
                  stride_qt, stride_qh, stride_kc, stride_kh, stride_sc, stride_sh,
-                 Q8: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, Q8_BLOCK: tl.constexpr):
-    """One split of one tile's cells for one KV head: each row's running max, sum and weighted values into parts
-    [split, token, head, d + 2] (values, then max, then sum)."""
+                 Q8: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, SPLIT: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                 Q8_BLOCK: tl.constexpr):
+    """One split of one tile's cells for one KV head. SPLIT: each row's running max, sum and weighted values into
+    parts [split, token, head, d + 2] (values, then max, then sum); else the rows' outputs, sinks joined."""
     tile, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n_splits = tl.num_programs(2)
     first = tl.load(tiles_ptr + 2 * tile)
@@ -135,34 +140,48 @@ def _attend_tile(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, cells_ptr, offsets_ptr, le
         running_sum = running_sum * rescale + tl.sum(weights, axis=1)
         acc = acc * rescale[:, None] + tl.dot(weights, v)
         running_max = new_max
-    part = ((split * n_tokens + token) * n_head + head) * (head_dim + 2)
-    tl.store(parts_ptr + part[:, None] + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(parts_ptr + part + head_dim, running_max, mask=row_ok)
-    tl.store(parts_ptr + part + head_dim + 1, running_sum, mask=row_ok)
+    if SPLIT:
+        part = ((split * n_tokens + token) * n_head + head) * (head_dim + 2)
+        tl.store(parts_ptr + part[:, None] + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(parts_ptr + part + head_dim, running_max, mask=row_ok)
+        tl.store(parts_ptr + part + head_dim + 1, running_sum, mask=row_ok)
+    else:
+        if SINKS:  # one more logit, with no value
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+            new_max = tl.maximum(running_max, sink)
+            rescale = tl.exp(running_max - new_max)
+            running_sum = running_sum * rescale + tl.exp(sink - new_max)
+            acc = acc * rescale[:, None]
+        out = acc / tl.where(row_ok, running_sum, 1.0)[:, None]
+        tl.store(out_ptr + (token * n_head + head)[:, None] * head_dim + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
 def _reduce_splits(parts_ptr, sinks_ptr, out_ptr, n_splits, n_tokens, n_head, head_dim,
-                   SINKS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One token's head: its splits' partial softmaxes added up (and the head's sink logit, with no value)."""
-    token, head = tl.program_id(0), tl.program_id(1)
+                   SINKS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One token's heads (the rows): its splits' partial softmaxes added up, with each head's sink logit (no value)."""
+    token = tl.program_id(0)
+    h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
-    d_ok = d < head_dim
-    total_max = tl.full([], float("-inf"), tl.float32)
+    h_ok = h < n_head
+    ok = h_ok[:, None] & (d < head_dim)[None, :]
+    total_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
     if SINKS:
-        total_max = tl.load(sinks_ptr + head).to(tl.float32)
+        total_max = tl.load(sinks_ptr + h, mask=h_ok, other=0.0).to(tl.float32)
     for split in range(n_splits):
-        part = ((split * n_tokens + token) * n_head + head) * (head_dim + 2)
-        total_max = tl.maximum(total_max, tl.load(parts_ptr + part + head_dim))
-    total_sum = tl.zeros([], tl.float32)
+        part = ((split * n_tokens + token) * n_head + h) * (head_dim + 2)
+        total_max = tl.maximum(total_max, tl.load(parts_ptr + part + head_dim, mask=h_ok, other=float("-inf")))
+    total_sum = tl.zeros([BLOCK_H], tl.float32)
     if SINKS:
-        total_sum = tl.exp(tl.load(sinks_ptr + head).to(tl.float32) - total_max)
-    acc = tl.zeros([BLOCK_D], tl.float32)
+        total_sum = tl.exp(tl.load(sinks_ptr + h, mask=h_ok, other=0.0).to(tl.float32) - total_max)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for split in range(n_splits):
-        part = ((split * n_tokens + token) * n_head + head) * (head_dim + 2)
-        split_max = tl.load(parts_ptr + part + head_dim)
+        part = ((split * n_tokens + token) * n_head + h) * (head_dim + 2)
+        split_max = tl.load(parts_ptr + part + head_dim, mask=h_ok, other=float("-inf"))
         weight = tl.where(split_max == float("-inf"), 0.0, tl.exp(split_max - total_max))
-        total_sum += tl.load(parts_ptr + part + head_dim + 1) * weight
-        acc += tl.load(parts_ptr + part + d, mask=d_ok, other=0.0) * weight
-    out = acc / total_sum
-    tl.store(out_ptr + (token * n_head + head) * head_dim + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+        total_sum += tl.load(parts_ptr + part + head_dim + 1, mask=h_ok, other=0.0) * weight
+        acc += tl.load(parts_ptr + part[:, None] + d[None, :], mask=ok, other=0.0) * weight[:, None]
+    out = acc / tl.where(h_ok, total_sum, 1.0)[:, None]
+    tl.store(out_ptr + (token * n_head + h[:, None]) * head_dim + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=ok)

@@ -1,0 +1,58 @@
+"""The GPU backend: kvlm.kernels.gpu's Triton kernels for attention over cells, RMSNorm (with the residual add) and
+RoPE; torch's ops for the rest (dense products, a GGUF's blocks dequantized at load; the recurrent layers' scans).
+
+Chosen with KVLM_BACKEND=triton. On a machine without a GPU, TRITON_INTERPRET=1 (set before torch is imported) runs
+the same kernels through Triton's interpreter on CPU tensors: slow, but every kernel and the whole engine can be
+checked there. Not batch-invariant: a long run's split count and a prompt tile's first cell follow the batch, and
+with them the order of a softmax's sums.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvlm.kernels.gpu import attention, layer_ops
+from kvlm.model.backend import TorchBackend
+
+
+class TritonAttention:
+    """Attention over cells as kvlm.model.attention calls the backend's kernel."""
+
+    @staticmethod
+    def takes_head_dim(head_dim: int) -> bool:
+        return True
+
+    @staticmethod
+    def attention(q: torch.Tensor, k_plane: tuple, v_plane: tuple, cells, scale: float,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
+        return attention.attention(q.contiguous(), k_plane, v_plane, cells, scale, sinks)
+
+
+class TritonBackend(TorchBackend):
+    """Triton's kernels where their inputs fit (2-D contiguous rows, heads whose last two dimensions are dense),
+    TorchBackend's ops otherwise."""
+
+    name = "triton"
+
+    def __init__(self, batch_invariant: bool = False) -> None:
+        super().__init__(batch_invariant=False)  # (see the module: it is not)
+        self._attention = TritonAttention()
+
+    def attention_kernel(self) -> object | None:
+        return self._attention
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dim() == 2 and x.is_contiguous():
+            return layer_ops.rms_norm(x, weight, eps)[0]
+        return super().norm(x, weight, eps)
+
+    def add_norm(self, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.dim() == 2 and x.is_contiguous() and h.is_contiguous():
+            return layer_ops.rms_norm(x, weight, eps, residual=h)
+        return super().add_norm(x, h, weight, eps)
+
+    def rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """In place."""
+        if qk.stride(2) == 1 and qk.stride(1) == qk.shape[2]:
+            return layer_ops.rope_(qk, cos.float(), sin.float())
+        return super().rope(qk, cos, sin)

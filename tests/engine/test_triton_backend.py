@@ -1,0 +1,73 @@
+"""The GPU backend (KVLM_BACKEND=triton: kvlm.kernels.gpu's Triton kernels for attention over cells, norms and RoPE)
+running whole models and the engine, against torch's backend on the same weights: random-weight float32 models of
+each memory kind (unified: Llama; iSWA: Gemma 3, window 8; hybrid: LFM2; recurrent: Mamba2), the prompt's and each
+decode step's logits within a GPU's tolerance, greedy continuations through LLM.generate (several requests batched,
+a shared prefix from the prefix cache) equal. On this CPU through Triton's interpreter (tests/conftest.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from helpers.family_factory import SPECS, family_gguf_metadata, family_gguf_tensors, random_model  # noqa: E402
+from helpers.gemma3_factory import gguf_of as gemma3_gguf, random_gemma3  # noqa: E402
+from helpers.gguf_factory import write_gguf  # noqa: E402
+from helpers.models import prefill_then_decode_logits, token_ids  # noqa: E402
+from helpers.recurrent_factory import lfm2_gguf, mamba2_gguf, random_lfm2, random_mamba2  # noqa: E402
+from kvlm import LLM, SamplingParams  # noqa: E402
+from kvlm.core.family import ATTENTION  # noqa: E402
+from kvlm.loader.load import load_model  # noqa: E402
+from kvlm.model.triton_backend import TritonBackend  # noqa: E402
+
+
+def _llama(folder):
+    spec = SPECS["llama-llama3"]
+    model = random_model(spec)
+    return write_gguf(folder / "model.gguf", family_gguf_metadata(model, spec), family_gguf_tensors(model, spec),
+                      arch=spec.arch)
+
+
+FILES = {"unified-llama": _llama, "iswa-gemma3": lambda folder: gemma3_gguf(random_gemma3(), folder),
+         "hybrid-lfm2": lambda folder: lfm2_gguf(random_lfm2(), folder),
+         "recurrent-mamba2": lambda folder: mamba2_gguf(random_mamba2(), folder)}
+
+
+@pytest.fixture(scope="module", params=sorted(FILES))
+def models(request, tmp_path_factory):
+    """(torch's backend, the Triton backend) over one file, float32 dense."""
+    path = str(FILES[request.param](tmp_path_factory.mktemp(request.param)))
+    on_torch = load_model(path, "float32", quant=None, progress=False)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVLM_BACKEND", "triton")
+        on_triton = load_model(path, "float32", quant=None, progress=False)
+    assert isinstance(on_triton.decoder.ops, TritonBackend)
+    return on_torch, on_triton
+
+
+def test_prompt_and_decode_logits_match_torch(models):
+    on_torch, on_triton = models
+    ids = [1, *token_ids(on_torch.config.vocab_size - 3, 19, seed=2)]
+    want = prefill_then_decode_logits(on_torch, ids, 14)
+    got = prefill_then_decode_logits(on_triton, ids, 14)
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)  # a GPU's tf32 products
+
+
+def test_generate_batched_with_a_shared_prefix_matches_torch(models):
+    """A request, then three batched in the same engine, two sharing its 20-token prefix (reused from the prefix
+    cache where the memory kind keeps it: full attention only, a window's cells being dropped as it slides)."""
+    on_torch, _ = models
+    prefix = [1, *token_ids(on_torch.config.vocab_size - 3, 19, seed=5)]
+    prompts = [prefix + [7, 8, 9], prefix + [10, 11], [1, 20, 21, 22, 23]]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    outputs = {}
+    for backend, model in zip(("torch", "triton"), models):
+        llm = LLM(model, n_ctx=64, max_num_seqs=4)
+        results = llm.generate(prompts[:1], params, use_tqdm=False) + llm.generate(prompts, params, use_tqdm=False)
+        outputs[backend] = [o.token_ids for o in results]
+        cached = [o.n_cached_tokens for o in results]
+    assert outputs["triton"] == outputs["torch"]
+    assert all(len(tokens) == 4 for tokens in outputs["triton"])
+    assert outputs["triton"][0] == outputs["triton"][1]
+    if set(on_torch.config.layer_kinds) == {ATTENTION}:
+        assert min(cached[1:3]) >= 16, cached  # (whole blocks of 16)
