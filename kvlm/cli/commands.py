@@ -23,7 +23,7 @@ from kvlm.loader.load import load_model, open_model
 from kvlm.loader.memory_plan import parse_size, plan_memory
 from kvlm.memory.kv_store import KV_DTYPES, kv_bytes_for
 from kvlm.memory.layout import ISWA, memory_layout, recurrent_state_shapes
-from kvlm.model.settings import AUTO, DTYPES, QUANTS, resolve_settings
+from kvlm.model.settings import AUTO, DEVICES, DTYPES, QUANTS, resolve_settings
 from kvlm.speculative.config import SpeculativeConfig
 from kvlm.structured.params import StructuredOutputsParams
 from kvlm.text.tokenizer import StreamDecoder, checked_template_kwargs
@@ -104,6 +104,7 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("--dtype", choices=(AUTO, *DTYPES), default=AUTO)
     inspect.add_argument("--quant", choices=(AUTO, None, *QUANTS), default=AUTO, type=_quant,
                          metavar="{auto,none,int8,int4}")
+    _device_argument(inspect)
     _budget_argument(inspect)
     inspect.set_defaults(handler=_inspect)
 
@@ -156,6 +157,7 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-ctx", type=int, default=None,
                         help="KV cache cells (tokens of context; default: the largest that fits in memory, up to the "
                              "model's own context length)")
+    _device_argument(parser)
     _budget_argument(parser)
     parser.add_argument("--batch-invariant", action="store_true",
                         help="with --dtype float32 (the reference mode), logits that do not depend on the batch "
@@ -167,6 +169,12 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                         help="split every layer's heads and MLP over N processes (gloo); under torchrun, N is "
                              "the number of ranks")
+
+
+def _device_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", choices=(AUTO, *DEVICES), default=AUTO,
+                        help="where the model runs: cuda (an NVIDIA GPU: bf16 weights, the KV cache in its memory, "
+                             "Triton kernels), cpu, or auto (cuda where torch sees a GPU)")
 
 
 def _swa_full_argument(parser: argparse.ArgumentParser) -> None:
@@ -301,7 +309,7 @@ def _load_model(args: argparse.Namespace, max_num_seqs: int, n_ctx: int | None =
                              speculative_tokens=speculative.num_speculative_tokens if speculative else 0)
     return load_model(args.model, args.dtype, quant=args.quant, batch_invariant=args.batch_invariant,
                       compile=args.compile, tensor_parallel_size=args.tensor_parallel_size, memory=request,
-                      memory_budget=args.memory_budget)
+                      memory_budget=args.memory_budget, device=args.device)
 
 
 def _llm(model, args: argparse.Namespace, max_num_seqs: int) -> LLM:
@@ -342,7 +350,7 @@ def _serve(args: argparse.Namespace) -> int:
         batch_invariant=args.batch_invariant, compile=args.compile, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, memory_budget=args.memory_budget,
         kv_dtype=args.kv_dtype, swa_full=args.swa_full, api_key=args.api_key, served_model_name=args.served_model_name,
-        shutdown_timeout=args.shutdown_timeout, tensor_parallel_size=args.tensor_parallel_size,
+        shutdown_timeout=args.shutdown_timeout, tensor_parallel_size=args.tensor_parallel_size, device=args.device,
         speculative_config=args.speculative_config))
 
 
@@ -415,7 +423,7 @@ def _check_positive(**values: int) -> None:
 def _inspect(args: argparse.Namespace) -> int:
     source = resolve_model(args.model)
     config, weights, _ = open_model(source)
-    settings = resolve_settings(args.dtype, args.quant)
+    settings = resolve_settings(args.dtype, args.quant, device=args.device)
     request = memory_request(args.ctx, args.max_num_seqs, kv_dtype=args.kv_dtype, enable_prefix_caching=False)
     plan = plan_memory(config, weights, settings, request, args.memory_budget, native_kernels() is not None,
                        where=source.name)

@@ -41,7 +41,7 @@ class LLM:
                  max_num_batched_tokens: int = 512, kv_dtype: str = AUTO, enable_prefix_caching: bool = True,
                  compile: bool = False, swa_full: bool = False, tensor_parallel_size: int = 1,
                  memory_budget: int | None = None,
-                 speculative_config: SpeculativeConfig | dict | str | None = None) -> None:
+                 speculative_config: SpeculativeConfig | dict | str | None = None, device: str = AUTO) -> None:
         """`swa_full`: for models with sliding-window layers, keep every cell of those layers (more memory; a
         cached prefix is then always reusable) instead of only each sequence's window. `tensor_parallel_size` N:
         the model's heads and MLP split over N processes (this one and N - 1 it starts; see kvlm.parallel).
@@ -49,6 +49,8 @@ class LLM:
         `n_ctx` None is the largest context that fits in memory, up to the model's own. `memory_budget` (bytes)
         caps weights, the KV cache and buffers. What does not fit is refused before it is loaded or allocated
         (MemoryPlanError, each part named).
+
+        `device`: "cpu", "cuda" (an NVIDIA GPU) or "auto" (CUDA where torch sees one), as vLLM's.
 
         `speculative_config`: vLLM's, e.g. {"method": "ngram", "num_speculative_tokens": 4} (prompt lookup) or
         {"model": "qwen2.5-coder-0.5b-instruct", "num_speculative_tokens": 4} (a draft model); the output is the
@@ -59,7 +61,8 @@ class LLM:
                                  speculative_tokens=speculative_config.num_speculative_tokens if speculative_config else 0)
         if not isinstance(model, Model):
             model = load_model(model, dtype, quant=quant, batch_invariant=batch_invariant, compile=compile,
-                               tensor_parallel_size=tensor_parallel_size, memory=request, memory_budget=memory_budget)
+                               tensor_parallel_size=tensor_parallel_size, memory=request, memory_budget=memory_budget,
+                               device=device)
             n_ctx = model.plan.n_ctx  # as planned before loading
         elif tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size applies when LLM loads the model; for a loaded model, pass it "

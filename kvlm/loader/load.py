@@ -51,7 +51,7 @@ class Model:
 def load_model(
     spec: str = DEFAULT_MODEL, dtype: str = AUTO, *, quant: str | None = AUTO, fetch: bool = True,
     progress: bool = True, batch_invariant: bool = False, compile: bool = False, tensor_parallel_size: int = 1,
-    memory: MemoryRequest | None = None, memory_budget: int | None = None,
+    memory: MemoryRequest | None = None, memory_budget: int | None = None, device: str = AUTO,
 ) -> Model:
     """`spec` is a known model name (fetched on first use), a .gguf file or a Hugging Face folder.
 
@@ -62,6 +62,9 @@ def load_model(
     steps and prompt chunks through graphs compiled by torch.compile (see kvlm.model.graphs), which gives batch
     invariance up. `tensor_parallel_size` N > 1 splits every layer's heads and MLP over N processes (see
     kvlm.parallel): this one is rank 0 and starts the others.
+
+    `device`: "cpu", "cuda" (an NVIDIA GPU: weights dense in bfloat16 there, the KV cells and states too; see
+    kvlm.model.settings) or "auto" (CUDA where torch sees a GPU).
 
     `memory` is the memory the model will be asked for (n_ctx None: the largest that fits); `memory_budget`
     (bytes) caps weights + KV + buffers. A model that does not fit is refused before any weight is read
@@ -75,7 +78,10 @@ def load_model(
                          "rank's all-reduce; a tensor-parallel model runs eagerly")
     if compile:
         check_compiler()
-    settings = resolve_settings(dtype, quant, batch_invariant, compile=compile)
+    settings = resolve_settings(dtype, quant, batch_invariant, compile=compile, device=device)
+    if settings.device != "cpu" and tensor_parallel_size != 1:
+        raise ValueError(f"tensor parallelism on {settings.device} is not built yet (NCCL): use "
+                         "tensor_parallel_size 1")
     source = resolve_model(spec, fetch=fetch, progress=progress)
     memory = memory or MemoryRequest()
     if tensor_parallel_size != 1:

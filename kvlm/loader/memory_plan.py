@@ -22,6 +22,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from kvlm.core.errors import KvlmError
 from kvlm.core.family import ATTENTION, SLIDING
 from kvlm.core.config import ModelConfig
@@ -107,8 +109,11 @@ def fit(config: ModelConfig, held: int, settings: ComputeSettings, request: Memo
     kv_dtype = resolve_kv_dtype(request.kv_dtype, settings.torch_dtype, settings.quant is not None)
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {AUTO}, {', '.join(KV_DTYPES)}, got {request.kv_dtype!r}")
-    limit, source = memory_limit()
-    in_use = max(0, resident_bytes() - (held * ranks if loaded else 0))
+    if settings.device != "cpu":
+        limit, source, in_use = device_memory(settings.device)
+    else:
+        limit, source = memory_limit()
+        in_use = max(0, resident_bytes() - (held * ranks if loaded else 0))
     usable = budget if budget is not None else int(limit * (1 - MARGIN_FRACTION)) - in_use
     compute = compute_bytes(config, request) * ranks
     held *= ranks
@@ -234,6 +239,13 @@ def parse_size(text: str) -> int:
 
 def _mib(n: int | None) -> str:
     return f"{(n or 0) / MiB:.0f} MiB"
+
+
+def device_memory(device: str) -> tuple[int, str, int]:
+    """(bytes, where from, bytes in use) of a GPU's memory: what the weights, the K/V cells and the states take
+    there, however much the host has."""
+    free, total = torch.cuda.mem_get_info(torch.device(device))
+    return total, f"{torch.cuda.get_device_name(torch.device(device))} memory", total - free
 
 
 def memory_limit() -> tuple[int, str]:

@@ -48,7 +48,7 @@ class DensePlane:
         return self.data.numel() * self.data.element_size()
 
     def write(self, layer: int, rows: torch.Tensor, values: torch.Tensor) -> None:
-        self.data[layer].index_copy_(0, rows, values.to(self.data.dtype))
+        self.data[layer].index_copy_(0, on(rows, self.data), values.to(self.data.dtype))
 
     def read(self, layer: int, n_rows: int) -> torch.Tensor:
         return self.data[layer, :n_rows]
@@ -63,14 +63,14 @@ class DensePlane:
 
     def write_layers(self, rows: torch.Tensor, values: torch.Tensor) -> None:
         """values [n_layer, n_rows, kv_head, head_dim]: the rows of every layer in one copy."""
-        self.data.index_copy_(1, rows, values.to(self.data.dtype))
+        self.data.index_copy_(1, on(rows, self.data), values.to(self.data.dtype))
 
     def gather(self, rows: torch.Tensor) -> list[torch.Tensor]:
         """The stored form of some rows, every layer: what a saved state holds."""
-        return [self.data[:, rows].clone()]
+        return [self.data[:, on(rows, self.data)].clone()]
 
     def scatter(self, rows: torch.Tensor, parts: list[torch.Tensor]) -> None:
-        self.data[:, rows] = parts[0]
+        self.data[:, on(rows, self.data)] = on(parts[0], self.data)
 
 
 class Q8Plane:
@@ -90,6 +90,7 @@ class Q8Plane:
         blocks = values.float().unflatten(-1, (-1, Q8_BLOCK))
         scale = blocks.abs().amax(-1) / 127
         quants = torch.round(blocks / scale.clamp_min(1e-30)[..., None]).clamp_(-127, 127)
+        rows = on(rows, self.quants)
         self.quants[layer].index_copy_(0, rows, quants.flatten(-2).to(torch.int8))
         self.scales[layer].index_copy_(0, rows, scale.to(torch.float16))
 
@@ -106,11 +107,18 @@ class Q8Plane:
         return self.quants, self.scales
 
     def gather(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        rows = on(rows, self.quants)
         return [self.quants[:, rows].clone(), self.scales[:, rows].clone()]
 
     def scatter(self, rows: torch.Tensor, parts: list[torch.Tensor]) -> None:
-        self.quants[:, rows] = parts[0]
-        self.scales[:, rows] = parts[1]
+        rows = on(rows, self.quants)
+        self.quants[:, rows] = on(parts[0], self.quants)
+        self.scales[:, rows] = on(parts[1], self.quants)
+
+
+def on(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`tensor` on `like`'s device: cell indices and saved rows come from the host, the planes may be on a GPU."""
+    return tensor if tensor.device == like.device else tensor.to(like.device)
 
 
 def _plane(shape: tuple[int, ...], dtype: str) -> DensePlane | Q8Plane:
@@ -135,6 +143,11 @@ class KVStore:
     @property
     def n_layer(self) -> int:
         return self.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        """Where its rows are (a GPU's memory when the memory was made under torch.device("cuda"))."""
+        return self.k.stored()[0].device
 
     @property
     def n_cells(self) -> int:

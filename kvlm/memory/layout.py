@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from kvlm.core.config import ModelConfig
 from kvlm.core.family import CONV, GATED_DELTA, MAMBA, RECURRENT_KINDS, SLIDING
 from kvlm.core.rope import Rope
@@ -96,10 +98,12 @@ def make_memory(config: ModelConfig, layer_ropes: list[Rope], n_ctx: int, n_seq_
 
 def memory_for(decoder, n_ctx: int, n_seq_max: int, n_ubatch: int, kv_dtype: str, swa_full: bool = False,
                swa_keep_extra: int = 0) -> Memory:
-    """`make_memory` for a decoder's model, the decoder fitted to n_ctx (see Decoder.fit_context) and each layer
-    re-rotated by its RoPE."""
+    """`make_memory` for a decoder's model, on its device, the decoder fitted to n_ctx (see Decoder.fit_context)
+    and each layer re-rotated by its RoPE."""
     layer_ropes = decoder.fit_context(n_ctx)
-    return make_memory(decoder.config, layer_ropes, n_ctx, n_seq_max, n_ubatch, kv_dtype, swa_full, swa_keep_extra)
+    with torch.device(decoder.device):  # the K/V cells and recurrent states where the decoder computes
+        return make_memory(decoder.config, layer_ropes, n_ctx, n_seq_max, n_ubatch, kv_dtype, swa_full,
+                           swa_keep_extra)
 
 
 def memory_bytes(config: ModelConfig, n_ctx: int, n_seq_max: int, kv_dtype: str, n_ubatch: int = 512,

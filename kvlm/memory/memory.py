@@ -217,8 +217,10 @@ class KVMemory(LendsCells):
         if not self.cells.has_shift:
             return
         cells, deltas = self.cells.take_shifts()
-        rows = torch.from_numpy(cells)
-        rotations = {id(rope): rope.shift_cos_sin(torch.from_numpy(deltas)) for rope in self.layer_ropes}
+        device = self.store.device
+        rows = torch.from_numpy(cells).to(device)
+        rotations = {id(rope): tuple(t.to(device) for t in rope.shift_cos_sin(torch.from_numpy(deltas)))
+                     for rope in self.layer_ropes}
         for layer, rope in enumerate(self.layer_ropes):
             keys = self.store.k.read(layer, self.n_cells)[rows].float()
             self.store.k.write(layer, rows, apply_rope(keys, *rotations[id(rope)]))
@@ -290,4 +292,7 @@ class KVMemory(LendsCells):
         visible = self.cells.visibility(ubatch.pos, ubatch.seq_mask, n_kv, window)
         groups = attention_groups(visible, ubatch.seq_mask, self.cells.pos[:n_kv])
         ordered = len(groups) == 1 and torch.equal(groups[0].index, torch.arange(n_kv))  # no gather needed
+        device = self.store.device
+        if device.type != "cpu":  # what the step reads, copied to the device once
+            rows, groups = rows.to(device), [group.to(device) for group in groups]
         return KVView(self.store, rows, n_kv, groups, ordered)

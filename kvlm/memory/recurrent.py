@@ -228,7 +228,8 @@ class RecurrentMemory:
             self.last[seq] = ubatch.pos[owners == seq][-1]
         ascending = len(seqs) == 1 or bool(np.all(np.diff(seqs) == 1))
         run = slice(int(seqs[0]), int(seqs[-1]) + 1) if ascending else None
-        return RecurrentView(self, torch.from_numpy(seqs.copy()), n_tokens, run)
+        device = self.states[0][0].device if self.states else None  # (a GPU's, where the memory was made there)
+        return RecurrentView(self, torch.from_numpy(seqs.copy()).to(device), n_tokens, run)
 
     def commit(self) -> None:
         """Write the batch's new states, in micro-batch order."""

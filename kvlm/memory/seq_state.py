@@ -174,5 +174,5 @@ def _take(data: bytes, offset: int, size: int) -> bytes:
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> bytes:
-    flat = tensor.contiguous().view(-1)
+    flat = tensor.cpu().contiguous().view(-1)
     return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""

@@ -44,6 +44,11 @@ class AttentionGroup:
     lengths: torch.Tensor | None = None
     starts: torch.Tensor | None = None
 
+    def to(self, device: torch.device) -> AttentionGroup:
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return AttentionGroup(move(self.tokens), move(self.index), move(self.mask), move(self.lengths),
+                              move(self.starts))
+
 
 @dataclass(frozen=True)
 class TokenCells:
@@ -57,11 +62,13 @@ class TokenCells:
 
     @classmethod
     def of(cls, groups: list[AttentionGroup], n_tokens: int) -> TokenCells:
-        runs, offsets, lengths = [], torch.zeros(n_tokens, dtype=torch.int64), torch.zeros(n_tokens, dtype=torch.int64)
+        device = groups[0].tokens.device if groups else None
+        runs, offsets = [], torch.zeros(n_tokens, dtype=torch.int64, device=device)
+        lengths = torch.zeros(n_tokens, dtype=torch.int64, device=device)
         first = 0
         for group in groups:
             if group.index.dim() == 2:  # a row of cells per token
-                offsets[group.tokens] = first + torch.arange(len(group.tokens)) * group.index.shape[1]
+                offsets[group.tokens] = first + torch.arange(len(group.tokens), device=device) * group.index.shape[1]
             else:
                 offsets[group.tokens] = first + (0 if group.starts is None else group.starts)
             lengths[group.tokens] = group.index.shape[-1] if group.lengths is None else group.lengths

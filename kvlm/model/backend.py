@@ -28,7 +28,7 @@ from kvlm.kernels.experts import ExpertBiases, NativeExperts
 from kvlm.kernels.native import NativeKernels
 from kvlm.kernels.quantize import BLOCK as QUANT_BLOCK
 from kvlm.kernels.quantize import QUANTIZERS
-from kvlm.model.linear import Linear, QuantizedLinear, dense_linear
+from kvlm.model.linear import DenseLinear, Linear, QuantizedLinear, dense_linear
 from kvlm.model.moe import BlockExperts
 from kvlm.model.ops import rms_norm
 from kvlm.model.recurrent import delta_step
@@ -61,6 +61,9 @@ class Backend(Protocol):
 
     def products_layout(self, stored: BlockMatrix) -> BlockMatrix:
         """A block matrix in the layout this backend's products read (a tied embedding reads it there too)."""
+
+    def place(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A weight where this backend computes (its device)."""
 
     def block_experts(self, parts: list[Stored], storage: str | None, n_expert: int, activation: str,
                       biases: ExpertBiases | None, swiglu: tuple[float, float]) -> BlockExperts | None:
@@ -101,9 +104,13 @@ class TorchBackend:
     name = "torch"
     kernels: NativeKernels | None = None
 
-    def __init__(self, batch_invariant: bool = False) -> None:
+    def __init__(self, batch_invariant: bool = False, device: str = "cpu") -> None:
         self.precise = torch.float64 if batch_invariant else None
         self.recurrent = SteppedRecurrentOps() if batch_invariant else None
+        self.device = device
+
+    def place(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if self.device == "cpu" else tensor.to(self.device)
 
     def attention_kernel(self) -> object | None:
         return None
@@ -116,6 +123,8 @@ class TorchBackend:
         return self.dense_matrix(weight, dtype, batch_invariant)
 
     def dense_matrix(self, weight: torch.Tensor, dtype: torch.dtype, batch_invariant: bool) -> Linear:
+        if self.device != "cpu":  # (oneDNN's packed layouts and the native product are the CPU's)
+            return DenseLinear(self.place(weight), dtype)
         return dense_linear(weight, dtype, batch_invariant, self.kernels)
 
     def products_layout(self, stored: BlockMatrix) -> BlockMatrix:

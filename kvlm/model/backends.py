@@ -1,7 +1,8 @@
 """Which backend (kvlm.model.backend's table of hot ops) a decoder runs on.
 
-By default the native CPU kernels where they are built and the mode is not the reference one (which stays on torch's
-ops, as transformers computes), torch's ops otherwise. KVLM_BACKEND names one outright: "cpu", "torch", or "triton"
+On a GPU, the Triton kernels (torch's ops on the GPU in the reference mode). On the CPU, the native kernels where they
+are built and the mode is not the reference one (which stays on torch's ops, as transformers computes), torch's ops
+otherwise. KVLM_BACKEND names one outright: "cpu", "torch", or "triton"
 (the GPU's Triton kernels, kvlm.model.triton_backend; on a machine without a GPU through Triton's interpreter, with
 TRITON_INTERPRET=1 set before torch is imported).
 """
@@ -19,7 +20,7 @@ ENVIRONMENT = "KVLM_BACKEND"
 
 
 def _torch(settings: ComputeSettings) -> Backend:
-    return TorchBackend(settings.batch_invariant)
+    return TorchBackend(settings.batch_invariant, settings.device)
 
 
 def _cpu(settings: ComputeSettings) -> Backend:
@@ -30,16 +31,14 @@ def _cpu(settings: ComputeSettings) -> Backend:
 
 
 def _triton(settings: ComputeSettings) -> Backend:
-    import torch
-
     if not triton_available():
         raise ValueError(f"{ENVIRONMENT}=triton needs Triton (it comes with CUDA builds of torch; pip install triton)")
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"{ENVIRONMENT}=triton needs an NVIDIA GPU, or TRITON_INTERPRET=1 set before torch is "
-                         "imported to run its kernels on the CPU through Triton's interpreter")
+    if settings.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"{ENVIRONMENT}=triton on the CPU needs TRITON_INTERPRET=1, set before torch is imported, to "
+                         "run its kernels through Triton's interpreter (on a GPU: device 'cuda')")
     from kvlm.model.triton_backend import TritonBackend  # (imports triton: only when asked for)
 
-    return TritonBackend(settings.batch_invariant)
+    return TritonBackend(settings.device)
 
 
 # Every backend by name: a new device is one more entry.
@@ -47,13 +46,15 @@ BACKENDS: dict[str, Callable[[ComputeSettings], Backend]] = {"torch": _torch, "c
 
 
 def backend_for(settings: ComputeSettings) -> Backend:
-    """KVLM_BACKEND's backend where it names one; else the native CPU one where its kernels are built and the mode
-    is not the reference one, torch's otherwise."""
+    """KVLM_BACKEND's backend where it names one; else on a GPU the Triton one (torch's for the reference mode); on
+    the CPU the native one where its kernels are built and the mode is not the reference one, torch's otherwise."""
     name = os.environ.get(ENVIRONMENT, "")
     if name:
         if name not in BACKENDS:
             raise ValueError(f"{ENVIRONMENT}={name!r} is not a backend (backends: {', '.join(BACKENDS)})")
         return BACKENDS[name](settings)
+    if settings.device != "cpu":
+        return _torch(settings) if settings.reference else _triton(settings)
     if settings.reference or native_kernels() is None:
         return _torch(settings)
     return _cpu(settings)

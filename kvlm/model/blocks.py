@@ -41,9 +41,9 @@ class Blocks:
         k = self.ops.norm(k.contiguous(), weight[q_size:], eps)
         return torch.cat([q, k], dim=-1).view(qk.shape)
 
-    def _ones(self, n: int) -> torch.Tensor:
+    def _ones(self, n: int, device: torch.device) -> torch.Tensor:
         """The weight of a weightless RMSNorm (a V norm), for the ops' norm."""
-        return torch.ones(n, dtype=self.dtype)
+        return torch.ones(n, dtype=self.dtype, device=device)
 
     def _attention_block(self, index: int, layer: LayerWeights, x, cos, sin, kv: MemoryView) -> torch.Tensor:
         """Pre-norm attention then a pre-norm gated MLP, each added to the residual stream (each output normed
@@ -133,7 +133,7 @@ class Blocks:
             v = qk[:, q_size:]
         v = v.view(n_tokens, n_kv, head_dim) if n_kv else None
         if v is not None and spec.value_norm:  # before the QK-norm, which may run in place on K
-            v = self.ops.norm(v.reshape(-1, head_dim).contiguous(), self._ones(head_dim), eps).view(v.shape)
+            v = self.ops.norm(v.reshape(-1, head_dim).contiguous(), self._ones(head_dim, v.device), eps).view(v.shape)
         # Q and K heads side by side take their norm and rotation in one go.
         qk = qk.view(n_tokens, n_head + n_kv, head_dim)
         if layer.qk_norm is not None and spec.whole_qk_norm:  # over each token's whole Q, then whole K

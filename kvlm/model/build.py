@@ -62,10 +62,11 @@ class LayerBuilder:
         return isinstance(stored, BlockMatrix) and self.settings.matrix_storage([stored.qtype.name]) == FROM_FILE
 
     def dense(self, stored: Stored) -> torch.Tensor:
-        """A tensor's values in the activation dtype (float32 for the reference mode: gguf's exact values)."""
+        """A tensor's values in the activation dtype (float32 for the reference mode: gguf's exact values), where
+        the backend computes."""
         if isinstance(stored, BlockMatrix):
-            return dequantize(stored, self.dtype)
-        return stored.to(self.dtype)
+            return self.ops.place(dequantize(stored, self.dtype))
+        return self.ops.place(stored.to(self.dtype))
 
     def vector(self, stored: Stored) -> torch.Tensor:
         return self.dense(stored)
@@ -78,9 +79,9 @@ class LayerBuilder:
         """A dense matrix's product with activations in `dtype` (default: the model's)."""
         return self.ops.dense_matrix(weight, dtype or self.dtype, self.batch_invariant)
 
-    @staticmethod
-    def _float(stored: Stored) -> torch.Tensor:
-        return dequantize(stored) if isinstance(stored, BlockMatrix) else stored.float()
+    def _float(self, stored: Stored) -> torch.Tensor:
+        """A tensor's values in float32, where the backend computes."""
+        return self.ops.place(dequantize(stored) if isinstance(stored, BlockMatrix) else stored.float())
 
     def _stacked(self, weights: ModelWeights, i: int, parts: tuple[str, ...]) -> Linear:
         """One matrix from several stacked by rows (one product instead of several)."""

@@ -76,6 +76,11 @@ class Decoder(Blocks):
         self.gather_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
+    def device(self) -> str:
+        """Where its weights are and it computes ("cpu" or "cuda"); its memory is made there too."""
+        return self.settings.device
+
+    @property
     def quantized(self) -> bool:
         """Whether its matrices may be kept quantized (the fast mode), not all dense (the reference mode)."""
         return self.settings.quant is not None
@@ -115,7 +120,7 @@ class Decoder(Blocks):
             x = x * self.embedding_scale
         per_layer = self.per_layer_inputs(tokens, x) if self.per_layer_inputs is not None else None
         ropes = {id(rope): rope for rope in self.layer_ropes}  # a few distinct ones: each rotation computed once
-        rotations = {key: rope.cos_sin(positions, torch.float32) for key, rope in ropes.items()}
+        rotations = {key: _on(rope.cos_sin(positions.cpu(), torch.float32), x.device) for key, rope in ropes.items()}
         blocks = self.blocks
         for index, (kind, layer) in enumerate(zip(self.config.layer_kinds, self.layers)):
             x = blocks[kind](index, layer, x, *rotations[id(self.layer_ropes[index])], kv)
@@ -148,6 +153,11 @@ class Decoder(Blocks):
         none = NoRope(full.head_dim) if c.unrotated_layers else None
         return [none if i in c.unrotated_layers else local if kind == SLIDING else full
                 for i, kind in enumerate(c.layer_kinds)]
+
+
+def _on(tensors: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """RoPE's tables (computed from the positions on the host) where the step runs."""
+    return tensors if device.type == "cpu" else tuple(t.to(device, non_blocking=True) for t in tensors)
 
 
 def _held(value, seen: set[int]) -> int:

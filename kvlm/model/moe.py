@@ -47,7 +47,7 @@ class DenseExperts:
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ops, activation: str) -> torch.Tensor:
         """Each expert once over the tokens routed to it; a token's outputs added in the order of expert ids."""
-        out = torch.zeros(x.shape, dtype=torch.float32)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for expert in torch.unique(ids).tolist():
             tokens, slots = torch.nonzero(ids == expert, as_tuple=True)
             y = self._expert(expert, x[tokens], ops, activation)

@@ -7,6 +7,9 @@ its batch holds nor on how its prompt reached the cache. `dtype="float32"` is th
 everywhere (gguf's dequantized values, with transformers' own products, whose logits it then matches); it is
 batch-invariant only when asked (`batch_invariant=True`). Where the native kernels cannot be built (no compiler),
 matrices are dense in the activation dtype.
+
+`device`: "cpu", or "cuda" (an NVIDIA GPU through the Triton backend: weights dense in bfloat16, a GGUF's blocks
+dequantized at load, the K/V cells and recurrent states in GPU memory); "auto" picks CUDA where torch sees a GPU.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from kvlm.model.cpu import CpuFeatures, detect
 
 AUTO = "auto"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DEVICES = ("cpu", "cuda")
 QUANTS = ("int8", "int4")  # every layer matrix requantized to Q8_0 or Q4_0 blocks
 FROM_FILE = "file"  # each matrix in the blocks its file stores it in, where the kernels read them
 NATIVE_TYPE_NAMES = frozenset(t.name for t in NATIVE_TYPES)
@@ -31,6 +35,7 @@ class ComputeSettings:
     batch_invariant: bool = True  # a token's logits independent of its batch (see resolve_settings)
     reason: str = ""            # why these were chosen, for `kvlm inspect` and the server's log
     reference: bool = False     # the float32 reference mode: torch's ops throughout, as transformers computes
+    device: str = "cpu"         # where weights, K/V cells and recurrent states live: "cpu" or "cuda"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -46,13 +51,14 @@ class ComputeSettings:
     def describe(self) -> str:
         weights = {None: "dense", FROM_FILE: "as the file stores them (its quantized blocks, read by native kernels)"}
         invariant = "batch-invariant" if self.batch_invariant else "not batch-invariant"
-        return (f"{self.dtype} activations, weights {weights.get(self.quant, f'requantized {self.quant}')}, "
+        where = "" if self.device == "cpu" else f"on {self.device}, "
+        return (f"{where}{self.dtype} activations, weights {weights.get(self.quant, f'requantized {self.quant}')}, "
                 f"{invariant}: {self.reason}")
 
 
 def resolve_settings(dtype: str = AUTO, quant: str | None = AUTO, batch_invariant: bool = False,
                      cpu: CpuFeatures | None = None, kernels: bool | None = None,
-                     compile: bool = False) -> ComputeSettings:
+                     compile: bool = False, device: str = "cpu") -> ComputeSettings:
     """Checks the requested settings (before any weight is read) and fills in "auto" for this CPU.
 
     Every mode but the reference one is batch-invariant, whatever `batch_invariant` says; the reference mode is when
@@ -60,6 +66,9 @@ def resolve_settings(dtype: str = AUTO, quant: str | None = AUTO, batch_invarian
     `kernels`: whether the native kernels are there (None: find out, building them if need be).
     """
     _check(dtype, quant)
+    device = resolve_device(device)
+    if device != "cpu":
+        return _gpu_settings(dtype, quant, device, compile, batch_invariant)
     cpu = cpu or detect()
     kernels = native_kernels() is not None if kernels is None else kernels
     if quant in QUANTS and not kernels:
@@ -77,6 +86,31 @@ def resolve_settings(dtype: str = AUTO, quant: str | None = AUTO, batch_invarian
         if not kernels and not reference:
             why += "; the native kernels are unavailable, so weights are dense"
     return ComputeSettings(dtype, quant, not compile and (batch_invariant or not reference), why, reference)
+
+
+def resolve_device(device: str) -> str:
+    """"auto": CUDA where torch sees a GPU, else the CPU; "cuda" where torch sees none is an error."""
+    if device not in (AUTO, *DEVICES):
+        raise ValueError(f"device must be one of {AUTO}, {', '.join(DEVICES)}, got {device!r}")
+    if device == AUTO:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device 'cuda': torch {torch.__version__} sees no CUDA GPU here (built for CUDA "
+                         f"{torch.version.cuda or 'none'}); use device 'cpu' or 'auto'")
+    return device
+
+
+def _gpu_settings(dtype: str, quant: str | None, device: str, compile: bool, batch_invariant: bool) -> ComputeSettings:
+    """On a GPU: dense weights (bfloat16 unless float32 is asked for, the reference mode), no requantization, and
+    not batch-invariant (the Triton attention's split counts and tiles follow the batch)."""
+    if quant in QUANTS:
+        raise ValueError(f"quant {quant!r} is the CPU's native kernels' (requantized blocks); on {device} weights "
+                         "are dense: use quant 'auto' or None")
+    if compile or batch_invariant:
+        raise ValueError(f"{'compile' if compile else 'batch_invariant'} is not available on {device} yet")
+    dtype = "bfloat16" if dtype == AUTO else dtype
+    why = f"{device}: dense weights (a GGUF's blocks dequantized at load)"
+    return ComputeSettings(dtype, None, False, why, reference=dtype == "float32", device=device)
 
 
 def _check(dtype: str, quant: str | None) -> None:

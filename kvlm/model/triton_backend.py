@@ -1,7 +1,7 @@
 """The GPU backend: kvlm.kernels.gpu's Triton kernels for attention over cells, RMSNorm (with the residual add) and
 RoPE; torch's ops for the rest (dense products, a GGUF's blocks dequantized at load; the recurrent layers' scans).
 
-Chosen with KVLM_BACKEND=triton. On a machine without a GPU, TRITON_INTERPRET=1 (set before torch is imported) runs
+Chosen on a GPU (settings.device "cuda"), and with KVLM_BACKEND=triton. On a machine without a GPU, TRITON_INTERPRET=1 (set before torch is imported) runs
 the same kernels through Triton's interpreter on CPU tensors: slow, but every kernel and the whole engine can be
 checked there. Not batch-invariant: a long run's split count and a prompt tile's first cell follow the batch, and
 with them the order of a softmax's sums.
@@ -33,8 +33,8 @@ class TritonBackend(TorchBackend):
 
     name = "triton"
 
-    def __init__(self, batch_invariant: bool = False) -> None:
-        super().__init__(batch_invariant=False)  # (see the module: it is not)
+    def __init__(self, device: str = "cpu") -> None:
+        super().__init__(batch_invariant=False, device=device)  # (see the module: not batch-invariant)
         self._attention = TritonAttention()
 
     def attention_kernel(self) -> object | None:

@@ -92,13 +92,15 @@ class Context:
 
     def _compute(self, ubatch, slot) -> torch.Tensor:
         view = self.memory.place(ubatch, slot)
-        output_rows = torch.tensor(ubatch.output.nonzero()[0], dtype=torch.long)
-        tokens, positions = torch.tensor(ubatch.tokens), torch.tensor(ubatch.pos)
+        device = self.model.decoder.device  # the tokens to where the model computes; positions stay (RoPE's tables
+        # are made from them on the host) and logits come back
+        output_rows = torch.tensor(ubatch.output.nonzero()[0], dtype=torch.long, device=device)
+        tokens, positions = torch.tensor(ubatch.tokens, device=device), torch.tensor(ubatch.pos)
         if self.model.graphs is not None:
             logits = self.model.graphs.run(tokens, positions, view, output_rows)
             if logits is not None:
                 return logits
-        return self.model.decoder.forward(tokens, positions, view, output_rows)
+        return self.model.decoder.forward(tokens, positions, view, output_rows).cpu()
 
     def _roll_back(self, status: DecodeStatus, message: str) -> DecodeStatus:
         self.memory.roll_back()

@@ -26,6 +26,7 @@ class ServeSettings:
     port: int = 8000
     dtype: str = AUTO
     quant: str | None = AUTO
+    device: str = AUTO  # cpu, cuda, or auto (cuda where torch sees a GPU)
     batch_invariant: bool = False
     compile: bool = False  # compiled decode and prefill graphs (kvlm.model.graphs)
     n_ctx: int | None = None  # None: the largest that fits in memory, up to the model's own
@@ -97,7 +98,7 @@ def serve(settings: ServeSettings) -> int:
         model = load_model(settings.model, settings.dtype, quant=settings.quant,
                            batch_invariant=settings.batch_invariant, compile=settings.compile,
                            tensor_parallel_size=settings.tensor_parallel_size, memory=request,
-                           memory_budget=settings.memory_budget)
+                           memory_budget=settings.memory_budget, device=settings.device)
         return Engine(model, n_ctx=settings.n_ctx or model.plan.n_ctx, max_num_seqs=settings.max_num_seqs,
                       max_num_batched_tokens=settings.max_num_batched_tokens, kv_dtype=settings.kv_dtype,
                       swa_full=settings.swa_full, memory_budget=settings.memory_budget,

@@ -157,12 +157,13 @@ class Speculator:
 
 def make_speculator(config: SpeculativeConfig, target: Model, n_ctx: int, n_seq_max: int, n_batch: int,
                     memory_budget: int | None = None) -> Speculator:
-    """The speculator of an engine; a draft model is loaded (or taken, if loaded already) with a context as
-    large as the target's and its vocabulary checked against the target's."""
+    """The speculator of an engine; a draft model is loaded (or taken, if loaded already) on the target's device with
+    a context as large as the target's, its vocabulary checked against the target's."""
     if config.method != "draft_model":
         return Speculator(config)
     model = config.model
     if not isinstance(model, Model):
-        model = load_model(model, memory=MemoryRequest(n_ctx, n_seq_max, n_ubatch=n_batch), memory_budget=memory_budget)
+        model = load_model(model, memory=MemoryRequest(n_ctx, n_seq_max, n_ubatch=n_batch), memory_budget=memory_budget,
+                           device=target.decoder.device)  # beside the target
     draft = DraftModel(model, target.tokenizer, target.config.vocab_size, n_ctx, n_seq_max, n_batch)
     return Speculator(config, draft)

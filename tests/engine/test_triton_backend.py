@@ -2,7 +2,8 @@
 running whole models and the engine, against torch's backend on the same weights: random-weight float32 models of
 each memory kind (unified: Llama; iSWA: Gemma 3, window 8; hybrid: LFM2; recurrent: Mamba2), the prompt's and each
 decode step's logits within a GPU's tolerance, greedy continuations through LLM.generate (several requests batched,
-a shared prefix from the prefix cache) equal. On this CPU through Triton's interpreter (tests/conftest.py)."""
+a shared prefix from the prefix cache) equal. On a GPU where there is one; else through Triton's interpreter
+(tests/conftest.py) on the CPU."""
 from __future__ import annotations
 
 import pytest
@@ -33,15 +34,19 @@ FILES = {"unified-llama": _llama, "iswa-gemma3": lambda folder: gemma3_gguf(rand
          "recurrent-mamba2": lambda folder: mamba2_gguf(random_mamba2(), folder)}
 
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 @pytest.fixture(scope="module", params=sorted(FILES))
 def models(request, tmp_path_factory):
-    """(torch's backend, the Triton backend) over one file, float32 dense."""
+    """(torch's backend on the CPU, the Triton backend) over one file, float32 dense; the Triton one on the GPU
+    where there is one (weights, K/V cells and states in its memory), else on the CPU through the interpreter."""
     path = str(FILES[request.param](tmp_path_factory.mktemp(request.param)))
-    on_torch = load_model(path, "float32", quant=None, progress=False)
+    on_torch = load_model(path, "float32", quant=None, progress=False, device="cpu")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("KVLM_BACKEND", "triton")
-        on_triton = load_model(path, "float32", quant=None, progress=False)
-    assert isinstance(on_triton.decoder.ops, TritonBackend)
+        on_triton = load_model(path, "float32", quant=None, progress=False, device=DEVICE)
+    assert isinstance(on_triton.decoder.ops, TritonBackend) and on_triton.decoder.device == DEVICE
     return on_torch, on_triton
 
 

@@ -1,0 +1,78 @@
+"""The device choice (kvlm.model.settings, kvlm.model.backends, the memory plan): "auto" on a machine without a GPU is
+the CPU; "cuda" where torch sees none is refused naming what torch sees; on a GPU (torch's view of one patched in
+here) weights are dense bfloat16, the backend is the Triton one, what the CPU alone does is refused by name, and the
+memory plan counts the GPU's memory."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.family_factory import SPECS, family_gguf_metadata, family_gguf_tensors, random_model
+from helpers.gguf_factory import write_gguf
+from kvlm.loader.gguf_file import open_gguf_model
+from kvlm.loader.memory_plan import MemoryPlanError, MemoryRequest, plan_memory
+from kvlm.model.backend import TorchBackend
+from kvlm.model.backends import backend_for
+from kvlm.model.settings import resolve_settings
+
+pytest.importorskip("triton")
+
+
+@pytest.fixture
+def a_gpu(monkeypatch):
+    """torch sees one GPU of 8 GiB, 6 of them free."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (6 << 30, 8 << 30))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Test GPU")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")
+def test_auto_is_the_cpu_and_cuda_is_refused_without_a_gpu():
+    assert resolve_settings(device="auto").device == "cpu"
+    with pytest.raises(ValueError, match=r"device 'cuda': torch .* sees no CUDA GPU here"):
+        resolve_settings(device="cuda")
+    with pytest.raises(ValueError, match="device must be one of auto, cpu, cuda, got 'tpu'"):
+        resolve_settings(device="tpu")
+
+
+def test_on_a_gpu_weights_are_dense_bfloat16_through_triton(a_gpu, monkeypatch):
+    monkeypatch.delenv("KVLM_BACKEND", raising=False)
+    settings = resolve_settings(device="auto")
+    assert (settings.device, settings.dtype, settings.quant, settings.batch_invariant) == ("cuda", "bfloat16",
+                                                                                          None, False)
+    backend = backend_for(settings)
+    assert backend.name == "triton" and backend.device == "cuda"
+    reference = resolve_settings("float32", device="cuda")  # the reference mode: torch's ops, on the GPU
+    assert reference.reference and type(backend_for(reference)) is TorchBackend
+    assert backend_for(reference).device == "cuda"
+
+
+@pytest.mark.parametrize("asked,message", [
+    (dict(quant="int8"), "quant 'int8' is the CPU's native kernels'"),
+    (dict(compile=True), "compile is not available on cuda yet"),
+    (dict(batch_invariant=True), "batch_invariant is not available on cuda yet"),
+])
+def test_what_only_the_cpu_does_is_refused_on_a_gpu(a_gpu, asked, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_settings(device="cuda", **asked)
+
+
+def test_the_memory_plan_counts_the_gpus_memory(a_gpu, tmp_path):
+    spec = SPECS["llama-llama3"]
+    model = random_model(spec)
+    path = write_gguf(tmp_path / "model.gguf", family_gguf_metadata(model, spec), family_gguf_tensors(model, spec),
+                      arch=spec.arch)
+    config, weights, _ = open_gguf_model(path)
+    settings = resolve_settings(device="cuda")
+    plan = plan_memory(config, weights, settings, MemoryRequest(n_ctx=64), where="model.gguf")
+    assert (plan.limit, plan.limit_source, plan.in_use) == (8 << 30, "NVIDIA Test GPU memory", 2 << 30)
+    with pytest.raises(MemoryPlanError, match=r"NVIDIA Test GPU memory 8192(\.0)? MiB, less 2048(\.0)? MiB already"):
+        plan_memory(config, weights, settings, MemoryRequest(n_ctx=2**24), where="model.gguf")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")
+def test_the_cli_refuses_cuda_without_a_gpu_before_reading_the_model(capsys, tmp_path):
+    from kvlm.cli.commands import main
+
+    assert main(["generate", "--device", "cuda", "--model", str(tmp_path / "absent.gguf"), "--prompt", "x"]) == 1
+    assert "device 'cuda': torch" in capsys.readouterr().err
