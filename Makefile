@@ -5,6 +5,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 CHAT ?= What is a KV cache, in two sentences?
+# kvlm runs on torch 2.11 or newer (a CUDA build where one is installed is kept); a fresh venv here gets this CPU
+# build first, so that pip does not pull a newer, multi-GB CUDA one
+TORCH ?= torch==2.13.0
 
 .PHONY: run test bench-deps browser compiler
 
@@ -34,12 +37,14 @@ bench-deps: $(VENV)/.installed-test
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e .
 	$(BIN)/python -m kvlm.kernels.native || true
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/python -m kvlm.kernels.native || true
 	touch $@ $(VENV)/.installed

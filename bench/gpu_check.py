@@ -125,7 +125,19 @@ def make_folder(shape: str, dtype: torch.dtype, device: str, folder: Path):
     with torch.device(device):
         model = Qwen2ForCausalLM(config).to(dtype).eval()
     model.save_pretrained(folder)
+    write_tokenizer(folder, config.vocab_size)
     return model
+
+
+def write_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A word-level tokenizer over the whole vocabulary (kvlm reads a folder's tokenizer.json; the ids are random)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<|endoftext|>": 0, **{f"w{i}": i for i in range(1, vocab_size)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
 
 
 def load_kvlm(folder: Path, dtype: str, device: str, n_ctx: int, n_seq_max: int = 4):
@@ -150,15 +162,16 @@ def fidelity(device: str, folder_of, dtype_name: str, smoke: bool) -> dict:
     prompts = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in (40, 31)]
     ctx = Context(model, n_ctx=512, n_batch=512, n_ubatch=512, n_seq_max=4, kv_dtype="f32" if dtype_name ==
                   "float32" else "bf16")
-    seqs = [list(p) for p in prompts]
+    seqs, nexts = [list(p) for p in prompts], []
     for s, prompt in enumerate(prompts):
         assert int(ctx.decode(Batch.for_sequence(prompt, seq_id=s))) == 0, ctx.last_error
+        nexts.append(int(torch.argmax(ctx.get_logits_ith(-1))))
     for _ in range(6):  # both sequences in each batch: their new cells interleave
-        nexts = [int(torch.argmax(ctx.get_logits_ith(i))) for i in range(2)]
         for s, token in enumerate(nexts):
             seqs[s].append(token)
         batch = Batch(tokens=nexts, pos=[len(seqs[0]) - 1, len(seqs[1]) - 1], seq_ids=[0, 1], logits=[True, True])
         assert int(ctx.decode(batch)) == 0, ctx.last_error
+        nexts = [int(torch.argmax(ctx.get_logits_ith(i))) for i in range(2)]
     ours = [ctx.get_logits_ith(i).float() for i in range(2)]
     ctx.memory.seq_cp(0, 2, 0, 20)  # a third sequence on the first one's first 20 cells
     tail = torch.randint(0, vocab, (5,), generator=generator).tolist()
@@ -251,14 +264,16 @@ def prefill_speed(device: str, folder_of, shape: str, n_tokens: int) -> dict:
     return {"tok/s": round(n_tokens / seconds, 1), "TFLOP/s": round(flops / seconds / 1e12, 1)}
 
 
-def requests_benchmark(device: str, folder_of, shape: str, n_requests: int, longest: int) -> dict:
-    """nano-vllm's benchmark: random prompts and outputs of 100..longest tokens, greedy, eos ignored."""
+def requests_benchmark(device: str, folder_of, shape: str, n_requests: int, shortest: int, longest: int) -> dict:
+    """nano-vllm's benchmark: random prompts and outputs of shortest..longest tokens (100..1024), greedy, eos
+    ignored."""
     from kvlm import LLM, SamplingParams
 
     folder, _ = folder_of(shape, torch.bfloat16)
     generator = torch.Generator().manual_seed(0)
-    lengths = torch.randint(100, longest + 1, (n_requests, 2), generator=generator).tolist()
-    prompts = [torch.randint(0, 10000, (p,), generator=generator).tolist() for p, _ in lengths]
+    lengths = torch.randint(shortest, longest + 1, (n_requests, 2), generator=generator).tolist()
+    vocab = SHAPES[shape]["vocab_size"]
+    prompts = [torch.randint(1, vocab, (p,), generator=generator).tolist() for p, _ in lengths]
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in lengths]
     llm = LLM(str(folder), "bfloat16", quant=None, device=device, n_ctx=min(n_requests, 64) * 2 * longest,
               max_num_seqs=min(n_requests, 64), max_num_batched_tokens=4096)
@@ -266,16 +281,17 @@ def requests_benchmark(device: str, folder_of, shape: str, n_requests: int, long
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     generated = sum(len(o.token_ids) for o in outputs)
-    return {"requests": n_requests, "output tok/s": round(generated / seconds, 1), "seconds": round(seconds, 1)}
+    return {"requests": n_requests, "output tokens": generated, "output tok/s": round(generated / seconds, 1)}
 
 
 def transformers_generate(device: str, folder_of, shape: str, batch: int, new_tokens: int) -> dict:
     """transformers' own generate on the same weights and card: a static cache at batch 1, then `batch` prompts."""
     _, model = folder_of(shape, torch.bfloat16)
-    ids = torch.randint(0, 10000, (1, 128), device=model.device)
+    vocab = SHAPES[shape]["vocab_size"]
+    ids = torch.randint(1, vocab, (1, 128), device=model.device)
     single = timed(device, lambda: model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                                   do_sample=False, cache_implementation="static"))
-    many = torch.randint(0, 10000, (batch, 128), device=model.device)
+    many = torch.randint(1, vocab, (batch, 128), device=model.device)
     batched = timed(device, lambda: model.generate(many, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                                    do_sample=False))
     return {"batch 1 static-cache tok/s": round(new_tokens / single, 1),
@@ -287,6 +303,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("gpu_check.json"))
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--skip-7b", action="store_true")
+    parser.add_argument("--skip-tests", action="store_true", help="not the GPU tests (they take a minute or two)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, Triton's interpreter")
     args = parser.parse_args()
     smoke = args.smoke
@@ -305,15 +322,16 @@ def main() -> None:
     big = "tiny" if smoke else "qwen2.5-0.5b"
     report.run("environment", environment, device)
     report.run("ceilings", ceilings, device)
-    report.run("gpu tests", gpu_tests, device)
+    if not args.skip_tests:
+        report.run("gpu tests", gpu_tests, device)
     report.run("fidelity fp32", fidelity, device, folder_of, "float32", smoke)
     report.run("fidelity bf16", fidelity, device, folder_of, "bfloat16", smoke)
     report.run("sync debug", sync_debug, device, folder_of, smoke)
     report.run("decode 0.5B", decode_speed, device, folder_of, big, (1, 2) if smoke else (1, 64), 4 if smoke else 64)
     report.run("transformers 0.5B", transformers_generate, device, folder_of, big, 4 if smoke else 64,
                4 if smoke else 128)
-    report.run("requests 0.5B", requests_benchmark, device, folder_of, big, 4 if smoke else args.requests,
-               110 if smoke else 1024)
+    report.run("requests 0.5B", requests_benchmark, device, folder_of, big, 3 if smoke else args.requests,
+               *((8, 16) if smoke else (100, 1024)))
     if not args.skip_7b and not smoke:
         folders.clear()  # the 0.5B models' GPU memory back before the 7B ones
         torch.cuda.empty_cache()
