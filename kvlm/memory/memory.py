@@ -11,7 +11,7 @@ from kvlm.core.config import ModelConfig
 from kvlm.memory.cells import Cells
 from kvlm.memory.kv_store import KVStore
 from kvlm.memory.seq_state import load_sequence, save_sequence
-from kvlm.memory.view import AttentionGroup, KVView, LayerViews
+from kvlm.memory.view import AttentionGroup, KVView, LayerViews, TokenCells
 from kvlm.core.rope import apply_rope
 from kvlm.core.rope import Rope
 
@@ -293,6 +293,7 @@ class KVMemory(LendsCells):
         groups = attention_groups(visible, ubatch.seq_mask, self.cells.pos[:n_kv])
         ordered = len(groups) == 1 and torch.equal(groups[0].index, torch.arange(n_kv))  # no gather needed
         device = self.store.device
-        if device.type != "cpu":  # what the step reads, copied to the device once
-            rows, groups = rows.to(device), [group.to(device) for group in groups]
-        return KVView(self.store, rows, n_kv, groups, ordered)
+        if device.type == "cpu":
+            return KVView(self.store, rows, n_kv, groups, ordered)
+        cells = TokenCells.of(groups, len(rows)).to(device)  # what the step reads, copied to the device once
+        return KVView(self.store, rows.to(device), n_kv, [group.to(device) for group in groups], ordered, cells)

@@ -3,9 +3,10 @@ rows and which tokens read them; the layers attend (kvlm.model.attention)."""
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
 import torch
 
 from kvlm.memory.kv_store import KVStore
@@ -59,16 +60,30 @@ class TokenCells:
     cells: torch.Tensor
     offsets: torch.Tensor
     lengths: torch.Tensor
+    # offsets and lengths on the host, where the tensors are on a GPU: what a kernel's launch is planned from without
+    # waiting for the device (kvlm.kernels.gpu.attention)
+    host: tuple[np.ndarray, np.ndarray] | None = None
+    plans: dict = field(default_factory=dict, compare=False)  # a kernel's launch plans for these cells, by its key
+
+    def to(self, device: torch.device) -> TokenCells:
+        """These cells on `device`, their offsets and lengths kept on the host too."""
+        host = self.host or (self.offsets.numpy(), self.lengths.numpy())
+        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return TokenCells(move(self.cells), move(self.offsets), move(self.lengths), host)
+
+    def on_host(self) -> tuple[np.ndarray, np.ndarray]:
+        """(offsets, lengths) as NumPy arrays, read back from the device only where no host copy was kept."""
+        return self.host or (self.offsets.cpu().numpy(), self.lengths.cpu().numpy())
 
     @classmethod
     def of(cls, groups: list[AttentionGroup], n_tokens: int) -> TokenCells:
-        device = groups[0].tokens.device if groups else None
-        runs, offsets = [], torch.zeros(n_tokens, dtype=torch.int64, device=device)
-        lengths = torch.zeros(n_tokens, dtype=torch.int64, device=device)
+        """From a view's groups, on the host."""
+        runs, offsets = [], torch.zeros(n_tokens, dtype=torch.int64)
+        lengths = torch.zeros(n_tokens, dtype=torch.int64)
         first = 0
         for group in groups:
             if group.index.dim() == 2:  # a row of cells per token
-                offsets[group.tokens] = first + torch.arange(len(group.tokens), device=device) * group.index.shape[1]
+                offsets[group.tokens] = first + torch.arange(len(group.tokens)) * group.index.shape[1]
             else:
                 offsets[group.tokens] = first + (0 if group.starts is None else group.starts)
             lengths[group.tokens] = group.index.shape[-1] if group.lengths is None else group.lengths
@@ -88,6 +103,7 @@ class KVView:
     n_visible: int              # cells 0 .. n_visible-1 are read by attention
     groups: list[AttentionGroup]
     ordered: bool = False
+    device_cells: TokenCells | None = None  # token_cells, made on the host and copied, where the store is on a GPU
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.store.write(layer, self.rows, k, v)
@@ -103,7 +119,7 @@ class KVView:
     def token_cells(self) -> TokenCells:
         """The cells each token reads, for the native attention: the same for every layer of the view, so found
         once."""
-        return TokenCells.of(self.groups, len(self.rows))
+        return self.device_cells or TokenCells.of(self.groups, len(self.rows))
 
     @functools.cached_property
     def per_token(self) -> bool:

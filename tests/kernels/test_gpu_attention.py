@@ -100,3 +100,19 @@ def test_tiles_group_a_prompt_and_keep_decode_tokens_alone():
     assert table.tolist() == [[0, 1], [1, 1], [2, 1]]
     cells = scenario("long", 800, torch.Generator().manual_seed(0))
     assert plan_tiles(cells.offsets.cpu().numpy(), cells.lengths.cpu().numpy(), 16, "cpu")[2] == 3
+
+
+def test_a_moved_views_plan_comes_from_its_host_copies():
+    """TokenCells moved to a device keep their offsets and lengths on the host: the launch is planned from them,
+    never read back ("meta" tensors here: nothing can be read from them), and once per view."""
+    cells = scenario("prompt", 64, torch.Generator().manual_seed(0))
+    moved = TokenCells(cells.cells.cpu(), cells.offsets.cpu(), cells.lengths.cpu()).to("meta")
+    offsets, lengths = moved.on_host()
+    assert offsets.tolist() == cells.offsets.tolist() and lengths.tolist() == cells.lengths.tolist()
+    assert plan_tiles(offsets, lengths, 16, "cpu")[0].tolist() == [[0, 16], [16, 5], [21, 5]]
+    generator = torch.Generator().manual_seed(1)
+    k, v = planes(64, 2, 64, "f32", generator)
+    q = torch.randn(len(cells.offsets), 4, 64, generator=generator).to(DEVICE)
+    attention(q, k, v, cells, 0.125)
+    attention(q, k, v, cells, 0.125)
+    assert list(cells.plans) == [("attention", 8)]  # (4 heads over 2 KV heads: groups of 2, 8 tokens a tile)

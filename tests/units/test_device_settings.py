@@ -76,3 +76,32 @@ def test_the_cli_refuses_cuda_without_a_gpu_before_reading_the_model(capsys, tmp
 
     assert main(["generate", "--device", "cuda", "--model", str(tmp_path / "absent.gguf"), "--prompt", "x"]) == 1
     assert "device 'cuda': torch" in capsys.readouterr().err
+
+
+def test_a_memory_on_a_device_hands_its_views_there_with_host_copies():
+    """The memory made under torch.device (as memory_for does for a GPU; "meta" here: a device nothing is computed
+    on) allocates its K/V planes there and gives views whose rows, groups and token cells are there too, the token
+    cells' offsets and lengths kept on the host, equal to what the CPU memory gives."""
+    from kvlm.core.batch import Batch, sanitize
+    from kvlm.core.config import ModelConfig
+    from kvlm.core.rope import Rope, RopeScaling
+    from kvlm.memory.layout import make_memory
+
+    config = ModelConfig(architecture="llama", name="tiny", n_layer=2, n_embd=64, n_ff=128, n_head=4, n_head_kv=2,
+                         head_dim=16, vocab_size=100, n_ctx_train=256, rms_norm_eps=1e-6, tie_word_embeddings=True)
+    batch = Batch(tokens=[5, 6, 7, 8, 9], seq_ids=[0, 0, 0, 1, 1], logits=[False, False, True, False, True])
+    views = []
+    for device in ("cpu", "meta"):
+        with torch.device(device):
+            memory = make_memory(config, [Rope(RopeScaling(), 16)] * 2, 64, 2, 16, "f32")
+        ubatches = memory.split(sanitize(batch, vocab_size=100, n_seq_max=2, n_batch=16,
+                                         seq_pos_max=memory.seq_pos_max), 16)
+        memory.begin()
+        views.append(memory.place(ubatches[0], memory.plan(ubatches)[0]))
+    on_cpu, on_meta = views
+    assert on_meta.store.device.type == "meta" and on_meta.rows.device.type == "meta"
+    assert all(t.device.type == "meta" for group in on_meta.groups for t in (group.tokens, group.index))
+    cells = on_meta.token_cells
+    assert cells is on_meta.device_cells and cells.offsets.device.type == "meta"
+    assert [a.tolist() for a in cells.on_host()] == [on_cpu.token_cells.offsets.tolist(),
+                                                      on_cpu.token_cells.lengths.tolist()]

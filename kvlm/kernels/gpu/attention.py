@@ -28,16 +28,17 @@ def attention(q: torch.Tensor, k_plane: tuple, v_plane: tuple, cells, scale: flo
     """q [T, n_head, d] (contiguous) over the cells each token reads (`cells`: TokenCells on q's device) of the K and
     V planes (`(data [cells, n_kv, d], q8 scales or None)`, as KVPlane.native gives them); [T, n_head * d] in q's
     dtype. `sinks` [n_head] float32 or None; `softcap` > 0 caps the scores (cap * tanh(s / cap)). The tiles are
-    planned from the cells' offsets and lengths on the host (read back from a GPU, for now: a step free of waits
-    will hand over the plan its host made)."""
+    planned on the host from the offsets and lengths the memory made there (TokenCells.host), without waiting for
+    the device."""
     n_tokens, n_head, dim = q.shape
     (k, k_scales), (v, v_scales) = k_plane, v_plane
     n_kv = k.shape[1]
     group = n_head // n_kv
     block_g = triton.next_power_of_2(group)
     block_m = max(1, MIN_DOT // block_g)  # tokens per tile: the rows of a product are block_m x block_g
-    tile_table, n_tiles, n_splits = plan_tiles(cells.offsets.cpu().numpy(), cells.lengths.cpu().numpy(), block_m,
-                                               q.device)
+    if ("attention", block_m) not in cells.plans:  # once per view: every layer reads the same cells
+        cells.plans["attention", block_m] = plan_tiles(*cells.on_host(), block_m, q.device)
+    tile_table, n_tiles, n_splits = cells.plans["attention", block_m]
     out = torch.empty(n_tokens, n_head * dim, dtype=q.dtype, device=q.device)
     # one split: each program finishes its rows' softmax itself; more: partial results, then _reduce_splits
     parts = (torch.empty(n_splits, n_tokens, n_head, dim + 2, dtype=torch.float32, device=q.device)
