@@ -111,6 +111,7 @@ def fit(config: ModelConfig, held: int, settings: ComputeSettings, request: Memo
         raise ValueError(f"kv_dtype must be one of {AUTO}, {', '.join(KV_DTYPES)}, got {request.kv_dtype!r}")
     if settings.device != "cpu":
         limit, source, in_use = device_memory(settings.device)
+        in_use = max(0, in_use - (held * ranks if loaded else 0))
     else:
         limit, source = memory_limit()
         in_use = max(0, resident_bytes() - (held * ranks if loaded else 0))
@@ -244,8 +245,10 @@ def _mib(n: int | None) -> str:
 def device_memory(device: str) -> tuple[int, str, int]:
     """(bytes, where from, bytes in use) of a GPU's memory: what the weights, the K/V cells and the states take
     there, however much the host has."""
-    free, total = torch.cuda.mem_get_info(torch.device(device))
-    return total, f"{torch.cuda.get_device_name(torch.device(device))} memory", total - free
+    where = torch.device(device)
+    free, total = torch.cuda.mem_get_info(where)
+    cached = torch.cuda.memory_reserved(where) - torch.cuda.memory_allocated(where)  # torch's, free to reuse
+    return total, f"{torch.cuda.get_device_name(where)} memory", max(0, total - free - cached)
 
 
 def memory_limit() -> tuple[int, str]:

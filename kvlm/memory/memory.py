@@ -296,4 +296,4 @@ class KVMemory(LendsCells):
         if device.type == "cpu":
             return KVView(self.store, rows, n_kv, groups, ordered)
         cells = TokenCells.of(groups, len(rows)).to(device)  # what the step reads, copied to the device once
-        return KVView(self.store, rows.to(device), n_kv, [group.to(device) for group in groups], ordered, cells)
+        return KVView(self.store, rows.to(device), n_kv, groups, ordered, cells)

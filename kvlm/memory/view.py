@@ -104,6 +104,7 @@ class KVView:
     groups: list[AttentionGroup]
     ordered: bool = False
     device_cells: TokenCells | None = None  # token_cells, made on the host and copied, where the store is on a GPU
+    _device_groups: list[AttentionGroup] | None = field(default=None, repr=False)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.store.write(layer, self.rows, k, v)
@@ -129,6 +130,15 @@ class KVView:
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.store.read(layer, self.n_visible)
+
+    def groups_on(self, device: torch.device) -> list[AttentionGroup]:
+        """The groups (made on the host) where attention reads them: copied once, and only by torch's attention
+        (a GPU's kernel reads `token_cells`; a group's mask over every visible cell is large)."""
+        if device.type == "cpu":
+            return self.groups
+        if self._device_groups is None:
+            self._device_groups = [group.to(device) for group in self.groups]
+        return self._device_groups
 
 
 @dataclass

@@ -51,10 +51,11 @@ def attend(q: torch.Tensor, layer: int, kv: KVView, batch_invariant: bool = Fals
     keys, values = kv.read(layer)
     dtype = attention_dtype(q.dtype, keys.dtype, batch_invariant)
     q_in = q.to(dtype)
+    groups = kv.groups_on(q.device)
     if kv.ordered:
-        out = grouped_attention(q_in, keys.to(dtype), values.to(dtype), kv.groups[0].mask, sinks)
+        out = grouped_attention(q_in, keys.to(dtype), values.to(dtype), groups[0].mask, sinks)
     else:  # only the rows each group reads are converted
-        out = _attention_by_group(q_in, keys, values, kv.groups, sinks)
+        out = _attention_by_group(q_in, keys, values, groups, sinks)
     return out.to(q.dtype)
 
 

@@ -24,6 +24,8 @@ def _torch(settings: ComputeSettings) -> Backend:
 
 
 def _cpu(settings: ComputeSettings) -> Backend:
+    if settings.device != "cpu":
+        raise ValueError(f"{ENVIRONMENT}=cpu runs on the CPU, not on device {settings.device!r}: use device 'cpu'")
     kernels = native_kernels()
     if kernels is None:
         raise ValueError(f"{ENVIRONMENT}=cpu needs kvlm's native kernels, which could not be built here (see the log)")

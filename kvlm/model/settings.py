@@ -66,6 +66,8 @@ def resolve_settings(dtype: str = AUTO, quant: str | None = AUTO, batch_invarian
     `kernels`: whether the native kernels are there (None: find out, building them if need be).
     """
     _check(dtype, quant)
+    if device == AUTO and (quant in QUANTS or compile or batch_invariant):
+        device = "cpu"  # what only the CPU does was asked for: "auto" does not pick a GPU that would refuse it
     device = resolve_device(device)
     if device != "cpu":
         return _gpu_settings(dtype, quant, device, compile, batch_invariant)

@@ -80,7 +80,7 @@ class Context:
                 return self._roll_back(DecodeStatus.ABORTED, f"aborted by abort_callback before {where}")
             try:
                 outputs.append(self._compute(ubatch, slot))
-            except MemoryError as exc:
+            except (MemoryError, torch.OutOfMemoryError) as exc:  # (a GPU's is torch's)
                 return self._roll_back(DecodeStatus.ALLOC_FAILED, f"out of memory in {where}: {exc}")
             except Exception as exc:  # noqa: BLE001 - any failure of the forward pass is reported, not raised
                 return self._roll_back(DecodeStatus.COMPUTE_FAILED,

@@ -328,3 +328,19 @@ def test_context_rejects_bad_sizes(smollm2):
     decode_ok(ctx, Batch.for_sequence([1, 2]))
     with pytest.raises(IndexError, match="index 1 is out of range: the last batch had 1 outputs"):
         ctx.get_logits_ith(1)
+
+
+@pytest.mark.parametrize("error", [MemoryError("host"), torch.OutOfMemoryError("CUDA out of memory")])
+def test_running_out_of_memory_mid_batch_is_alloc_failed_and_rolled_back(smollm2, monkeypatch, error):
+    """The host's MemoryError and a GPU's torch.OutOfMemoryError alike: ALLOC_FAILED, the memory as before."""
+    ctx = single_sequence_context(smollm2, 32)
+    decode_ok(ctx, Batch.for_sequence([1, 2, 3]))
+    before = memory_state(ctx, [0])
+
+    def fail(*args):
+        raise error
+
+    monkeypatch.setattr(ctx.memory.store, "write", fail)
+    assert ctx.decode(Batch.for_sequence([42])) == DecodeStatus.ALLOC_FAILED
+    assert "out of memory in micro-batch 1 of 1" in ctx.last_error
+    assert memory_state(ctx, [0]) == before

@@ -24,6 +24,8 @@ def a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (6 << 30, 8 << 30))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Test GPU")
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")
@@ -45,6 +47,17 @@ def test_on_a_gpu_weights_are_dense_bfloat16_through_triton(a_gpu, monkeypatch):
     reference = resolve_settings("float32", device="cuda")  # the reference mode: torch's ops, on the GPU
     assert reference.reference and type(backend_for(reference)) is TorchBackend
     assert backend_for(reference).device == "cuda"
+
+
+def test_auto_on_a_gpu_host_stays_on_the_cpu_for_what_only_the_cpu_does(a_gpu):
+    assert resolve_settings(quant="int8", device="auto").device == "cpu"
+    assert resolve_settings("float32", batch_invariant=True, device="auto").device == "cpu"
+
+
+def test_the_cpus_backend_is_refused_for_a_gpu(a_gpu, monkeypatch):
+    monkeypatch.setenv("KVLM_BACKEND", "cpu")
+    with pytest.raises(ValueError, match="KVLM_BACKEND=cpu runs on the CPU, not on device 'cuda'"):
+        backend_for(resolve_settings(device="cuda"))
 
 
 @pytest.mark.parametrize("asked,message", [
@@ -100,8 +113,24 @@ def test_a_memory_on_a_device_hands_its_views_there_with_host_copies():
         views.append(memory.place(ubatches[0], memory.plan(ubatches)[0]))
     on_cpu, on_meta = views
     assert on_meta.store.device.type == "meta" and on_meta.rows.device.type == "meta"
-    assert all(t.device.type == "meta" for group in on_meta.groups for t in (group.tokens, group.index))
+    assert all(t.device.type == "cpu" for group in on_meta.groups for t in (group.tokens, group.index))
+    moved = on_meta.groups_on(torch.device("meta"))  # only torch's attention asks: copied once
+    assert moved is on_meta.groups_on(torch.device("meta"))
+    assert all(t.device.type == "meta" for group in moved for t in (group.tokens, group.index, group.mask)
+               if t is not None)
     cells = on_meta.token_cells
     assert cells is on_meta.device_cells and cells.offsets.device.type == "meta"
     assert [a.tolist() for a in cells.on_host()] == [on_cpu.token_cells.offsets.tolist(),
                                                       on_cpu.token_cells.lengths.tolist()]
+
+
+def test_a_loaded_models_weights_are_counted_once_on_a_gpu(a_gpu):
+    """After loading, the card's memory in use includes the weights: the engine's second plan takes them out."""
+    from kvlm.core.config import ModelConfig
+    from kvlm.loader.memory_plan import fit
+
+    config = ModelConfig(architecture="llama", name="tiny", n_layer=2, n_embd=64, n_ff=128, n_head=4, n_head_kv=2,
+                         head_dim=16, vocab_size=100, n_ctx_train=256, rms_norm_eps=1e-6, tie_word_embeddings=True)
+    settings = resolve_settings(device="cuda")
+    assert fit(config, 1 << 30, settings, MemoryRequest(n_ctx=64)).in_use == 2 << 30
+    assert fit(config, 1 << 30, settings, MemoryRequest(n_ctx=64), loaded=True).in_use == 1 << 30

@@ -7,7 +7,8 @@ One kernel for both, over tiles of tokens: a prompt's consecutive tokens read ov
 so a tile of them loads each K/V row once for all its tokens (causality is each token's run length); a decode
 token, whose run is its own, is a tile alone. A program takes one tile and one KV head, its query heads together
 (GQA: the group's heads are rows of one product), and one split of the tile's cells; a second kernel adds the
-splits up (with the sinks' logits). Long decode runs are split so that a batch of one still fills the GPU
+splits up (with the sinks' logits). The products take float32 operands exactly ("ieee", not TF32: the softmax
+weights and an f32 or q8_0 cache would lose ~5e-4 of their precision there); a step is bound by reading the cells. Long decode runs are split so that a batch of one still fills the GPU
 (SGLang's and vLLM's split-KV decode); the host chooses the split count from the lengths it already knows.
 """
 from __future__ import annotations
@@ -52,7 +53,7 @@ def attention(q: torch.Tensor, k_plane: tuple, v_plane: tuple, cells, scale: flo
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), (k_scales if q8 else k).stride(0),
         (k_scales if q8 else k).stride(1),
         Q8=q8, SOFTCAP=softcap > 0, SINKS=sinks is not None, SPLIT=n_splits > 1, BLOCK_M=block_m,
-        BLOCK_G=block_g, BLOCK_N=32, BLOCK_D=block_d, Q8_BLOCK=Q8_BLOCK)
+        BLOCK_G=block_g, BLOCK_N=32 if block_d <= 128 else 16, BLOCK_D=block_d, Q8_BLOCK=Q8_BLOCK)
     if n_splits > 1:
         _reduce_splits[(n_tokens,)](parts, sink_logits, out, n_splits, n_tokens, n_head, dim,
                                     SINKS=sinks is not None, BLOCK_H=triton.next_power_of_2(n_head), BLOCK_D=block_d)
@@ -128,7 +129,7 @@ def _attend_tile(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, cells_ptr, offsets_ptr, le
             block = cell[:, None] * stride_sc + kv_head * stride_sh + (d // Q8_BLOCK)[None, :]
             k = k * tl.load(ks_ptr + block, mask=kv_mask, other=0.0).to(tl.float32)
             v = v * tl.load(vs_ptr + block, mask=kv_mask, other=0.0).to(tl.float32)
-        scores = tl.dot(q, tl.trans(k)) * scale
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         if SOFTCAP:
             scores = softcap * _tanh(scores / softcap)
         visible = row_ok[:, None] & (j[None, :] >= start[:, None]) & (j[None, :] < end[:, None])
@@ -138,7 +139,7 @@ def _attend_tile(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, cells_ptr, offsets_ptr, le
         weights = tl.exp(scores - base[:, None])
         rescale = tl.exp(running_max - base)
         running_sum = running_sum * rescale + tl.sum(weights, axis=1)
-        acc = acc * rescale[:, None] + tl.dot(weights, v)
+        acc = acc * rescale[:, None] + tl.dot(weights, v, input_precision="ieee")
         running_max = new_max
     if SPLIT:
         part = ((split * n_tokens + token) * n_head + head) * (head_dim + 2)
