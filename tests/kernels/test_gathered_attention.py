@@ -22,6 +22,9 @@ class FakeView:
     def read(self, layer):
         return self.k, self.v
 
+    def groups_on(self, device):
+        return self.groups
+
 
 def mixed_batch(seed: int, n_rows: int = 60):
     """Two prefill chunks (sequences 0 and 1) and three decode tokens (sequences 2, 3, 4) in one batch."""
