@@ -213,7 +213,7 @@ class NativeCpuBackend(TorchBackend):
             return QuantizedLinear([self.kernels.interleave(part) for part in parts], dtype, self.kernels)
         if storage is None:
             return super().matrix(parts, storage, dtype, batch_invariant)
-        weight = torch.cat([_float(part) for part in parts])
+        weight = torch.cat([float_values(part) for part in parts])
         if weight.shape[-1] % QUANT_BLOCK:
             return self.dense_matrix(weight, dtype, batch_invariant)
         return QuantizedLinear([self.kernels.interleave(QUANTIZERS[storage](weight))], dtype, self.kernels)
@@ -290,12 +290,12 @@ class NativeCpuBackend(TorchBackend):
         return super().delta_step(q, k, v, g, beta, state)
 
 
-def _float(stored: Stored) -> torch.Tensor:
+def float_values(stored: Stored) -> torch.Tensor:
     """A stored tensor's values in float32 (what requantization reads)."""
     return dequantize(stored) if isinstance(stored, BlockMatrix) else stored.float()
 
 
 def _requantized(stored: Stored, storage: str) -> BlockMatrix:
     """A stored tensor's rows (of every expert in turn, for a stack of them) in the blocks of `storage`."""
-    values = _float(stored)
+    values = float_values(stored)
     return QUANTIZERS[storage](values.reshape(-1, values.shape[-1]))

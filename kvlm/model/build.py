@@ -11,6 +11,7 @@ from kvlm.core.config import ModelConfig
 from kvlm.core.family import CONV, GATED_DELTA, MAMBA
 from kvlm.kernels import BlockMatrix, dequantize
 from kvlm.kernels.experts import ExpertBiases
+from kvlm.model.backend import float_values
 from kvlm.model.embedding import Embedding
 from kvlm.model.layers import (
     AttentionSpec,
@@ -81,7 +82,7 @@ class LayerBuilder:
 
     def _float(self, stored: Stored) -> torch.Tensor:
         """A tensor's values in float32, where the backend computes."""
-        return self.ops.place(dequantize(stored) if isinstance(stored, BlockMatrix) else stored.float())
+        return self.ops.place(float_values(stored))
 
     def _stacked(self, weights: ModelWeights, i: int, parts: tuple[str, ...]) -> Linear:
         """One matrix from several stacked by rows (one product instead of several)."""
