@@ -158,6 +158,8 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV cache cells (tokens of context; default: the largest that fits in memory, up to the "
                              "model's own context length)")
     _device_argument(parser)
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="on a GPU, run decode steps eagerly instead of replaying CUDA graphs (as vLLM's)")
     _budget_argument(parser)
     parser.add_argument("--batch-invariant", action="store_true",
                         help="with --dtype float32 (the reference mode), logits that do not depend on the batch "
@@ -315,7 +317,8 @@ def _load_model(args: argparse.Namespace, max_num_seqs: int, n_ctx: int | None =
 def _llm(model, args: argparse.Namespace, max_num_seqs: int) -> LLM:
     """An engine over the loaded model, with the context planned when it was loaded."""
     return LLM(model, n_ctx=args.n_ctx or model.plan.n_ctx, max_num_seqs=max_num_seqs, swa_full=args.swa_full,
-               memory_budget=args.memory_budget, speculative_config=args.speculative_config)
+               memory_budget=args.memory_budget, speculative_config=args.speculative_config,
+               enforce_eager=args.enforce_eager)
 
 
 def _chat(args: argparse.Namespace) -> int:
@@ -351,7 +354,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, memory_budget=args.memory_budget,
         kv_dtype=args.kv_dtype, swa_full=args.swa_full, api_key=args.api_key, served_model_name=args.served_model_name,
         shutdown_timeout=args.shutdown_timeout, tensor_parallel_size=args.tensor_parallel_size, device=args.device,
-        speculative_config=args.speculative_config))
+        speculative_config=args.speculative_config, enforce_eager=args.enforce_eager))
 
 
 def _pull(args: argparse.Namespace) -> int:

@@ -55,10 +55,11 @@ class Engine:
     def __init__(self, model: Model, n_ctx: int | None = None, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 512, kv_dtype: str = AUTO, enable_prefix_caching: bool = True,
                  block_size: int = 16, swa_full: bool = False, memory_budget: int | None = None,
-                 speculative_config: SpeculativeConfig | dict | str | None = None) -> None:
+                 speculative_config: SpeculativeConfig | dict | str | None = None, enforce_eager: bool = False) -> None:
         """`n_ctx` None: the largest that fits in memory, up to the model's own context length; a context that does
         not fit is refused (MemoryPlanError) before it is allocated. `speculative_config`: vLLM's (see
-        kvlm.speculative.config); guesses are verified in the step's batch, exactly."""
+        kvlm.speculative.config); guesses are verified in the step's batch, exactly. `enforce_eager` (vLLM's): no
+        CUDA graphs for decode steps on a GPU (kvlm.model.cuda_graphs)."""
         self.model = model
         speculative_config = SpeculativeConfig.parse(speculative_config)
         k = speculative_config.num_speculative_tokens if speculative_config else 0
@@ -69,7 +70,8 @@ class Engine:
         kv_dtype = resolve_kv_dtype(kv_dtype, model.decoder.dtype, model.decoder.quantized)
         self.context = Context(model, n_ctx=n_ctx, n_batch=max_num_batched_tokens,
                                n_ubatch=max_num_batched_tokens, n_seq_max=max_num_seqs + 1, kv_dtype=kv_dtype,
-                               swa_full=swa_full, swa_keep_extra=request.keep_extra)
+                               swa_full=swa_full, swa_keep_extra=request.keep_extra,
+                               cuda_graphs=False if enforce_eager else None)
         memory = self.context.memory
         if enable_prefix_caching and memory.kind in ("recurrent", "hybrid"):
             log.info("prefix caching is off: a %s memory keeps each sequence's recurrent state whole, so it cannot "

@@ -41,7 +41,8 @@ class LLM:
                  max_num_batched_tokens: int = 512, kv_dtype: str = AUTO, enable_prefix_caching: bool = True,
                  compile: bool = False, swa_full: bool = False, tensor_parallel_size: int = 1,
                  memory_budget: int | None = None,
-                 speculative_config: SpeculativeConfig | dict | str | None = None, device: str = AUTO) -> None:
+                 speculative_config: SpeculativeConfig | dict | str | None = None, device: str = AUTO,
+                 enforce_eager: bool = False) -> None:
         """`swa_full`: for models with sliding-window layers, keep every cell of those layers (more memory; a
         cached prefix is then always reusable) instead of only each sequence's window. `tensor_parallel_size` N:
         the model's heads and MLP split over N processes (this one and N - 1 it starts; see kvlm.parallel).
@@ -50,7 +51,8 @@ class LLM:
         caps weights, the KV cache and buffers. What does not fit is refused before it is loaded or allocated
         (MemoryPlanError, each part named).
 
-        `device`: "cpu", "cuda" (an NVIDIA GPU) or "auto" (CUDA where torch sees one), as vLLM's.
+        `device`: "cpu", "cuda" (an NVIDIA GPU) or "auto" (CUDA where torch sees one), as vLLM's; on a GPU decode
+        steps replay CUDA graphs unless `enforce_eager` (vLLM's).
 
         `speculative_config`: vLLM's, e.g. {"method": "ngram", "num_speculative_tokens": 4} (prompt lookup) or
         {"model": "qwen2.5-coder-0.5b-instruct", "num_speculative_tokens": 4} (a draft model); the output is the
@@ -72,7 +74,8 @@ class LLM:
         self.engine = Engine(self.model, n_ctx=n_ctx, max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens, kv_dtype=kv_dtype,
                              enable_prefix_caching=enable_prefix_caching, swa_full=swa_full,
-                             memory_budget=memory_budget, speculative_config=speculative_config)
+                             memory_budget=memory_budget, speculative_config=speculative_config,
+                             enforce_eager=enforce_eager)
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

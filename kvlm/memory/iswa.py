@@ -35,18 +35,20 @@ class ISWAMemory(LendsCells):
     kind = "iswa"
 
     def __init__(self, config: ModelConfig, full: PoolLayout, sliding: PoolLayout, n_seq_max: int, n_ubatch: int,
-                 kv_dtype: str, layer_ropes: list[Rope], keep_extra: int = 0, swa_full: bool = False) -> None:
+                 kv_dtype: str, layer_ropes: list[Rope], keep_extra: int = 0, swa_full: bool = False,
+                 spare_cell: bool = False) -> None:
         """The two pools kvlm.memory.layout decided (their layers, those holding their own K/V, and cells);
         `keep_extra`: positions each sequence keeps beyond its window (the engine keeps a prefix-cache block's
         worth, so a cached prefix can end anywhere); `swa_full`: the sliding pool keeps every cell (for a model
         whose two kinds of layers have K/V rows of different sizes, which one pool cannot hold). A layer reading
-        another's K/V (see ModelConfig.kv_source) goes through that one's rows."""
+        another's K/V (see ModelConfig.kv_source) goes through that one's rows. `spare_cell`: see KVStore."""
         window = config.sliding_window
         self.full = KVMemory(config, full.n_cells, n_seq_max, kv_dtype, [layer_ropes[i] for i in full.layers],
-                             name="full")
+                             name="full", spare_cell=spare_cell)
         self.sliding = KVMemory(config, sliding.n_cells, n_seq_max, kv_dtype, [layer_ropes[i] for i in sliding.layers],
                                 layer_windows=[window] * len(sliding.layers),
-                                kept_window=0 if swa_full else window + keep_extra, name="sliding", kind=SLIDING)
+                                kept_window=0 if swa_full else window + keep_extra, name="sliding", kind=SLIDING,
+                                spare_cell=spare_cell)
         self.window = window
         self.n_ubatch = n_ubatch
         home = {i: (0, full.layers.index(i)) if i in full.layers else (1, sliding.layers.index(i))

@@ -129,14 +129,18 @@ class KVStore:
     """K and V kept apart, one row per cell; a row is written before anything may read it."""
 
     def __init__(self, config: ModelConfig, n_cells: int, dtype: str = "f32", n_layer: int | None = None,
-                 kind: str = ATTENTION) -> None:
+                 kind: str = ATTENTION, spare_cell: bool = False) -> None:
         """`n_layer`: how many layers this store holds, when not all of the model's (one pool of several); `kind`:
-        theirs, whose KV heads and head size the rows have (see ModelConfig.attention_geometry)."""
+        theirs, whose KV heads and head size the rows have (see ModelConfig.attention_geometry); `spare_cell`: one
+        more row past the cells, never lent to a sequence, that the padded lanes of a CUDA graph's step write to
+        (kvlm.model.cuda_graphs)."""
         if dtype not in BYTES_PER_ELEMENT:
             raise CacheError(f"KV dtype {dtype!r} is not supported (supported: {', '.join(KV_DTYPES)})")
         if n_cells <= 0:
             raise CacheError(f"KV cache size must be positive, got {n_cells} cells")
-        self.shape = (config.n_layer if n_layer is None else n_layer, n_cells, *config.attention_geometry(kind))
+        self.spare_cell = n_cells if spare_cell else None
+        self.shape = (config.n_layer if n_layer is None else n_layer, n_cells + spare_cell,
+                      *config.attention_geometry(kind))
         self.k = _plane(self.shape, dtype)
         self.v = _plane(self.shape, dtype)
 
@@ -151,7 +155,8 @@ class KVStore:
 
     @property
     def n_cells(self) -> int:
-        return self.shape[1]
+        """The cells sequences may hold (the spare cell excluded)."""
+        return self.shape[1] if self.spare_cell is None else self.spare_cell
 
     @property
     def kv_bytes(self) -> int:

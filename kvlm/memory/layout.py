@@ -79,8 +79,10 @@ def memory_layout(config: ModelConfig, n_ctx: int, n_seq_max: int = 1, n_ubatch:
 
 
 def make_memory(config: ModelConfig, layer_ropes: list[Rope], n_ctx: int, n_seq_max: int, n_ubatch: int,
-                kv_dtype: str, swa_full: bool = False, swa_keep_extra: int = 0) -> Memory:
-    """The memory `memory_layout` decides, allocated; `layer_ropes[i]` re-rotates layer i's keys (context shift)."""
+                kv_dtype: str, swa_full: bool = False, swa_keep_extra: int = 0, spare_cell: bool = False) -> Memory:
+    """The memory `memory_layout` decides, allocated; `layer_ropes[i]` re-rotates layer i's keys (context shift);
+    `spare_cell`: its attention stores keep a row for a CUDA graph's padded lanes (not a recurrent one's: a
+    memory with recurrent states is stepped eagerly)."""
     layout = memory_layout(config, n_ctx, n_seq_max, n_ubatch, swa_full, swa_keep_extra)
     if layout.kind == RECURRENT:
         return RecurrentMemory(config, n_seq_max, list(layout.state_shapes))
@@ -88,22 +90,23 @@ def make_memory(config: ModelConfig, layer_ropes: list[Rope], n_ctx: int, n_seq_
         return HybridMemory(config, n_ctx, n_seq_max, kv_dtype, layer_ropes, list(layout.state_shapes))
     if layout.kind == ISWA:
         full, sliding = layout.pools
-        return ISWAMemory(config, full, sliding, n_seq_max, n_ubatch, kv_dtype, layer_ropes, swa_keep_extra, swa_full)
+        return ISWAMemory(config, full, sliding, n_seq_max, n_ubatch, kv_dtype, layer_ropes, swa_keep_extra, swa_full,
+                          spare_cell)
     owners = config.kv_layers
     windows = [config.sliding_window if config.layer_kinds[i] == SLIDING else 0 for i in owners]
     readers = [owners.index(config.kv_source(i)) for i in range(config.n_layer)] if config.n_kv_shared else None
     return KVMemory(config, n_ctx, n_seq_max, kv_dtype, [layer_ropes[i] for i in owners], layer_windows=windows,
-                    readers=readers)
+                    readers=readers, spare_cell=spare_cell)
 
 
 def memory_for(decoder, n_ctx: int, n_seq_max: int, n_ubatch: int, kv_dtype: str, swa_full: bool = False,
-               swa_keep_extra: int = 0) -> Memory:
+               swa_keep_extra: int = 0, spare_cell: bool = False) -> Memory:
     """`make_memory` for a decoder's model, on its device, the decoder fitted to n_ctx (see Decoder.fit_context)
     and each layer re-rotated by its RoPE."""
     layer_ropes = decoder.fit_context(n_ctx)
     with torch.device(decoder.device):  # the K/V cells and recurrent states where the decoder computes
         return make_memory(decoder.config, layer_ropes, n_ctx, n_seq_max, n_ubatch, kv_dtype, swa_full,
-                           swa_keep_extra)
+                           swa_keep_extra, spare_cell)
 
 
 def memory_bytes(config: ModelConfig, n_ctx: int, n_seq_max: int, kv_dtype: str, n_ubatch: int = 512,

@@ -112,14 +112,15 @@ class KVMemory(LendsCells):
 
     def __init__(self, config: ModelConfig, n_cells: int, n_seq_max: int, kv_dtype: str, layer_ropes: list[Rope],
                  layer_windows: list[int] | None = None, kept_window: int = 0, name: str = "kv",
-                 kind: str = ATTENTION, readers: list[int] | None = None) -> None:
+                 kind: str = ATTENTION, readers: list[int] | None = None, spare_cell: bool = False) -> None:
         """`layer_ropes`: the RoPE of each layer stored here, which the K-shift re-applies; `layer_windows`: each
         one's sliding window (0: full attention); `kept_window`: 0 keeps every cell, else a sequence keeps only
         the cells at positions p with next - p < kept_window, `next` being its last position + 1; `kind`: the
         layers' kind, whose geometry the rows have; `readers[i]`: the layer stored here that model layer i reads
-        (when some layers read others' K/V), else layer i is layer i here."""
+        (when some layers read others' K/V), else layer i is layer i here; `spare_cell`: the store keeps one more
+        row for a CUDA graph's padded lanes (see KVStore)."""
         self.cells = Cells(n_cells, n_seq_max)
-        self.store = KVStore(config, n_cells, kv_dtype, n_layer=len(layer_ropes), kind=kind)
+        self.store = KVStore(config, n_cells, kv_dtype, n_layer=len(layer_ropes), kind=kind, spare_cell=spare_cell)
         self.readers = readers
         self.layer_ropes = layer_ropes
         self.layer_windows = layer_windows or [0] * len(layer_ropes)

@@ -64,6 +64,9 @@ class TokenCells:
     # waiting for the device (kvlm.kernels.gpu.attention)
     host: tuple[np.ndarray, np.ndarray] | None = None
     plans: dict = field(default_factory=dict, compare=False)  # a kernel's launch plans for these cells, by its key
+    # a CUDA graph's step (kvlm.model.cuda_graphs): every token reads a run of its own, and a kernel splits each run
+    # this many ways whatever its length (the launch was captured once; the lengths change at every replay)
+    fixed_splits: int = 0
 
     def to(self, device: torch.device) -> TokenCells:
         """These cells on `device`, their offsets and lengths kept on the host too."""

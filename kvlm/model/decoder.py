@@ -111,16 +111,17 @@ class Decoder(Blocks):
         """
         return self.logits(tokens, positions, kv, output_rows)
 
-    def logits(self, tokens: torch.Tensor, positions: torch.Tensor, kv,
-               output_rows: torch.Tensor | None) -> torch.Tensor:
+    def logits(self, tokens: torch.Tensor, positions: torch.Tensor | None, kv, output_rows: torch.Tensor | None,
+               rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
         """`forward` without its inference mode, for graphs to trace; `kv`: the memory's view, or a graph's
-        TracedView."""
+        TracedView. `rotations`: `self.rotations(positions)` where the caller has them (a CUDA graph's step keeps
+        them in buffers of its own), positions then unused."""
         x = self.token_embd(tokens)
         if self.embedding_scale is not None:
             x = x * self.embedding_scale
         per_layer = self.per_layer_inputs(tokens, x) if self.per_layer_inputs is not None else None
-        ropes = {id(rope): rope for rope in self.layer_ropes}  # a few distinct ones: each rotation computed once
-        rotations = {key: _on(rope.cos_sin(positions.cpu(), torch.float32), x.device) for key, rope in ropes.items()}
+        if rotations is None:
+            rotations = {key: _on(table, x.device) for key, table in self.rotations(positions).items()}
         blocks = self.blocks
         for index, (kind, layer) in enumerate(zip(self.config.layer_kinds, self.layers)):
             x = blocks[kind](index, layer, x, *rotations[id(self.layer_ropes[index])], kv)
@@ -136,6 +137,12 @@ class Decoder(Blocks):
         cap = self.config.final_logit_softcap
         logits = self.ops.softcap(logits.contiguous(), cap) if cap else logits
         return logits if self.gather_logits is None else self.gather_logits(logits)
+
+    def rotations(self, positions: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """RoPE's float32 cos and sin [n_tokens, 1, head_dim] at `positions`, computed on the host, for each distinct
+        RoPE of the layers (by id: a few, each computed once)."""
+        ropes = {id(rope): rope for rope in self.layer_ropes}
+        return {key: rope.cos_sin(positions.cpu(), torch.float32) for key, rope in ropes.items()}
 
     def fit_context(self, n_ctx: int) -> list[Rope | NoRope]:
         """Rotate as a context of n_ctx positions needs (LongRoPE's factors depend on it, see

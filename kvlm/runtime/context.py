@@ -12,6 +12,7 @@ from kvlm.core.batch import Batch, InvalidBatch, sanitize
 from kvlm.loader.load import Model
 from kvlm.memory.kv_store import KV_DTYPES
 from kvlm.memory.layout import memory_for
+from kvlm.model.cuda_graphs import DecodeGraphs, capturable
 
 log = logging.getLogger("kvlm")
 
@@ -29,10 +30,12 @@ class Context:
     def __init__(
         self, model: Model, n_ctx: int = 4096, n_batch: int = 2048, n_ubatch: int = 512, n_seq_max: int = 16,
         kv_dtype: str = "f32", abort_callback: Callable[[], bool] | None = None, swa_full: bool = False,
-        swa_keep_extra: int = 0,
+        swa_keep_extra: int = 0, cuda_graphs: bool | None = None,
     ) -> None:
         """`swa_full` keeps every cell of sliding-window layers (one pool, as llama.cpp's --swa-full) instead of
-        a second, window-sized pool; `swa_keep_extra`: positions a sequence keeps beyond its window there."""
+        a second, window-sized pool; `swa_keep_extra`: positions a sequence keeps beyond its window there.
+        `cuda_graphs`: decode steps replay CUDA graphs (kvlm.model.cuda_graphs); None: where the model runs on a
+        GPU through the Triton backend (True elsewhere runs the graphs' step eagerly, as the tests do)."""
         _check_sizes(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_seq_max)
         if n_ubatch > n_batch:
             raise ValueError(f"n_ubatch ({n_ubatch}) must not exceed n_batch ({n_batch})")
@@ -44,11 +47,17 @@ class Context:
         self.abort_callback = abort_callback
         sizes = dict(n_ctx=n_ctx, n_seq_max=n_seq_max, n_ubatch=n_ubatch, kv_dtype=kv_dtype, swa_full=swa_full,
                      swa_keep_extra=swa_keep_extra)
-        memory = memory_for(model.decoder, **sizes)
+        decoder = model.decoder
+        if cuda_graphs is None:
+            cuda_graphs = decoder.device == "cuda" and decoder.ops.name == "triton" and model.tensor_parallel is None
+        cuda_graphs = cuda_graphs and capturable(decoder)
+        memory = memory_for(decoder, **sizes, spare_cell=cuda_graphs)
         # Tensor parallelism: the other ranks hold memories of their own and repeat what changes this one.
         self.memory = memory if model.tensor_parallel is None else model.tensor_parallel.mirrored(memory, sizes)
         self.last_error = ""
         self._logits: torch.Tensor | None = None
+        self.decode_graphs = (DecodeGraphs(decoder, min(n_seq_max, n_ubatch), n_ctx, decoder.device == "cuda")
+                              if cuda_graphs else None)
         for pool in self.memory.pools:
             half = pool.kv_bytes / 2 / 2**20
             which = f" ({pool.name} layers)" if len(self.memory.pools) > 1 else ""
@@ -96,10 +105,10 @@ class Context:
         # are made from them on the host) and logits come back
         output_rows = torch.tensor(ubatch.output.nonzero()[0], dtype=torch.long, device=device)
         tokens, positions = torch.tensor(ubatch.tokens, device=device), torch.tensor(ubatch.pos)
-        if self.model.graphs is not None:
-            logits = self.model.graphs.run(tokens, positions, view, output_rows)
+        for graphs in (self.decode_graphs, self.model.graphs):
+            logits = graphs.run(tokens, positions, view, output_rows) if graphs is not None else None
             if logits is not None:
-                return logits
+                return logits.cpu()
         return self.model.decoder.forward(tokens, positions, view, output_rows).cpu()
 
     def _roll_back(self, status: DecodeStatus, message: str) -> DecodeStatus:

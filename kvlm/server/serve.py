@@ -40,6 +40,7 @@ class ServeSettings:
     tensor_parallel_size: int = 1  # processes the model's heads and MLP are split over (kvlm.parallel)
     memory_budget: int | None = None  # bytes for weights, KV cache and buffers (None: the machine's)
     speculative_config: SpeculativeConfig | None = None  # vLLM's (kvlm.speculative.config)
+    enforce_eager: bool = False  # no CUDA graphs for decode steps on a GPU (vLLM's)
 
 
 def served_name(model: str) -> str:
@@ -102,7 +103,7 @@ def serve(settings: ServeSettings) -> int:
         return Engine(model, n_ctx=settings.n_ctx or model.plan.n_ctx, max_num_seqs=settings.max_num_seqs,
                       max_num_batched_tokens=settings.max_num_batched_tokens, kv_dtype=settings.kv_dtype,
                       swa_full=settings.swa_full, memory_budget=settings.memory_budget,
-                      speculative_config=speculative)
+                      speculative_config=speculative, enforce_eager=settings.enforce_eager)
 
     # The engine steps on a thread of its own (kvlm.server.async_engine): no other thread may keep OpenMP workers.
     # (Tensor parallelism pins this thread to rank 0's cores, which the engine thread inherits: it builds here.)

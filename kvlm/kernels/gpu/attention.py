@@ -37,9 +37,11 @@ def attention(q: torch.Tensor, k_plane: tuple, v_plane: tuple, cells, scale: flo
     group = n_head // n_kv
     block_g = triton.next_power_of_2(group)
     block_m = max(1, MIN_DOT // block_g)  # tokens per tile: the rows of a product are block_m x block_g
-    if ("attention", block_m) not in cells.plans:  # once per view: every layer reads the same cells
-        cells.plans["attention", block_m] = plan_tiles(*cells.on_host(), block_m, q.device)
-    tile_table, n_tiles, n_splits = cells.plans["attention", block_m]
+    key = ("attention", block_m)
+    if key not in cells.plans:  # once per view: every layer reads the same cells
+        cells.plans[key] = (plan_per_token(n_tokens, cells.fixed_splits, q.device) if cells.fixed_splits
+                            else plan_tiles(*cells.on_host(), block_m, q.device))
+    tile_table, n_tiles, n_splits = cells.plans[key]
     out = torch.empty(n_tokens, n_head * dim, dtype=q.dtype, device=q.device)
     # one split: each program finishes its rows' softmax itself; more: partial results, then _reduce_splits
     parts = (torch.empty(n_splits, n_tokens, n_head, dim + 2, dtype=torch.float32, device=q.device)
@@ -77,6 +79,13 @@ def plan_tiles(offsets: np.ndarray, lengths: np.ndarray, block_m: int,
     table = torch.from_numpy(np.stack([firsts, counts], axis=1).astype(np.int64)).to(device)
     longest = int(lengths.max()) if n else 1
     return table, len(firsts), int(min(16, max(1, -(-longest // CELLS_PER_SPLIT))))
+
+
+def plan_per_token(n_tokens: int, n_splits: int, device: torch.device | str) -> tuple[torch.Tensor, int, int]:
+    """plan_tiles' plan for a CUDA graph's step, made without reading the lengths: a tile per token, `n_splits`
+    splits of every run (a split past a run's end finds no cell, and adds nothing)."""
+    firsts = torch.arange(n_tokens, dtype=torch.int64, device=device)
+    return torch.stack((firsts, torch.ones_like(firsts)), dim=1), n_tokens, n_splits
 
 
 @triton.jit
