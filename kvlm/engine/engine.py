@@ -12,6 +12,7 @@ from kvlm.core.batch import Batch
 from kvlm.runtime.context import Context, DecodeStatus
 from kvlm.engine.prefix_cache import PrefixCache
 from kvlm.engine.request import Request, RequestOutput, RequestState, StepEvent
+from kvlm.sampling.batch import Row, sample_rows
 from kvlm.sampling.sampler import RequestSampler, SampledToken
 from kvlm.sampling.params import SamplingParams
 from kvlm.engine.scheduler import Scheduled, Scheduler
@@ -92,6 +93,9 @@ class Engine:
         self.step_masks = StepMasks(self.grammars)
         self._ids = itertools.count()
         self.n_prefill_tokens = 0  # prompt tokens actually run through the model (cache hits excluded)
+        # Where the logits stay on a GPU, a step's rows are sampled there at once (kvlm.sampling.batch) and only
+        # their ids come back; on the CPU each request's sampler takes its row (its fast paths need no sort).
+        self.batched_sampling = self.context.logits_device.type != "cpu"
 
     @property
     def n_ctx(self) -> int:
@@ -239,6 +243,7 @@ class Engine:
         constrained = [item.request for item in sampling if item.request.grammar is not None
                        and self._constrained(item.request)]
         allowed = self.step_masks.fill(constrained) if constrained else {}
+        sampled = self._sample_at_once(sampling, allowed) if self.batched_sampling else {}
         events, row = [], 0
         for item in sampling:
             request = item.request
@@ -248,11 +253,28 @@ class Engine:
             elif item.guesses:
                 events.append(self._verify(item, row))
             else:
-                events.append(self._sample(request, self.context.get_logits_ith(row), allowed.get(request.request_id)))
+                events.append(self._sample(request, row, allowed.get(request.request_id),
+                                           sampled.get(request.request_id)))
             if self.speculator is not None:
                 self.speculator.settle(request, events[-1].new_token_ids)
             row += 1 + len(item.guesses)
         return events
+
+    def _sample_at_once(self, sampling: list[Scheduled], allowed: dict[str, TokenMask]) -> dict[str, SampledToken]:
+        """The tokens of the step's rows that take one (not those verifying guesses, whose rows are sampled in turn
+        until a guess fails), sampled together where the logits are."""
+        rows, requests, row = [], [], 0
+        for item in sampling:
+            request = item.request
+            if request.error is None and not item.guesses:
+                rows.append(row)
+                requests.append(request)
+            row += 1 + len(item.guesses)
+        if not rows:
+            return {}
+        logits = self.context.logits()[torch.tensor(rows, device=self.context.logits_device)]
+        chosen = sample_rows(logits, [Row(r.sampler, allowed.get(r.request_id)) for r in requests])
+        return {request.request_id: token for request, token in zip(requests, chosen)}
 
     def _verify(self, item: Scheduled, row: int) -> StepEvent:
         """Sample each row in turn with the request's own sampler, accepting guesses while the sample equals the
@@ -261,7 +283,8 @@ class Engine:
         request, guesses = item.request, item.guesses
         text, emitted, logprobs = "", [], []
         for i in range(len(guesses) + 1):
-            sampled, new_text = self._take(request, self.context.get_logits_ith(row + i))
+            sampled = request.sampler.sample(self.context.get_logits_ith(row + i))
+            new_text = self._accept(request, sampled)
             text, emitted = text + new_text, emitted + [sampled.token_id]
             logprobs.append(sampled)
             if request.finished or i == len(guesses) or sampled.token_id != guesses[i]:
@@ -288,16 +311,18 @@ class Engine:
             request.error = str(exc)
             return False
 
-    def _sample(self, request: Request, logits: torch.Tensor, allowed: TokenMask | None = None) -> StepEvent:
-        sampled, new_text = self._take(request, logits, allowed)
+    def _sample(self, request: Request, row: int, allowed: TokenMask | None = None,
+                sampled: SampledToken | None = None) -> StepEvent:
+        """The request's token from row `row` of the step's logits (`sampled`: already chosen with the others)."""
+        if sampled is None:
+            sampled = request.sampler.sample(self.context.get_logits_ith(row), allowed)
+        new_text = self._accept(request, sampled, allowed)
         logprobs = [sampled] if request.params.logprobs is not None else None
         return StepEvent(request.request_id, new_text, [sampled.token_id], request.finished, logprobs)
 
-    def _take(self, request: Request, logits: torch.Tensor, allowed: TokenMask | None = None
-              ) -> tuple[SampledToken, str]:
-        """Sample the request's next token and add it to its output; the text it completes. Ends the request
-        where its stop conditions say."""
-        sampled = request.sampler.sample(logits, allowed)
+    def _accept(self, request: Request, sampled: SampledToken, allowed: TokenMask | None = None) -> str:
+        """Add the sampled token to the request's output; the text it completes. Ends the request where its stop
+        conditions say."""
         complete = allowed is not None and request.grammar.accept(sampled.token_id)
         request.output_token_ids.append(sampled.token_id)
         request.logprobs.append(sampled)
@@ -312,4 +337,4 @@ class Engine:
             self.scheduler.finish(request, "stop")
         elif len(request.output_token_ids) >= request.params.max_tokens:
             self.scheduler.finish(request, "length")
-        return sampled, new_text
+        return new_text

@@ -55,7 +55,8 @@ class Context:
         # Tensor parallelism: the other ranks hold memories of their own and repeat what changes this one.
         self.memory = memory if model.tensor_parallel is None else model.tensor_parallel.mirrored(memory, sizes)
         self.last_error = ""
-        self._logits: torch.Tensor | None = None
+        self._logits: torch.Tensor | None = None  # where the model computes them
+        self._host_logits: torch.Tensor | None = None  # copied to the host when a row is asked for there
         self.decode_graphs = (DecodeGraphs(decoder, min(n_seq_max, n_ubatch), n_ctx, decoder.device == "cuda")
                               if cuda_graphs else None)
         for pool in self.memory.pools:
@@ -65,7 +66,7 @@ class Context:
                      which, pool.n_cells, pool.store.n_layer, kv_dtype, half, kv_dtype, half)
 
     def decode(self, batch: Batch) -> DecodeStatus:
-        self._logits = None
+        self._logits = self._host_logits = None
         try:
             sanitized = sanitize(batch, vocab_size=self.model.config.vocab_size, n_seq_max=self.n_seq_max,
                                  n_batch=self.n_batch, seq_pos_max=self.memory.seq_pos_max)
@@ -108,8 +109,8 @@ class Context:
         for graphs in (self.decode_graphs, self.model.graphs):
             logits = graphs.run(tokens, positions, view, output_rows) if graphs is not None else None
             if logits is not None:
-                return logits.cpu()
-        return self.model.decoder.forward(tokens, positions, view, output_rows).cpu()
+                return logits
+        return self.model.decoder.forward(tokens, positions, view, output_rows)
 
     def _roll_back(self, status: DecodeStatus, message: str) -> DecodeStatus:
         self.memory.roll_back()
@@ -119,14 +120,35 @@ class Context:
         self.last_error = message
         return status
 
+    @property
+    def logits_device(self) -> torch.device:
+        """Where the last batch's logits are: the model's device."""
+        return torch.device(self.model.decoder.device)
+
     def get_logits_ith(self, i: int) -> torch.Tensor:
-        """Logits of the i-th output token of the last batch (negative counts from the end)."""
-        if self._logits is None:
-            raise IndexError("no logits: the last decode did not succeed or has not run")
-        n = self._logits.shape[0]
+        """Logits of the i-th output token of the last batch (negative counts from the end), on the host (all of
+        them copied there at the first call, from a GPU)."""
+        logits = self.logits()
+        n = logits.shape[0]
         if not -n <= i < n:
             raise IndexError(f"output index {i} is out of range: the last batch had {n} outputs")
-        return self._logits[i]
+        if self._host_logits is None:
+            self._host_logits = logits.cpu()
+        return self._host_logits[i]
+
+    def argmax_ids(self) -> list[int]:
+        """The most likely token of each output row of the last batch (the first, on ties): on a GPU one argmax
+        over every row there, only the ids coming back."""
+        logits = self.logits()
+        if logits.device.type == "cpu":  # numpy's argmax of a row is several times faster than torch's
+            return [int(np.argmax(row)) for row in logits.numpy()]
+        return logits.argmax(dim=1).tolist()
+
+    def logits(self) -> torch.Tensor:
+        """The last batch's logits [n_outputs, vocab] where the model computed them (a GPU's memory), float32."""
+        if self._logits is None:
+            raise IndexError("no logits: the last decode did not succeed or has not run")
+        return self._logits
 
     # --- sequence state ---
     def state_seq_save(self, seq_id: int) -> bytes:
@@ -142,7 +164,7 @@ def _in_batch_order(logits: torch.Tensor, ubatches) -> torch.Tensor:
     if ubatches[0].rows is None:
         return logits
     outputs = np.concatenate([ubatch.rows[ubatch.output] for ubatch in ubatches])
-    return logits[torch.from_numpy(np.argsort(outputs, kind="stable"))]
+    return logits[torch.from_numpy(np.argsort(outputs, kind="stable")).to(logits.device)]
 
 
 def _check_sizes(**sizes: int) -> None:

@@ -46,7 +46,7 @@ class RequestSampler:
     def __init__(self, params: SamplingParams, prompt_token_ids: Iterable[int]) -> None:
         self.params = params
         # Greedy without bias or penalties is only an argmax: the hot path, nothing to set up or record.
-        self._argmax_only = params.greedy and not params.logit_bias and not params.has_penalties
+        self.argmax_only = params.greedy and not params.logit_bias and not params.has_penalties
         self._repetition = params.repetition_penalty != 1.0
         self._frequency = params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
         self._generator: torch.Generator | None = None
@@ -78,17 +78,25 @@ class RequestSampler:
         raw = logits
         if allowed is not None and not params.greedy:
             logits = torch.where(allowed.tokens(), logits, float("-inf"))  # (several times faster than masked_fill)
-        processed = logits if self._argmax_only else self.process(logits)
-        token_id = argmax(processed) if params.greedy else draw(processed, params, self.generator)
+        processed = logits if self.argmax_only else self.process(logits)
+        token_id = argmax(processed) if params.greedy else draw(processed, params, self.uniform())
         if allowed is not None and params.greedy and not allowed.allows(token_id):
             # Bias and penalties leave a masked -inf at -inf, so the argmax of the masked logits is that of the
             # processed ones among the allowed tokens: only needed when the free argmax is not allowed.
             token_id = argmax(torch.where(allowed.tokens(), processed, float("-inf")))
-        if not self._argmax_only:
+        return self.record(token_id, raw)
+
+    def record(self, token_id: int, raw: torch.Tensor) -> SampledToken:
+        """The chosen token, counted for the penalties, with its logprobs under the raw logits where asked for."""
+        if not self.argmax_only:
             self._record(token_id)
-        if params.logprobs is None:
+        if self.params.logprobs is None:
             return SampledToken(token_id)
-        return SampledToken(token_id, *logprobs_of(raw, token_id, params.logprobs))
+        return SampledToken(token_id, *logprobs_of(raw, token_id, self.params.logprobs))
+
+    def uniform(self) -> float:
+        """This request's next random number in [0, 1), float64 (one per random token)."""
+        return float(torch.rand(1, dtype=torch.float64, generator=self.generator))
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits after logit_bias and the penalties: a new tensor, or `logits` itself if nothing applies."""
@@ -99,21 +107,23 @@ class RequestSampler:
         params = self.params
         if logits.dtype != torch.float32:
             logits = logits.float()
+        device = logits.device  # (a GPU's, where the step samples there: the few ids and values go to it)
         if self._bias_ids is not None:
-            logits = logits.index_add(0, self._bias_ids, self._bias_values)
+            logits = logits.index_add(0, self._bias_ids.to(device), self._bias_values.to(device))
         if self._repetition and self._seen:
             if self._seen_ids is None:
                 self._seen_ids = torch.tensor(sorted(self._seen), dtype=torch.long)
             logits = logits.clone() if self._bias_ids is None else logits
-            values = logits[self._seen_ids]
+            seen = self._seen_ids.to(device)
+            values = logits[seen]
             penalty = params.repetition_penalty
-            logits[self._seen_ids] = torch.where(values > 0, values / penalty, values * penalty)
+            logits[seen] = torch.where(values > 0, values / penalty, values * penalty)
         if self._frequency and self._counts:
             if self._counted_ids is None:
                 self._counted_ids = torch.tensor(list(self._counts), dtype=torch.long)
                 self._counted_values = torch.tensor(list(self._counts.values()), dtype=torch.float32)
             subtract = self._counted_values * params.frequency_penalty + params.presence_penalty
-            logits = logits.index_add(0, self._counted_ids, subtract, alpha=-1)
+            logits = logits.index_add(0, self._counted_ids.to(device), subtract.to(device), alpha=-1)
         return logits
 
     def _set_up(self, logits: torch.Tensor) -> None:
@@ -148,8 +158,8 @@ def argmax(logits: torch.Tensor) -> int:
     return int(torch.argmax(logits))
 
 
-def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """A random token: temperature, top-k, top-p, min-p, then one draw from `generator`."""
+def draw(logits: torch.Tensor, params: SamplingParams, u: float) -> int:
+    """A random token: temperature, top-k, top-p, min-p, then the one `u` (uniform in [0, 1)) picks."""
     logits = logits.float()
     if params.temperature != 1.0:
         logits = logits / params.temperature
@@ -161,7 +171,7 @@ def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generato
     probs = torch.softmax(logits, dim=0)
     if params.min_p > 0.0:
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
-    choice = _inverse_cdf(probs, generator)
+    choice = _inverse_cdf(probs, u)
     return int(ids[choice]) if ids is not None else choice
 
 
@@ -172,7 +182,7 @@ def sample_token(logits: torch.Tensor, temperature: float, generator: torch.Gene
     params = SamplingParams(temperature=temperature)  # ValueError for a negative temperature
     if params.greedy:
         return int(torch.argmax(logits))
-    return draw(logits, params, generator)
+    return draw(logits, params, float(torch.rand(1, dtype=torch.float64, generator=generator)))
 
 
 def _nucleus(
@@ -208,14 +218,13 @@ def _argsort_descending(values: torch.Tensor) -> torch.Tensor:
     return torch.argsort(values, descending=True)
 
 
-def _inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One draw from `probs` (not necessarily normalised): one uniform number against the float64 CDF.
+def _inverse_cdf(probs: torch.Tensor, u: float) -> int:
+    """One draw from `probs` (not necessarily normalised): the uniform number `u` against the float64 CDF.
 
     torch.multinomial gives the same distribution but costs milliseconds over a whole vocabulary.
     """
     cumulative = torch.cumsum(probs, dim=0, dtype=torch.float64)
-    u = torch.rand(1, dtype=torch.float64, generator=generator) * cumulative[-1]
-    index = int(torch.searchsorted(cumulative, u, right=True))
+    index = int(torch.searchsorted(cumulative, cumulative[-1:] * u, right=True))
     if index >= probs.shape[0]:  # u rounded up to the total: the last token with any probability
         index = int(torch.nonzero(probs)[-1])
     return index

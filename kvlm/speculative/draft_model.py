@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import numpy as np
 
 from kvlm.core.batch import Batch
 from kvlm.runtime.context import Context, DecodeStatus
@@ -134,7 +133,6 @@ class DraftModel:
         status = self.context.decode(Batch(tokens=tokens, pos=positions, seq_ids=seq_ids, logits=outputs))
         if status != DecodeStatus.OK:
             raise DraftError(f"the draft model's decode failed with {status.name}: {self.context.last_error}")
-        n_out = sum(outputs)
-        nexts = [int(np.argmax(self.context.get_logits_ith(i).numpy())) for i in range(n_out)]
+        nexts = self.context.argmax_ids()
         self.costs.observe(len(tokens), time.perf_counter() - started)
         return nexts

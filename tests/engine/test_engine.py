@@ -6,6 +6,7 @@ import torch
 
 from kvlm.engine.llm import LLM
 from kvlm.sampling.params import SamplingParams
+from kvlm.structured.params import StructuredOutputsParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 TOPICS = ["rivers", "mountains", "the moon", "bread", "music", "trains", "bees", "winter",
@@ -136,3 +137,27 @@ def test_logit_bias_outside_the_vocabulary_fails_only_its_request(smollm2, promp
     good, broken = llm.generate([prompts[0], prompts[1]], [GREEDY, bad], use_tqdm=False)
     assert broken.finish_reason == "error" and str(10**8) in broken.error
     assert good.token_ids == alone(smollm2, prompts[0]).token_ids
+
+
+def test_sampling_a_steps_rows_at_once_gives_each_request_its_own_tokens(smollm2, prompts):
+    """The GPU's way (the step's rows sampled together where the logits are, kvlm.sampling.batch), forced on the
+    CPU, against each request's own sampler taking its row: the same tokens and logprobs for greedy, seeded random
+    (top-k, top-p, min-p, penalties) and constrained requests, beside requests verifying guessed tokens."""
+    params = [GREEDY,
+              SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3),
+              SamplingParams(max_tokens=12, temperature=1.0, top_k=30, min_p=0.05, seed=4, logprobs=2),
+              SamplingParams(max_tokens=12, temperature=0.7, repetition_penalty=1.2, frequency_penalty=0.4, seed=5),
+              SamplingParams(max_tokens=12, temperature=0.0, presence_penalty=0.5),
+              SamplingParams(max_tokens=12, temperature=0.9, seed=6,
+                             structured_outputs=StructuredOutputsParams(regex=r"[a-z]{3,8}( [a-z]{2,6}){2}"))]
+    speculative = {"method": "ngram", "num_speculative_tokens": 3}
+    results = {}
+    for batched in (False, True):
+        llm = make_llm(smollm2, max_num_seqs=6, speculative_config=speculative)
+        llm.engine.batched_sampling = batched
+        results[batched] = llm.generate(prompts[:6], params, use_tqdm=False)
+    for one_by_one, at_once in zip(results[False], results[True]):
+        assert at_once.token_ids == one_by_one.token_ids
+        if one_by_one.logprobs is not None:
+            assert [t.logprob for t in at_once.logprobs] == pytest.approx([t.logprob for t in one_by_one.logprobs],
+                                                                         abs=1e-5)
