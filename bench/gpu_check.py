@@ -12,8 +12,9 @@ fastapi/uvicorn): carry their wheels (the device tool's README says how) and run
 Sections: the card's ceilings (copy GB/s counting read + write, an 8192^3 bf16 matmul's TFLOP/s); the GPU tests
 (tests/kernels/test_gpu_*.py and tests/engine/test_triton_backend.py, on the GPU); logits against transformers (SDPA)
 on the same weights, in fp32 and bf16, with cells scattered in the pool (two sequences decoding in turns) and a
-shared prefix (seq_cp), greedy continuations in fp32; one decode step under torch.cuda.set_sync_debug_mode("error")
-(the first host wait it meets); batch-1 and batch-64 decode tokens/s; a 2048-token prefill's TFLOP/s (7B shape);
+shared prefix (seq_cp), greedy continuations in fp32; one decode step (a CUDA graph's replay) and one engine step
+under torch.cuda.set_sync_debug_mode("error") (the first host wait each meets); batch-1 and batch-64 decode tokens/s
+with CUDA graphs, batch 1 eager too; a 2048-token prefill's TFLOP/s (7B shape);
 nano-vllm's benchmark (random 100-1024-token prompts and outputs through LLM.generate); transformers' generate with
 a static cache, batch 1, and batched, on the same card in the same run.
 """
@@ -41,7 +42,8 @@ SHAPES = {  # transformers' Qwen2Config fields of the real models
                  num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True),
 }
 GPU_TESTS = ["tests/kernels/test_gpu_attention.py", "tests/kernels/test_gpu_layer_ops.py",
-             "tests/engine/test_triton_backend.py", "tests/units/test_device_settings.py"]
+             "tests/engine/test_triton_backend.py", "tests/engine/test_cuda_graphs.py",
+             "tests/units/test_device_settings.py", "tests/units/test_batch_sampling.py"]
 
 
 class Report:
@@ -195,20 +197,38 @@ def fidelity(device: str, folder_of, dtype_name: str, smoke: bool) -> dict:
 
 
 def sync_debug(device: str, folder_of, smoke: bool) -> dict:
-    """One decode step with host waits made errors: where the step still waits on the GPU."""
-    from kvlm import Batch, Context
+    """A decode step (its graph recorded by the step before), then an engine step (the decode and sampling), with
+    host waits made errors: where each still waits on the GPU (an engine step must, once, for the sampled ids)."""
+    from kvlm import LLM, Batch, Context, SamplingParams
 
     if device != "cuda":
         return {"skipped": "no GPU"}
     folder, _ = folder_of("tiny" if smoke else "qwen2.5-0.5b", torch.bfloat16)
-    ctx = Context(load_kvlm(folder, "bfloat16", device, 256), n_ctx=256, n_seq_max=1, kv_dtype="bf16")
+    model = load_kvlm(folder, "bfloat16", device, 256)
+    ctx = Context(model, n_ctx=256, n_seq_max=1, kv_dtype="bf16")
     ctx.decode(Batch.for_sequence(list(range(10, 40))))
+    ctx.decode(Batch.for_sequence([41], start_pos=30))
+    result = {"graphs recorded": sorted(ctx.decode_graphs.graphs) if ctx.decode_graphs else "none"}
     torch.cuda.set_sync_debug_mode("error")
     try:
-        status = ctx.decode(Batch.for_sequence([42], start_pos=30))
-        return {"first wait": "none" if int(status) == 0 else ctx.last_error[:300]}
+        status = ctx.decode(Batch.for_sequence([42], start_pos=31))
+        result["decode step: first wait"] = "none" if int(status) == 0 else ctx.last_error[:300]
     finally:
         torch.cuda.set_sync_debug_mode(0)
+    engine = LLM(model, n_ctx=256, max_num_seqs=2).engine
+    engine.add_request(list(range(10, 40)), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    engine.step(), engine.step()
+    torch.cuda.set_sync_debug_mode("warn")  # (the one wait it must make: a warning, not an error)
+    try:
+        import warnings
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine.step()
+        result["engine step: waits"] = [str(w.message)[:160] for w in caught]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return result
 
 
 def decode_speed(device: str, folder_of, shape: str, batches: tuple[int, ...], steps: int) -> dict:
@@ -227,6 +247,10 @@ def decode_speed(device: str, folder_of, shape: str, batches: tuple[int, ...], s
         result[f"batch {n} tok/s"] = round(n / seconds, 1)
         if n == 1:
             result["batch 1 GB/s of weights"] = round(model.decoder.nbytes / seconds / 1e9, 1)
+            eager = Context(model, n_ctx=128 + steps + 8, n_batch=4096, n_ubatch=4096, n_seq_max=1, kv_dtype="bf16",
+                            cuda_graphs=False)
+            assert int(eager.decode(Batch.for_sequence(list(range(100, 228))))) == 0, eager.last_error
+            result["batch 1 eager tok/s"] = round(1 / timed(device, _decode_steps(eager, 1, 128), steps), 1)
     return result
 
 

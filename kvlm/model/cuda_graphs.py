@@ -93,10 +93,15 @@ class DecodeGraphs:
         self.n_lanes = self.buckets[-1]
         device = decoder.device
         self.tokens = torch.zeros(self.n_lanes, dtype=torch.int64, device=device)
-        # a padded lane's rotation: none (cos 1, sin 0)
-        self.rotations = {key: (torch.ones(self.n_lanes, *cos.shape[1:], device=device),
-                                torch.zeros(self.n_lanes, *sin.shape[1:], device=device))
-                          for key, (cos, sin) in decoder.rotations(torch.zeros(1, dtype=torch.int64)).items()}
+        # A buffer per distinct RoPE, known by the first layer using it (a later Context fitting the decoder to its
+        # length makes new RoPE objects, in the same places); a padded lane's rotation: none (cos 1, sin 0).
+        firsts = {}
+        for layer, rope in enumerate(decoder.layer_ropes):
+            firsts.setdefault(id(rope), layer)
+        self.rope_layers = list(firsts.values())
+        self.rotations = [(torch.ones(self.n_lanes, *cos.shape[1:], device=device),
+                           torch.zeros(self.n_lanes, *sin.shape[1:], device=device))
+                          for cos, sin in self._tables(torch.zeros(1, dtype=torch.int64))]
         self.lanes: dict[int, StoreLanes] = {}  # by id of the store
         self.graphs: dict[int, tuple[object, torch.Tensor]] = {}  # bucket -> (graph or None, its logits buffer)
         self.views: dict[int, object] = {}  # bucket -> the memory view its graph reads
@@ -132,15 +137,22 @@ class DecodeGraphs:
         n = len(tokens)
         self.tokens[:n].copy_(tokens, non_blocking=True)
         self.tokens[n:bucket].zero_()
-        for key, (cos, sin) in self.decoder.rotations(positions).items():
-            self.rotations[key][0][:n].copy_(cos, non_blocking=True)
-            self.rotations[key][1][:n].copy_(sin, non_blocking=True)
+        for (cos, sin), (cos_buffer, sin_buffer) in zip(self._tables(positions), self.rotations):
+            cos_buffer[:n].copy_(cos, non_blocking=True)
+            sin_buffer[:n].copy_(sin, non_blocking=True)
         for kv in views:
             self.lanes[id(kv.store)].fill(kv, bucket)
 
+    def _tables(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The rotations at `positions` (on the host), in the order of the buffers."""
+        tables, ropes = self.decoder.rotations(positions), self.decoder.layer_ropes
+        return [tables[id(ropes[layer])] for layer in self.rope_layers]
+
     def _forward(self, bucket: int, view) -> torch.Tensor:
         """The step of `bucket` lanes over the buffers: the views of the step's memory view swapped for theirs."""
-        rotations = {key: (cos[:bucket], sin[:bucket]) for key, (cos, sin) in self.rotations.items()}
+        ropes = self.decoder.layer_ropes
+        rotations = {id(ropes[layer]): (cos[:bucket], sin[:bucket])
+                     for layer, (cos, sin) in zip(self.rope_layers, self.rotations)}
         with torch.inference_mode():
             return self.decoder.logits(self.tokens[:bucket], None, self._static_view(view, bucket), None, rotations)
 

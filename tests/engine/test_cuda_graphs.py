@@ -89,8 +89,8 @@ def _planes(ctx: Context) -> list[list[torch.Tensor]]:
 
 @pytest.mark.parametrize("kv_dtype", ["f32", "q8_0"])
 def test_graph_steps_match_eager_steps(model, kv_dtype):
-    if kv_dtype == "q8_0" and model.config.head_dim % 32:
-        pytest.skip("q8_0 needs a head size divisible by 32")
+    if kv_dtype == "q8_0" and model.config.sliding_window:
+        pytest.skip("the q8_0 planes are the same in both pools: checked on the unified memory")
     eager, graphs = _context(model, False, kv_dtype), _context(model, True, kv_dtype)
     assert eager.decode_graphs is None and graphs.decode_graphs is not None
     prompts = _prompts(model.config.vocab_size)
@@ -98,7 +98,7 @@ def test_graph_steps_match_eager_steps(model, kv_dtype):
     assert graphs.decode_graphs.graphs == {}  # prompt chunks run eagerly
     torch.testing.assert_close(got, want, atol=0, rtol=0)
     positions = {1: 9, 2: 5, 3: 12}
-    for step, seqs in enumerate([[1, 2, 3], [1, 2, 3], [2], [3, 1], [1, 2, 3]]):
+    for step, seqs in enumerate([[1, 2, 3], [2], [3, 1], [1, 2, 3]]):
         tokens = [(97 * s + 13 * step) % model.config.vocab_size for s in seqs]
         batch = Batch(tokens=tokens, pos=[positions[s] for s in seqs], seq_ids=seqs, logits=[True] * len(seqs))
         _clear_spare_rows(graphs)
@@ -147,3 +147,17 @@ def test_steps_a_graph_cannot_take_run_eagerly(tmp_path_factory):
     for batch in (Batch.for_sequence([1, 5], seq_id=1), Batch(tokens=[7], pos=[2], seq_ids=[1], logits=[True])):
         torch.testing.assert_close(_decode(graphs, batch), _decode(eager, batch), atol=0, rtol=0)
     assert graphs.decode_graphs.graphs == {}
+
+
+def test_a_later_context_on_the_same_model_leaves_the_graphs_right(model):
+    """A second Context fits the decoder to its length anew (new RoPE objects): the first one's graph buffers
+    still get the rotations."""
+    first = _context(model, True)
+    prompt = Batch.for_sequence([5, 6, 7], seq_id=1)
+    _decode(first, prompt)
+    Context(model, n_ctx=N_CTX, n_batch=8, n_ubatch=8, n_seq_max=2)
+    eager = _context(model, False)
+    _decode(eager, prompt)
+    step = Batch(tokens=[8], pos=[3], seq_ids=[1], logits=[True])
+    torch.testing.assert_close(_decode(first, step), _decode(eager, step), atol=1e-5, rtol=1e-5)
+    assert sorted(first.decode_graphs.graphs) == [1]
