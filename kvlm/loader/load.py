@@ -79,9 +79,6 @@ def load_model(
     if compile:
         check_compiler()
     settings = resolve_settings(dtype, quant, batch_invariant, compile=compile, device=device)
-    if settings.device != "cpu" and tensor_parallel_size != 1:
-        raise ValueError(f"tensor parallelism on {settings.device} is not built yet (NCCL): use "
-                         "tensor_parallel_size 1")
     source = resolve_model(spec, fetch=fetch, progress=progress)
     memory = memory or MemoryRequest()
     if tensor_parallel_size != 1:
@@ -155,7 +152,7 @@ def _load_tensor_parallel(source: Path, settings: ComputeSettings, size: int, me
     plan = fit(weights.shard.config, held, settings, memory, budget, where=source.name, ranks=size)
     weights.source.close()
     load = functools.partial(load_rank, str(source), size=size, settings=settings, planned=True)
-    model = launch_tensor_parallel(size, functools.partial(_rank, load, progress))
+    model = launch_tensor_parallel(size, functools.partial(_rank, load, progress), settings.device)
     model.plan = plan
     return model
 

@@ -2,7 +2,8 @@
 each MLP, and a gather of the logits, whose vocabulary is split between the ranks (to rank 0, which samples).
 
 Through shared memory for ranks on one x86-64 host (a few microseconds where gloo's TCP round trips take about a
-millisecond, and a step makes two all-reduces per layer); through gloo otherwise.
+millisecond, and a step makes two all-reduces per layer); through the default group otherwise (gloo between CPUs,
+NCCL between GPUs).
 
 The shared memory is one file in /dev/shm, mapped by every rank: a flag per rank (its own cache line), then two
 buffers of one slot per rank. A rank copies its part into its slot of buffer `generation % 2`, then raises its flag
@@ -56,10 +57,10 @@ def _file_bytes(size: int) -> int:
 
 
 def make_collectives(rank: int, vocab_shares: list[int], shared_file: Path | None, timeout_s: float,
-                     failed: Callable[[], bool] = lambda: False) -> GlooCollectives | SharedMemoryCollectives:
-    """Through `shared_file` when the ranks have one (one host), else through gloo."""
+                     failed: Callable[[], bool] = lambda: False) -> GroupCollectives | SharedMemoryCollectives:
+    """Through `shared_file` when the ranks have one (CPUs on one host), else through the default group."""
     if shared_file is None:
-        return GlooCollectives(vocab_shares)
+        return GroupCollectives(vocab_shares)
     return SharedMemoryCollectives(shared_file, rank, vocab_shares, timeout_s, failed)
 
 
@@ -68,8 +69,8 @@ def vocab_shares(vocab_size: int, size: int) -> list[int]:
     return [vocab_size // size + (rank < vocab_size % size) for rank in range(size)]
 
 
-class GlooCollectives:
-    """Over the default process group (any hosts), with its timeout."""
+class GroupCollectives:
+    """Over the default process group (any hosts; gloo's, or NCCL's for tensors on GPUs), with its timeout."""
 
     def __init__(self, vocab_shares: list[int]) -> None:
         self.vocab_shares = vocab_shares

@@ -65,7 +65,9 @@ class Follower:
             self.view = result
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, output_rows: torch.Tensor | None) -> None:
-        self.decoder.forward(tokens, positions, self.view, output_rows)  # its logits went to rank 0
+        device = self.decoder.device  # (this rank's GPU, where it has one)
+        output_rows = None if output_rows is None else output_rows.to(device)
+        self.decoder.forward(tokens.to(device), positions, self.view, output_rows)  # its logits went to rank 0
         self.view = None
 
     def _save(self, memory_id: int, seq_id: int) -> None:

@@ -5,9 +5,10 @@ joins the group torchrun made (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in 
 many. Rank 0 is the leader (kvlm.parallel.leader); the others follow it (kvlm.parallel.follower).
 
 Two groups over the same ranks: the default one times out after KVLM_TP_TIMEOUT seconds (a rank that hangs stops
-the whole model) and carries the all-reduces, unless the ranks share a host that can take them through shared
-memory (kvlm.parallel.collectives, same timeout); the control group carries rank 0's messages, for which
-followers wait as long as rank 0 is idle. Starting and loading get STARTUP_TIMEOUT; a worker that dies meanwhile
+the whole model) and carries the all-reduces (gloo's on CPUs, NCCL's between GPUs: each rank then takes the GPU of
+its local rank), unless CPU ranks share a host that can take them through shared memory (kvlm.parallel.collectives,
+same timeout); the control group (gloo) carries rank 0's messages, for which followers wait as long as rank 0 is
+idle. Starting and loading get STARTUP_TIMEOUT; a worker that dies meanwhile
 is reported at once.
 """
 from __future__ import annotations
@@ -34,7 +35,6 @@ log = logging.getLogger("kvlm")
 COLLECTIVE_TIMEOUT = timedelta(seconds=float(os.environ.get("KVLM_TP_TIMEOUT", "120")))
 IDLE_TIMEOUT = timedelta(days=365)
 STARTUP_TIMEOUT = timedelta(minutes=10)  # for every rank to start and load its shard
-BACKEND = "gloo"  # kvlm's tensors live on the CPU; NCCL carries only CUDA tensors
 PR_SET_PDEATHSIG = 1
 
 
@@ -46,7 +46,21 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
-def join_torchrun_group(size: int) -> dist.ProcessGroup:
+def collective_backend(device: str) -> str:
+    """The default group's backend: NCCL between GPUs (it carries only CUDA tensors), gloo between CPUs."""
+    return "nccl" if device == "cuda" else "gloo"
+
+
+def _take_gpu(local_rank: int, ranks_on_host: int) -> None:
+    """A GPU rank's own GPU: its local rank's ("cuda" means it from here on)."""
+    available = torch.cuda.device_count()
+    if available < ranks_on_host:
+        raise ValueError(f"tensor parallelism on cuda needs a GPU per rank: {ranks_on_host} ranks on this host, "
+                         f"{available} GPU(s) seen")
+    torch.cuda.set_device(local_rank)
+
+
+def join_torchrun_group(size: int, device: str = "cpu") -> dist.ProcessGroup:
     """This process's place in the group torchrun launched: the world must be the tensor-parallel size."""
     world = int(os.environ["WORLD_SIZE"])
     if world != size:
@@ -54,32 +68,41 @@ def join_torchrun_group(size: int) -> dist.ProcessGroup:
                          f"rank of the group for one model")
     if dist.is_initialized():
         raise ValueError("a process group is already running in this process: one tensor-parallel model per process")
-    dist.init_process_group(BACKEND, init_method="env://", timeout=COLLECTIVE_TIMEOUT)
-    _pin(core_share(int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", size))))
+    local_rank, ranks_on_host = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", size))
+    if device == "cuda":
+        _take_gpu(local_rank, ranks_on_host)
+    dist.init_process_group(collective_backend(device), init_method="env://", timeout=COLLECTIVE_TIMEOUT)
+    _pin(core_share(local_rank, ranks_on_host))
     return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
 
 
-def start_local_group(size: int, follower_main) -> tuple[dist.ProcessGroup, mp.ProcessContext, Path | None]:
+def start_local_group(size: int, follower_main, device: str = "cpu"
+                      ) -> tuple[dist.ProcessGroup, mp.ProcessContext, Path | None]:
     """Spawn ranks 1..size-1 on this host, each running follower_main(control group, shared file); join them as
-    rank 0. The shared file carries the collectives (kvlm.parallel.collectives) where this host can have one."""
+    rank 0. The shared file carries a CPU model's collectives (kvlm.parallel.collectives) where this host can have
+    one; a GPU model's go through NCCL, rank r on GPU r."""
     if dist.is_initialized():
         raise ValueError("a process group is already running in this process: one tensor-parallel model per process")
+    if device == "cuda":
+        _take_gpu(0, size)
     if len(START_CPUS) < size:
         log.warning("tensor parallel: %d ranks share %d core(s); each rank would need one of its own to keep up",
                     size, len(START_CPUS))
-    shared_file = collectives.create_file(size) if collectives.available() else None
+    shared_file = collectives.create_file(size) if collectives.available() and device == "cpu" else None
     workers = None
     try:
         store = dist.TCPStore("127.0.0.1", 0, world_size=size, is_master=True, timeout=COLLECTIVE_TIMEOUT,
                               wait_for_workers=False)
         with _environment(OMP_PROC_BIND="false"):  # the workers pin themselves to their cores (_pin)
             shares = [core_share(rank, size) for rank in range(size)]  # a child's own view of its cores is rank 0's
-            workers = mp.start_processes(_local_rank, args=(store.port, size, shares, follower_main, shared_file),
+            workers = mp.start_processes(_local_rank, args=(store.port, size, shares, follower_main, shared_file,
+                                                            device),
                                          nprocs=size - 1, join=False, daemon=True, start_method="spawn")
         log.info("tensor parallel: %d ranks on this host, collectives through %s; workers are pids %s", size,
-                 "shared memory" if shared_file else "gloo", ", ".join(map(str, workers.pids())))
+                 "shared memory" if shared_file else collective_backend(device), ", ".join(map(str, workers.pids())))
         _wait_for_workers(store, workers)
-        dist.init_process_group(BACKEND, store=store, rank=0, world_size=size, timeout=COLLECTIVE_TIMEOUT)
+        dist.init_process_group(collective_backend(device), store=store, rank=0, world_size=size,
+                                timeout=COLLECTIVE_TIMEOUT)
     except BaseException:
         stop_workers(workers, grace_s=0)
         if shared_file is not None:
@@ -90,14 +113,17 @@ def start_local_group(size: int, follower_main) -> tuple[dist.ProcessGroup, mp.P
 
 
 def _local_rank(index: int, port: int, size: int, shares: list[tuple[int, ...]], follower_main,
-                shared_file: Path | None) -> None:
+                shared_file: Path | None, device: str = "cpu") -> None:
     _pin(shares[index + 1])
+    if device == "cuda":
+        _take_gpu(index + 1, size)
     _die_with_parent()
     for signum in (signal.SIGINT, signal.SIGTERM):  # a signal to the whole process group: rank 0 decides
         signal.signal(signum, signal.SIG_IGN)
     store = dist.TCPStore("127.0.0.1", port, world_size=size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
     store.set(_started_key(index + 1), "1")
-    dist.init_process_group(BACKEND, store=store, rank=index + 1, world_size=size, timeout=COLLECTIVE_TIMEOUT)
+    dist.init_process_group(collective_backend(device), store=store, rank=index + 1, world_size=size,
+                            timeout=COLLECTIVE_TIMEOUT)
     follower_main(dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT), shared_file)
 
 

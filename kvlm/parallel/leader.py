@@ -210,7 +210,8 @@ class LeaderDecoder:
         return getattr(self._decoder, name)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv, output_rows=None) -> torch.Tensor:
-        self._leader.send(("forward", tokens, positions, output_rows))
+        # (on the host: a GPU tensor would unpickle onto rank 0's GPU)
+        self._leader.send(("forward", tokens.cpu(), positions, None if output_rows is None else output_rows.cpu()))
         try:
             return self._decoder.forward(tokens, positions, kv, output_rows)
         except TensorParallelError:
