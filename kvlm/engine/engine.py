@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 
 from kvlm.core.batch import Batch
+from kvlm.core.staging import staged
 from kvlm.runtime.context import Context, DecodeStatus
 from kvlm.engine.prefix_cache import PrefixCache
 from kvlm.engine.request import Request, RequestOutput, RequestState, StepEvent
@@ -272,7 +273,7 @@ class Engine:
             row += 1 + len(item.guesses)
         if not rows:
             return {}
-        logits = self.context.logits()[torch.tensor(rows, device=self.context.logits_device)]
+        logits = self.context.logits()[staged(torch.tensor(rows), self.context.logits_device)]
         chosen = sample_rows(logits, [Row(r.sampler, allowed.get(r.request_id)) for r in requests])
         return {request.request_id: token for request, token in zip(requests, chosen)}
 

@@ -296,5 +296,5 @@ class KVMemory(LendsCells):
         device = self.store.device
         if device.type == "cpu":
             return KVView(self.store, rows, n_kv, groups, ordered)
-        cells = TokenCells.of(groups, len(rows)).to(device)  # what the step reads, copied to the device once
-        return KVView(self.store, rows.to(device), n_kv, groups, ordered, cells)
+        rows, cells = TokenCells.of(groups, len(rows)).to(device, rows)  # what the step reads: one copy
+        return KVView(self.store, rows, n_kv, groups, ordered, cells)

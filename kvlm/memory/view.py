@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
+from kvlm.core.staging import staged_together
 from kvlm.memory.kv_store import KVStore
 
 if TYPE_CHECKING:
@@ -68,11 +69,12 @@ class TokenCells:
     # this many ways whatever its length (the launch was captured once; the lengths change at every replay)
     fixed_splits: int = 0
 
-    def to(self, device: torch.device) -> TokenCells:
-        """These cells on `device`, their offsets and lengths kept on the host too."""
+    def to(self, device: torch.device, rows: torch.Tensor) -> tuple[torch.Tensor, TokenCells]:
+        """`rows` (the cells the step writes) and these cells on `device`, in one copy; their offsets and lengths
+        kept on the host too."""
         host = self.host or (self.offsets.numpy(), self.lengths.numpy())
-        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
-        return TokenCells(move(self.cells), move(self.offsets), move(self.lengths), host)
+        rows, cells, offsets, lengths = staged_together(device, rows, self.cells, self.offsets, self.lengths)
+        return rows, TokenCells(cells, offsets, lengths, host)
 
     def on_host(self) -> tuple[np.ndarray, np.ndarray]:
         """(offsets, lengths) as NumPy arrays, read back from the device only where no host copy was kept."""

@@ -20,6 +20,7 @@ import logging
 
 import torch
 
+from kvlm.core.staging import staged
 from kvlm.memory.view import KVView, LayerViews, TokenCells
 
 log = logging.getLogger("kvlm")
@@ -138,8 +139,8 @@ class DecodeGraphs:
         self.tokens[:n].copy_(tokens, non_blocking=True)
         self.tokens[n:bucket].zero_()
         for (cos, sin), (cos_buffer, sin_buffer) in zip(self._tables(positions), self.rotations):
-            cos_buffer[:n].copy_(cos, non_blocking=True)
-            sin_buffer[:n].copy_(sin, non_blocking=True)
+            cos_buffer[:n].copy_(staged(cos, cos_buffer.device), non_blocking=True)
+            sin_buffer[:n].copy_(staged(sin, sin_buffer.device), non_blocking=True)
         for kv in views:
             self.lanes[id(kv.store)].fill(kv, bucket)
 

@@ -15,6 +15,7 @@ import torch
 from kvlm.core.config import ModelConfig
 from kvlm.core.family import ATTENTION, SLIDING
 from kvlm.core.rope import NoRope, Rope
+from kvlm.core.staging import staged
 from kvlm.kernels import BlockMatrix
 from kvlm.memory.view import MemoryView
 from kvlm.model.backends import backend_for
@@ -164,7 +165,7 @@ class Decoder(Blocks):
 
 def _on(tensors: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
     """RoPE's tables (computed from the positions on the host) where the step runs."""
-    return tensors if device.type == "cpu" else tuple(t.to(device, non_blocking=True) for t in tensors)
+    return tensors if device.type == "cpu" else tuple(staged(t, device) for t in tensors)
 
 
 def _held(value, seen: set[int]) -> int:

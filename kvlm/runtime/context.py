@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from kvlm.core.batch import Batch, InvalidBatch, sanitize
+from kvlm.core.staging import staged_together
 from kvlm.loader.load import Model
 from kvlm.memory.kv_store import KV_DTYPES
 from kvlm.memory.layout import memory_for
@@ -104,8 +105,9 @@ class Context:
         view = self.memory.place(ubatch, slot)
         device = self.model.decoder.device  # the tokens to where the model computes; positions stay (RoPE's tables
         # are made from them on the host) and logits come back
-        output_rows = torch.tensor(ubatch.output.nonzero()[0], dtype=torch.long, device=device)
-        tokens, positions = torch.tensor(ubatch.tokens, device=device), torch.tensor(ubatch.pos)
+        tokens, output_rows = staged_together(device, torch.from_numpy(ubatch.tokens),
+                                              torch.from_numpy(ubatch.output.nonzero()[0]))
+        positions = torch.tensor(ubatch.pos)
         for graphs in (self.decode_graphs, self.model.graphs):
             logits = graphs.run(tokens, positions, view, output_rows) if graphs is not None else None
             if logits is not None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvlm.core.staging import staged
 from kvlm.sampling.sampler import RequestSampler, SampledToken
 from kvlm.structured.request_grammar import TokenMask
 
@@ -33,7 +34,8 @@ def sample_rows(logits: torch.Tensor, rows: list[Row]) -> list[SampledToken]:
     ids = processed.argmax(dim=1)
     random = [i for i, row in enumerate(rows) if not row.sampler.params.greedy]
     if random:
-        ids[random] = _draw(processed[random], [rows[i].sampler for i in random])
+        index = _indices(random, logits.device)
+        ids[index] = _draw(processed[index], [rows[i].sampler for i in random])
     return [row.sampler.record(token_id, logits[i]) for i, (row, token_id) in enumerate(zip(rows, ids.tolist()))]
 
 
@@ -42,9 +44,10 @@ def _processed(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     masked = [i for i, row in enumerate(rows) if row.allowed is not None]
     out = logits
     if masked:
-        masks = torch.stack([rows[i].allowed.tokens() for i in masked]).to(logits.device, non_blocking=True)
+        masks = staged(torch.stack([rows[i].allowed.tokens() for i in masked]), logits.device)
+        index = _indices(masked, logits.device)
         out = logits.clone()
-        out[masked] = torch.where(masks, logits[masked], float("-inf"))
+        out[index] = torch.where(masks, logits[index], float("-inf"))
     changed = [i for i, row in enumerate(rows) if not row.sampler.argmax_only]
     if changed:
         out = out.clone() if out is logits else out
@@ -57,12 +60,13 @@ def _draw(logits: torch.Tensor, samplers: list[RequestSampler]) -> torch.Tensor:
     """One random token per row: temperature, top-k, top-p (over the top-k), softmax, min-p, then each request's
     uniform number against the float64 CDF of what is left."""
     device, vocab = logits.device, logits.shape[1]
-    params = [sampler.params for sampler in samplers]
-    column = lambda values, dtype=torch.float32: torch.tensor(values, dtype=dtype, device=device)[:, None]  # noqa: E731
-    logits = logits.float() / column([p.temperature for p in params])
-    top_k = column([p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.int64)
-    top_p = column([p.top_p for p in params])
-    ranked = column([p.top_k > 0 and p.top_k < vocab or p.top_p < 1.0 for p in params], torch.bool)
+    # each row's parameters and uniform number, copied in one go: temperature, top-k, top-p, min-p, ranked, u
+    table = staged(torch.tensor([[p.temperature, p.top_k if 0 < p.top_k < vocab else vocab, p.top_p, p.min_p,
+                                  0 < p.top_k < vocab or p.top_p < 1.0, sampler.uniform()]
+                                 for p, sampler in ((s.params, s) for s in samplers)], dtype=torch.float64), device)
+    temperature, top_k, top_p, min_p, ranked, u = table.T[:, :, None]
+    top_p, min_p, ranked, top_k = top_p.float(), min_p.float(), ranked.bool(), top_k.long()
+    logits = logits.float() / temperature.float()
     # the candidates' order: most likely first where top-k or top-p choose among them, the vocabulary's otherwise
     by_rank = torch.sort(logits, dim=1, descending=True, stable=True).indices
     order = torch.where(ranked, by_rank, torch.arange(vocab, device=device))
@@ -73,11 +77,13 @@ def _draw(logits: torch.Tensor, samplers: list[RequestSampler]) -> torch.Tensor:
     before = torch.nn.functional.pad(cumulative[:, :-1], (1, 0))  # what the more likely candidates add up to
     values = values.masked_fill(ranked & (top_p < 1.0) & (before >= top_p) & (rank > 0), float("-inf"))
     probs = torch.softmax(values, dim=1)
-    min_p = column([p.min_p for p in params])
     probs = probs.masked_fill(probs < min_p * probs.amax(dim=1, keepdim=True), 0.0)
     cumulative = torch.cumsum(probs, dim=1, dtype=torch.float64)
-    u = torch.tensor([sampler.uniform() for sampler in samplers], dtype=torch.float64).to(device, non_blocking=True)
-    index = torch.searchsorted(cumulative, cumulative[:, -1:] * u[:, None], right=True)
+    index = torch.searchsorted(cumulative, cumulative[:, -1:] * u, right=True)
     last = vocab - 1 - (probs > 0).flip(1).int().argmax(dim=1, keepdim=True)  # u rounded up to the total
     index = torch.where(index >= vocab, last, index)
     return order.gather(1, index).flatten()
+
+
+def _indices(rows: list[int], device: torch.device) -> torch.Tensor:
+    return staged(torch.tensor(rows, dtype=torch.int64), device)

@@ -106,7 +106,8 @@ def test_a_moved_views_plan_comes_from_its_host_copies():
     """TokenCells moved to a device keep their offsets and lengths on the host: the launch is planned from them,
     never read back ("meta" tensors here: nothing can be read from them), and once per view."""
     cells = scenario("prompt", 64, torch.Generator().manual_seed(0))
-    moved = TokenCells(cells.cells.cpu(), cells.offsets.cpu(), cells.lengths.cpu()).to("meta")
+    rows, moved = TokenCells(cells.cells.cpu(), cells.offsets.cpu(), cells.lengths.cpu()).to("meta", torch.arange(3))
+    assert rows.device.type == "meta" and rows.shape == (3,)
     offsets, lengths = moved.on_host()
     assert offsets.tolist() == cells.offsets.tolist() and lengths.tolist() == cells.lengths.tolist()
     assert plan_tiles(offsets, lengths, 16, "cpu")[0].tolist() == [[0, 16], [16, 5], [21, 5]]
