@@ -31,7 +31,9 @@ def attend_layer(kv: MemoryView | TracedView, layer: int, q: torch.Tensor, k: to
     if isinstance(kv, TracedView):
         return kv.attend(layer, q, k, v, batch_invariant, native, sinks)
     view, local = kv.layer_view(layer)
-    if k is not None:
+    if k is not None and getattr(native, "writes_kv", False):  # the GPU's kernel writes the rows itself
+        native.write_kv(view, local, k, v)
+    elif k is not None:
         view.write(local, k, v)
     return attend(q, local, view, batch_invariant, native, sinks)
 

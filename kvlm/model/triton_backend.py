@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import torch
 
-from kvlm.kernels.gpu import attention, layer_ops
+from kvlm.kernels.gpu import attention, kv_write, layer_ops
+from kvlm.memory.kv_store import on
 from kvlm.model.backend import TorchBackend
 
 
 class TritonAttention:
-    """Attention over cells as kvlm.model.attention calls the backend's kernel."""
+    """Attention over cells as kvlm.model.attention calls the backend's kernel, and the step's K/V rows written into
+    their cells first (one launch per plane, a q8_0 plane quantized in it)."""
+
+    writes_kv = True
 
     @staticmethod
     def takes_head_dim(head_dim: int) -> bool:
@@ -25,6 +29,13 @@ class TritonAttention:
     def attention(q: torch.Tensor, k_plane: tuple, v_plane: tuple, cells, scale: float,
                   sinks: torch.Tensor | None = None) -> torch.Tensor:
         return attention.attention(q.contiguous(), k_plane, v_plane, cells, scale, sinks)
+
+    @staticmethod
+    def write_kv(view, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [n_tokens, n_kv, d] into the cells `view.rows` of layer `layer` of the view's store."""
+        rows = on(view.rows, k).long()
+        kv_write.kv_write(view.store.k.native(layer), rows, k)
+        kv_write.kv_write(view.store.v.native(layer), rows, v)
 
 
 class TritonBackend(TorchBackend):
