@@ -11,6 +11,7 @@ from kvlm.core.errors import ModelFileError, UnsupportedModelError
 from kvlm.core.family import ATTENTION, CONV, GATED_DELTA, family_named
 from kvlm.core.config import ModelConfig
 from kvlm.loader.gguf_reader import GGUFFile, TensorInfo
+from kvlm.loader.gguf_split import SplitGGUF, open_gguf
 from kvlm.loader.tensors import ExpertParts, GGUFTensors
 from kvlm.loader.weights import ModelWeights, fused_parts, stored_shapes
 from kvlm.core import rope
@@ -20,11 +21,12 @@ LONGROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")  # 
 
 
 def open_gguf_model(path: str | Path) -> tuple[ModelConfig, ModelWeights, dict[str, Any]]:
-    """Config, weights (to be read one at a time) and raw metadata of a GGUF model file.
+    """Config, weights (to be read one at a time) and raw metadata of a GGUF model file (all its parts, for a split
+    model given by any of them).
 
     Every tensor's presence, shape and size is checked here; none is read yet.
     """
-    gguf = GGUFFile(path)
+    gguf = open_gguf(path)
     config = _config_of(gguf, path)
     family = config.family
     renamed = {ours: theirs for ours, theirs in family.gguf_names if theirs in gguf.tensors}
@@ -49,11 +51,11 @@ def read_gguf_config(path: str | Path) -> ModelConfig:
 
 def read_gguf_summary(path: str | Path) -> tuple[ModelConfig, dict[str, str]]:
     """The config and each tensor's stored type (e.g. "Q4_K"), without reading any weights."""
-    gguf = GGUFFile(path)
+    gguf = open_gguf(path)
     return _config_of(gguf, path), {name: info.qtype.name for name, info in gguf.tensors.items()}
 
 
-def _config_of(gguf: GGUFFile, path: str | Path) -> ModelConfig:
+def _config_of(gguf: GGUFFile | SplitGGUF, path: str | Path) -> ModelConfig:
     freq_factors = _vector(gguf, ROPE_FREQS)
     longrope = tuple(_vector(gguf, name) for name in LONGROPE_FACTORS)
     return config_from_metadata(gguf.metadata, path, tied="output.weight" not in gguf.tensors,
@@ -61,7 +63,7 @@ def _config_of(gguf: GGUFFile, path: str | Path) -> ModelConfig:
                                 longrope_factors=None if None in longrope else longrope)
 
 
-def _vector(gguf: GGUFFile, name: str) -> list[float] | None:
+def _vector(gguf: GGUFFile | SplitGGUF, name: str) -> list[float] | None:
     """A small tensor of the file's RoPE (complete, any length) as numbers; None where the file has none."""
     info = gguf.tensors.get(name)
     if info is None:
@@ -202,7 +204,7 @@ def _rope_dims(metadata: dict[str, Any], arch: str, head_dim: int) -> int:
     return 0 if dims == head_dim else dims
 
 
-def _expert_parts(gguf: GGUFFile, config: ModelConfig) -> dict[str, ExpertParts]:
+def _expert_parts(gguf: GGUFFile | SplitGGUF, config: ModelConfig) -> dict[str, ExpertParts]:
     """Experts' tensors the file stores otherwise than as one tensor each: a fused gate/up (ffn_gate_up_exps), or
     one tensor per expert (older Mixtral files: ffn_gate.E, ffn_up.E, ffn_down.E)."""
     parts = {}
@@ -221,7 +223,7 @@ def _expert_parts(gguf: GGUFFile, config: ModelConfig) -> dict[str, ExpertParts]
     return parts
 
 
-def _check_expert_parts(gguf: GGUFFile, parts: ExpertParts, name: str, shape: tuple[int, ...]) -> None:
+def _check_expert_parts(gguf: GGUFFile | SplitGGUF, parts: ExpertParts, name: str, shape: tuple[int, ...]) -> None:
     """Every part present and whole, of one type, making up the expected shape."""
     if parts.shape != shape or len({t.qtype for t in parts.tensors}) != 1:
         raise ModelFileError(f"{gguf.path}: tensor {name}, stored as {', '.join(t.name for t in parts.tensors[:3])}"
@@ -231,7 +233,7 @@ def _check_expert_parts(gguf: GGUFFile, parts: ExpertParts, name: str, shape: tu
         gguf.check_complete(tensor)
 
 
-def _check_tensor(gguf: GGUFFile, info: TensorInfo | None, name: str, shape: tuple[int, ...],
+def _check_tensor(gguf: GGUFFile | SplitGGUF, info: TensorInfo | None, name: str, shape: tuple[int, ...],
                   reshaped: bool = False) -> None:
     """Present, of the expected shape (or, `reshaped`, as many values), and holding all its bytes."""
     path = gguf.path

@@ -24,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from kvlm.core.errors import ModelFileError
 from kvlm.kernels import NATIVE_TYPES, BlockMatrix
 from kvlm.loader.gguf_reader import GGUFFile, TensorInfo
+from kvlm.loader.gguf_split import SplitGGUF
 
 Stored = BlockMatrix | torch.Tensor
 FLOAT_TYPES = {GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F16: torch.float16,
@@ -69,7 +70,7 @@ class GGUFTensors:
     experts the file stores otherwise than as one tensor.
     """
 
-    def __init__(self, gguf: GGUFFile, renamed: dict[str, str] | None = None,
+    def __init__(self, gguf: GGUFFile | SplitGGUF, renamed: dict[str, str] | None = None,
                  permuted: dict[str, int] | None = None, experts: dict[str, ExpertParts] | None = None) -> None:
         self.gguf = gguf
         self.renamed = renamed or {}

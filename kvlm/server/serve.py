@@ -9,6 +9,7 @@ from pathlib import Path
 import uvicorn
 
 from kvlm.engine.engine import Engine, memory_request
+from kvlm.loader.gguf_split import split_prefix
 from kvlm.loader.load import load_model
 from kvlm.memory.kv_store import AUTO
 from kvlm.server.app import create_app
@@ -46,7 +47,9 @@ class ServeSettings:
 def served_name(model: str) -> str:
     """What clients put in "model": the known name as given, or a file's or folder's name."""
     path = Path(model)
-    return path.stem if path.suffix == ".gguf" else path.name if path.exists() else model
+    if path.suffix == ".gguf":
+        return split_prefix(path) or path.stem  # (a split model by its name, not its part's)
+    return path.name if path.exists() else model
 
 
 def _kind(memory) -> str:

@@ -170,9 +170,12 @@ def write_gguf(
     arch: str = "llama",
     quant: GGMLQuantizationType = GGMLQuantizationType.F32,
     keep_f32: tuple[str, ...] = (),
+    split_max_tensors: int = 0,
 ) -> Path:
-    """`keep_f32`: name endings of matrices llama.cpp's converter keeps in F32 whatever the file type."""
-    writer = GGUFWriter(path, arch)
+    """`keep_f32`: name endings of matrices llama.cpp's converter keeps in F32 whatever the file type;
+    `split_max_tensors` > 0: written in parts of at most that many tensors, as llama.cpp's converter does with
+    --split-max-tensors (PATH-00001-of-0000N.gguf, ...; the first part's path returned)."""
+    writer = GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
     for key, value in metadata.items():
         add_value(writer, key, value)
     for name, array in tensors.items():
@@ -183,8 +186,9 @@ def write_gguf(
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
+    parts = writer.format_shard_names(Path(path))
     writer.close()
-    return path
+    return parts[0]
 
 
 def write_model_gguf(
