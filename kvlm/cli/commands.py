@@ -1,4 +1,4 @@
-"""The `kvlm` command: generate, chat, serve, pull, inspect, perplexity, bench."""
+"""The `kvlm` command: generate, chat, serve, pull, ls, rm, inspect, perplexity, bench."""
 from __future__ import annotations
 
 import argparse
@@ -18,7 +18,7 @@ from kvlm.core.family import RECURRENT_KINDS
 from kvlm.runtime.generate import GenerationSettings, generate
 from kvlm.kernels import native_kernels
 from kvlm.core.config import ModelConfig
-from kvlm.loader.fetch import DEFAULT_MODEL, KNOWN_MODELS, pull, resolve_model
+from kvlm.loader.fetch import DEFAULT_MODEL, KNOWN_MODELS, pull_model, resolve_model
 from kvlm.loader.load import load_model, open_model
 from kvlm.loader.memory_plan import parse_size, plan_memory
 from kvlm.memory.kv_store import KV_DTYPES, kv_bytes_for
@@ -88,11 +88,18 @@ def _parser() -> argparse.ArgumentParser:
     _speculative_argument(srv)
     srv.set_defaults(handler=_serve)
 
-    pull_cmd = commands.add_parser("pull", help="download a known model into the cache",
+    pull_cmd = commands.add_parser("pull", help="download a model into the cache: a known name, or a Hugging Face "
+                                               "repository user/repo[:QUANT] (default quant Q4_K_M)",
                                    epilog="known models: " + "; ".join(f"{name}: {source.description}"
                                                                       for name, source in sorted(KNOWN_MODELS.items())))
-    pull_cmd.add_argument("name", choices=sorted(KNOWN_MODELS))
+    pull_cmd.add_argument("name", metavar="NAME")
     pull_cmd.set_defaults(handler=_pull)
+    ls_cmd = commands.add_parser("ls", help="list the downloaded models (kvlm's cache and the Hugging Face cache)")
+    ls_cmd.set_defaults(handler=_ls)
+    rm_cmd = commands.add_parser("rm", help="delete a downloaded model: a known name, user/repo:QUANT (that quant's "
+                                            "files) or user/repo (the whole repository)")
+    rm_cmd.add_argument("name", metavar="NAME")
+    rm_cmd.set_defaults(handler=_rm)
 
     inspect = commands.add_parser("inspect", help="print a model's config, KV cache size and memory plan (reads no "
                                                   "weights)")
@@ -358,7 +365,26 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _pull(args: argparse.Namespace) -> int:
-    print(pull(args.name))
+    print(pull_model(args.name))
+    return 0
+
+
+def _ls(args: argparse.Namespace) -> int:
+    from kvlm.loader.model_cache import cached_models
+
+    models = cached_models()
+    width = max([len(m.name) for m in models] + [4])
+    print(f"{'NAME':{width}}  {'SIZE':>10}  WHERE")
+    for model in models:
+        print(f"{model.name:{width}}  {model.size / 2**20:>7.1f} MiB  {model.where}")
+    return 0
+
+
+def _rm(args: argparse.Namespace) -> int:
+    from kvlm.loader.model_cache import remove_model
+
+    for path in remove_model(args.name):
+        print(f"removed {path}")
     return 0
 
 

