@@ -463,7 +463,7 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"{'stored as':20} {', '.join(f'{n} {t}' for t, n in stored.most_common())}")
     if config.n_expert:
         _inspect_experts(config, weights)
-    print(f"{'compute':20} {settings.describe()}")
+    print(f"{'compute':20} {settings.describe(stored)}")
     print(f"{'n_ctx':20} {n_ctx}" + ("" if args.ctx else " (the largest that fits, up to the model's own)"))
     for label, text in plan.lines():
         print(f"{'memory: ' + label:20} {text}")

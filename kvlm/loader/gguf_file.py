@@ -2,17 +2,21 @@
 any is read."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
 
 from kvlm.core.errors import ModelFileError, UnsupportedModelError
 from kvlm.core.family import ATTENTION, CONV, GATED_DELTA, family_named
 from kvlm.core.config import ModelConfig
+from kvlm.kernels.blocks import NATIVE_TYPES
 from kvlm.loader.gguf_reader import GGUFFile, TensorInfo
 from kvlm.loader.gguf_split import SplitGGUF, open_gguf
-from kvlm.loader.tensors import ExpertParts, GGUFTensors
+from kvlm.loader.tensors import FLOAT_TYPES, ExpertParts, GGUFTensors
 from kvlm.loader.weights import ModelWeights, fused_parts, stored_shapes
 from kvlm.core import rope
 
@@ -231,6 +235,7 @@ def _check_expert_parts(gguf: GGUFFile | SplitGGUF, parts: ExpertParts, name: st
                              f"{sorted({t.qtype.name for t in parts.tensors})}), expected {list(shape)} of one type")
     for tensor in parts.tensors:
         gguf.check_complete(tensor)
+    _check_readable(gguf, parts.tensors[0], name)
 
 
 def _check_tensor(gguf: GGUFFile | SplitGGUF, info: TensorInfo | None, name: str, shape: tuple[int, ...],
@@ -242,3 +247,22 @@ def _check_tensor(gguf: GGUFFile | SplitGGUF, info: TensorInfo | None, name: str
     if (np.prod(info.shape) != np.prod(shape)) if reshaped else (info.shape != shape):
         raise ModelFileError(f"{path}: tensor {name} has shape {list(info.shape)}, expected {list(shape)}")
     gguf.check_complete(info)
+    _check_readable(gguf, info, name)
+
+
+def _check_readable(gguf: GGUFFile | SplitGGUF, info: TensorInfo, name: str) -> None:
+    """A type neither kvlm's kernels nor the gguf package read is refused here, before any weight is read."""
+    if info.qtype not in NATIVE_TYPES and info.qtype not in FLOAT_TYPES and not gguf_dequantizes(info.qtype):
+        raise ModelFileError(f"{gguf.path}: tensor {name} is stored as {info.qtype.name}, a type neither kvlm's "
+                             "kernels nor the gguf package can read")
+
+
+@functools.cache
+def gguf_dequantizes(qtype: GGMLQuantizationType) -> bool:
+    """Whether the gguf package dequantizes `qtype` (tried on one block of zeros)."""
+    block_bytes = GGML_QUANT_SIZES[qtype][1]
+    try:
+        gguf_dequantize(np.zeros(block_bytes, dtype=np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True

@@ -47,6 +47,7 @@ class Decoder(Blocks):
     def __init__(self, config: ModelConfig, weights: ModelWeights, settings: ComputeSettings) -> None:
         self.settings = settings
         self.config = config
+        self.stored_as = sorted({weights.file_type(name) for name in weights.names()})  # the file's tensor types
         self.dtype = self.settings.torch_dtype
         self.batch_invariant = self.settings.batch_invariant
         # The hot ops' table (kvlm.model.backend): the native CPU kernels, or torch's in the reference mode and where
@@ -90,7 +91,7 @@ class Decoder(Blocks):
         """The chosen settings and how many matrices each kernel got, for logs and `kvlm inspect`."""
         counts = Counter(linear_kind(m) for m in self.matrices())
         kinds = ", ".join(f"{n} {kind}" for kind, n in counts.most_common())
-        return f"{self.settings.describe()}; matrices: {kinds}"
+        return f"{self.settings.describe(self.stored_as)}; matrices: {kinds}"
 
     def matrices(self) -> list[Linear]:
         return [self.output] + [m for layer in self.layers for m in vars(layer).values() if isinstance(m, Linear)]

@@ -98,7 +98,7 @@ def test_graph_steps_match_eager_steps(model, kv_dtype):
     assert graphs.decode_graphs.graphs == {}  # prompt chunks run eagerly
     torch.testing.assert_close(got, want, atol=0, rtol=0)
     positions = {1: 9, 2: 5, 3: 12}
-    for step, seqs in enumerate([[1, 2, 3], [2], [3, 1], [1, 2, 3]]):
+    for step, seqs in enumerate([[1, 2, 3], [2], [3, 1]]):
         tokens = [(97 * s + 13 * step) % model.config.vocab_size for s in seqs]
         batch = Batch(tokens=tokens, pos=[positions[s] for s in seqs], seq_ids=seqs, logits=[True] * len(seqs))
         _clear_spare_rows(graphs)
