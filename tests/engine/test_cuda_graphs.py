@@ -12,10 +12,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from helpers.family_factory import SPECS, family_gguf_metadata, family_gguf_tensors, random_model  # noqa: E402
-from helpers.gemma3_factory import gguf_of as gemma3_gguf, random_gemma3  # noqa: E402
-from helpers.gguf_factory import write_gguf  # noqa: E402
-from helpers.recurrent_factory import mamba2_gguf, random_mamba2  # noqa: E402
+from helpers.kind_files import KIND_FILES  # noqa: E402
 from kvlm.core.batch import Batch  # noqa: E402
 from kvlm.loader.load import load_model  # noqa: E402
 from kvlm.model.cuda_graphs import buckets  # noqa: E402
@@ -25,19 +22,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 N_CTX = 512  # past CELLS_PER_SPLIT: a graph's attention splits each run two ways at 4 lanes
 
 
-def _llama(folder):
-    spec = SPECS["llama-llama3"]
-    model = random_model(spec)
-    return write_gguf(folder / "model.gguf", family_gguf_metadata(model, spec), family_gguf_tensors(model, spec),
-                      arch=spec.arch)
-
-
-FILES = {"unified-llama": _llama, "iswa-gemma3": lambda folder: gemma3_gguf(random_gemma3(), folder),
-         "recurrent-mamba2": lambda folder: mamba2_gguf(random_mamba2(), folder)}
-
 
 def _triton_model(name, tmp_path_factory):
-    path = str(FILES[name](tmp_path_factory.mktemp(name)))
+    path = str(KIND_FILES[name](tmp_path_factory.mktemp(name)))
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("KVLM_BACKEND", "triton")
         return load_model(path, "float32", quant=None, progress=False, device=DEVICE)

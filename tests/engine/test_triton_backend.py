@@ -11,37 +11,23 @@ import torch
 
 pytest.importorskip("triton")
 
-from helpers.family_factory import SPECS, family_gguf_metadata, family_gguf_tensors, random_model  # noqa: E402
-from helpers.gemma3_factory import gguf_of as gemma3_gguf, random_gemma3  # noqa: E402
-from helpers.gguf_factory import write_gguf  # noqa: E402
+from helpers.kind_files import KIND_FILES  # noqa: E402
 from helpers.models import prefill_then_decode_logits, token_ids  # noqa: E402
-from helpers.recurrent_factory import lfm2_gguf, mamba2_gguf, random_lfm2, random_mamba2  # noqa: E402
 from kvlm import LLM, SamplingParams  # noqa: E402
 from kvlm.core.family import ATTENTION  # noqa: E402
 from kvlm.loader.load import load_model  # noqa: E402
 from kvlm.model.triton_backend import TritonBackend  # noqa: E402
 
 
-def _llama(folder):
-    spec = SPECS["llama-llama3"]
-    model = random_model(spec)
-    return write_gguf(folder / "model.gguf", family_gguf_metadata(model, spec), family_gguf_tensors(model, spec),
-                      arch=spec.arch)
-
-
-FILES = {"unified-llama": _llama, "iswa-gemma3": lambda folder: gemma3_gguf(random_gemma3(), folder),
-         "hybrid-lfm2": lambda folder: lfm2_gguf(random_lfm2(), folder),
-         "recurrent-mamba2": lambda folder: mamba2_gguf(random_mamba2(), folder)}
-
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture(scope="module", params=sorted(FILES))
+@pytest.fixture(scope="module", params=sorted(KIND_FILES))
 def models(request, tmp_path_factory):
     """(torch's backend on the CPU, the Triton backend) over one file, float32 dense; the Triton one on the GPU
     where there is one (weights, K/V cells and states in its memory), else on the CPU through the interpreter."""
-    path = str(FILES[request.param](tmp_path_factory.mktemp(request.param)))
+    path = str(KIND_FILES[request.param](tmp_path_factory.mktemp(request.param)))
     on_torch = load_model(path, "float32", quant=None, progress=False, device="cpu")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("KVLM_BACKEND", "triton")
