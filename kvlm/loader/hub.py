@@ -112,10 +112,8 @@ def _with_parts(file: str, ggufs: list[str]) -> list[str]:
     match = PART_NAME.match(Path(file).name)
     if match is None:
         return [file]
-    folder = str(Path(file).parent)
     count = int(match["count"])
-    parts = [str(Path(folder) / f"{match['prefix']}-{i:05d}-of-{count:05d}.gguf") if folder != "." else
-             f"{match['prefix']}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
+    parts = [str(Path(file).with_name(f"{match['prefix']}-{i:05d}-of-{count:05d}.gguf")) for i in range(1, count + 1)]
     missing = [p for p in parts if p not in ggufs]
     if missing:
         raise ModelFetchError(f"the split model {file} lacks parts in its repository: {', '.join(missing)}")
@@ -137,7 +135,8 @@ def _call(thunk, name: HubName):
                               "that account") from None
     except errors.RepositoryNotFoundError:
         raise ModelFetchError(f"there is no model repository {name.repo} on the Hub ({_endpoint()}), or it is "
-                              "private and HF_TOKEN is not set to a token that may read it") from None
+                              "private and HF_TOKEN is not set to a token that may read it (nor is there a file or "
+                              f"folder {name.repo} here)") from None
     except errors.RevisionNotFoundError:
         raise ModelFetchError(f"{name.repo} has no revision {name.revision!r}") from None
     except errors.OfflineModeIsEnabled:
