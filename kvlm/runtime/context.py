@@ -104,7 +104,7 @@ class Context:
     def _compute(self, ubatch, slot) -> torch.Tensor:
         view = self.memory.place(ubatch, slot)
         device = self.model.decoder.device  # the tokens to where the model computes; positions stay (RoPE's tables
-        # are made from them on the host) and logits come back
+        # are made from them on the host), and so do the logits (Context.logits)
         tokens, output_rows = staged_together(device, torch.from_numpy(ubatch.tokens),
                                               torch.from_numpy(ubatch.output.nonzero()[0]))
         positions = torch.tensor(ubatch.pos)
