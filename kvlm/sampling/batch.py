@@ -68,8 +68,9 @@ def _draw(logits: torch.Tensor, samplers: list[RequestSampler]) -> torch.Tensor:
     top_p, min_p, ranked, top_k = top_p.float(), min_p.float(), ranked.bool(), top_k.long()
     logits = logits.float() / temperature.float()
     # the candidates' order: most likely first where top-k or top-p choose among them, the vocabulary's otherwise
-    by_rank = torch.sort(logits, dim=1, descending=True, stable=True).indices
-    order = torch.where(ranked, by_rank, torch.arange(vocab, device=device))
+    order = torch.arange(vocab, device=device).expand(len(samplers), vocab)
+    if any(0 < s.params.top_k < vocab or s.params.top_p < 1.0 for s in samplers):  # (a sort only where one is needed)
+        order = torch.where(ranked, torch.sort(logits, dim=1, descending=True, stable=True).indices, order)
     values = logits.gather(1, order)
     rank = torch.arange(vocab, device=device)[None, :]
     values = values.masked_fill(ranked & (rank >= top_k), float("-inf"))

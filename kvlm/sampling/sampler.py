@@ -96,7 +96,7 @@ class RequestSampler:
 
     def uniform(self) -> float:
         """This request's next random number in [0, 1), float64 (one per random token)."""
-        return float(torch.rand(1, dtype=torch.float64, generator=self.generator))
+        return uniform(self.generator)
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits after logit_bias and the penalties: a new tensor, or `logits` itself if nothing applies."""
@@ -182,7 +182,12 @@ def sample_token(logits: torch.Tensor, temperature: float, generator: torch.Gene
     params = SamplingParams(temperature=temperature)  # ValueError for a negative temperature
     if params.greedy:
         return int(torch.argmax(logits))
-    return draw(logits, params, float(torch.rand(1, dtype=torch.float64, generator=generator)))
+    return draw(logits, params, uniform(generator))
+
+
+def uniform(generator: torch.Generator | None) -> float:
+    """One random number in [0, 1), float64, from `generator` (None: torch's global one)."""
+    return float(torch.rand(1, dtype=torch.float64, generator=generator))
 
 
 def _nucleus(
