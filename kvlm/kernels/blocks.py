@@ -11,8 +11,19 @@ from dataclasses import dataclass
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-# The block formats the native products and kvlm's own dequantization read (formats.h, reference.py).
+# The block formats the native products and kvlm's own dequantization read (formats.h, low_bit_formats.h,
+# reference.py): every block format the `gguf` package dequantizes.
 NATIVE_TYPES = frozenset({
+    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
+    GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.IQ2_XXS, GGMLQuantizationType.IQ2_XS,
+    GGMLQuantizationType.IQ2_S, GGMLQuantizationType.IQ3_XXS, GGMLQuantizationType.IQ3_S, GGMLQuantizationType.IQ1_S,
+    GGMLQuantizationType.IQ1_M, GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS, GGMLQuantizationType.TQ1_0,
+    GGMLQuantizationType.TQ2_0, GGMLQuantizationType.MXFP4, GGMLQuantizationType.NVFP4,
+})
+
+# The formats the native products also read in interleaved tiles of 8 rows (tiles.h); the others in the file's layout.
+TILED_TYPES = frozenset({
     GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
     GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
     GGMLQuantizationType.MXFP4,

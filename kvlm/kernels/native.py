@@ -24,7 +24,9 @@ import time
 from functools import lru_cache
 from pathlib import Path
 
+import numpy as np
 import torch
+from gguf.quants import IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS
 
 from kvlm.home import kvlm_home
 from kvlm.kernels.blocks import TILE_ROWS, BlockMatrix
@@ -108,6 +110,10 @@ class NativeKernels:
                                           ctypes.c_int, ctypes.c_int]
         self._lib.kvlm_interleave.argtypes = [i32, ptr, i64, i64, ctypes.c_int]
         self.tiles = bool(self._lib.kvlm_tiles())  # whether the products read interleaved tiles of 8 rows
+        self._lib.kvlm_tiled.argtypes = [i32]
+        self._lib.kvlm_set_grids.argtypes = [ptr, i64]
+        self._lib.kvlm_grids_size.restype = i64
+        self._set_grids()
         self.decode_layer_function = self._lib.kvlm_decode_layer
         self.decode_layer_function.argtypes = [ptr, ptr, ctypes.c_int, ptr, ptr, ctypes.c_int]
         self.layer_times_function = self._lib.kvlm_layer_times
@@ -117,11 +123,26 @@ class NativeKernels:
         self.layer_ops = NativeLayerOps(self._lib)
         self.recurrent = NativeRecurrentOps(self._lib)
 
+    def _set_grids(self) -> None:
+        """Hands gguf's grids of the I-quants to the library (csrc/low_bit_formats.h, Grids), before any use."""
+        tables = []
+        for quant in (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S):
+            quant.init_grid()
+            tables.append(quant.grid.reshape(-1).astype(np.int8))
+        values = np.ascontiguousarray(np.concatenate(tables))
+        if values.nbytes != self._lib.kvlm_grids_size():
+            raise BuildError(f"the library's grids take {self._lib.kvlm_grids_size()} bytes, gguf's {values.nbytes}")
+        self._lib.kvlm_set_grids(values.ctypes.data, values.nbytes)
+
+    def tiled(self, qtype) -> bool:
+        """Whether the products read matrices of this type in interleaved tiles of 8 rows."""
+        return bool(self._lib.kvlm_tiled(int(qtype)))
+
     def interleave(self, matrix: BlockMatrix) -> BlockMatrix:
         """The matrix in the layout the products read fastest: its rows rearranged in tiles of 8 (kernels/csrc/tiles.h)
-        in place, where this build reads tiles and the rows fill whole tiles; otherwise as it is. The same bytes:
-        `matrix` itself must not be used afterwards (its blocks now hold the tiles)."""
-        if matrix.interleaved or not self.tiles or matrix.shape[0] % TILE_ROWS:
+        in place, where this build reads this type's tiles and the rows fill whole tiles; otherwise as it is. The
+        same bytes: `matrix` itself must not be used afterwards (its blocks now hold the tiles)."""
+        if matrix.interleaved or not self.tiled(matrix.qtype) or matrix.shape[0] % TILE_ROWS:
             return matrix
         blocks = matrix.blocks if matrix.blocks.is_contiguous() else matrix.blocks.contiguous()
         status = self._lib.kvlm_interleave(int(matrix.qtype), blocks.data_ptr(), matrix.shape[0], matrix.n_cols,

@@ -1,17 +1,19 @@
 """The pure-torch side of the kernels: what runs where the native ones are absent, and what tests hold them to.
 
-`dequantize` gives gguf's own values bit for bit (the same float32 operations in the same order); it serves
+`dequantize` gives gguf's own values bit for bit (the same float32 operations in the same order, or for the 1- to
+4-bit formats gguf's own dequantization); it serves
 loading when the native kernels are absent and the fp32 reference mode. `quantized_product` is the native
-product's exact definition: activations quantized to 8 bits as the kernel quantizes them (per block of 32 for the
-32-weight formats, of 256 for the K-quants, as llama.cpp does), then exact arithmetic (float64), so the kernel must
+product's exact definition: activations quantized to 8 bits as the kernel quantizes them (per block of 256 for the
+formats of 256-weight super-blocks, else of 32, as llama.cpp does), then exact arithmetic (float64), so the kernel must
 agree with it to float32 rounding.
 """
 from __future__ import annotations
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
 
-from kvlm.kernels.blocks import BlockMatrix
+from kvlm.kernels.blocks import NATIVE_TYPES, BlockMatrix
 
 T = GGMLQuantizationType
 
@@ -110,6 +112,17 @@ _DEQUANTIZE = {T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q8_
                T.Q5_K: _q5_k, T.Q6_K: _q6_k, T.MXFP4: _mxfp4}
 
 
+def _with_gguf(qtype: GGMLQuantizationType):
+    """The 1- to 4-bit formats (Q2_K, Q3_K, the I-quants, TQ, NVFP4) by gguf's own numpy dequantization: the torch
+    path reads them only where the native kernels are absent, at load, so their speed there matters little."""
+    def dequantize_blocks(blocks: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(gguf_dequantize(blocks.numpy(), qtype).reshape(blocks.shape[0], -1))
+    return dequantize_blocks
+
+
+_DEQUANTIZE.update({qtype: _with_gguf(qtype) for qtype in NATIVE_TYPES - _DEQUANTIZE.keys()})
+
+
 def dequantize(matrix: BlockMatrix, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """gguf's values of a block matrix, [rows, n_cols], in float32 (or rounded to `dtype`)."""
     if matrix.interleaved:
@@ -121,12 +134,10 @@ def dequantize(matrix: BlockMatrix, dtype: torch.dtype = torch.float32) -> torch
     return values.reshape(matrix.shape).to(dtype)
 
 
-K_QUANTS = frozenset({T.Q4_K, T.Q5_K, T.Q6_K})
-
-
 def activation_block(qtype: GGMLQuantizationType) -> int:
-    """How many activations share one step in products with weights of this format."""
-    return 256 if qtype in K_QUANTS else 32
+    """How many activations share one step in products with weights of this format: 256 for the formats of
+    256-weight super-blocks, else 32."""
+    return 256 if GGML_QUANT_SIZES[qtype][0] == 256 else 32
 
 
 def quantize_activations(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, GGUFWriter
 from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
 
-from helpers.blocks import K_QUANTS, SCALES_AT, random_blocks, scale_width
+from helpers.blocks import SCALES_AT, block_weights, iq1m_scale, random_blocks, scale_width
 from kvlm.kernels import NATIVE_TYPES, BlockMatrix, reference
 from kvlm.kernels.quantize import quantize_q4_0, quantize_q4_1, quantize_q8_0
 from kvlm.loader.gguf_reader import GGUFFile
@@ -23,8 +23,8 @@ TYPES = sorted(NATIVE_TYPES, key=int)
 
 
 def width_for(qtype: T, chunks: float = 2.5) -> int:
-    """A row width: whole super-blocks for K-quants; for 32-weight formats, a last chunk that is partial."""
-    return 512 if qtype in K_QUANTS else int(256 * chunks) + 32
+    """A row width: whole super-blocks for the 256-weight formats; for the others, a last chunk that is partial."""
+    return 512 if block_weights(qtype) == 256 else int(256 * chunks) + (32 if block_weights(qtype) == 32 else 0)
 
 
 def assert_rounding_close(actual: torch.Tensor, x: torch.Tensor, parts: list[BlockMatrix], relative: float = 1e-5):
@@ -70,8 +70,8 @@ def laid_out(kernels, raw: np.ndarray, qtype: T, cols: int, layout: str) -> Bloc
     matrix = BlockMatrix(torch.from_numpy(raw.copy()), qtype, cols)
     if layout == "file":
         return matrix
-    if not kernels.tiles:
-        pytest.skip(f"the {kernels.isa} build reads the file's layout only")
+    if not kernels.tiled(qtype):
+        pytest.skip(f"the {kernels.isa} build reads {qtype.name} in the file's layout only")
     interleaved = kernels.interleave(matrix)
     assert interleaved.interleaved and interleaved.nbytes == raw.nbytes
     return interleaved
@@ -117,7 +117,7 @@ def test_the_native_product_is_its_definition(kernels, qtype, m, layout):
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_a_tiles_levels_span_every_value(kernels, qtype):
     """Levels at their extremes (every bit of the fifth and high planes set, the largest activations): no int16
-    sum of the tile kernels overflows."""
+    sum of the tile kernels, or of the row kernels for the formats without tiles, overflows."""
     cols = width_for(qtype)
     raw = random_blocks(qtype, 16, cols, seed=3)
     if qtype != T.Q8_0:
@@ -130,12 +130,15 @@ def test_a_tiles_levels_span_every_value(kernels, qtype):
         raw[weights_bytes] = 0x77 if qtype == T.MXFP4 else 0xFF
         if qtype == T.Q6_K:
             raw.reshape(-1, block)[:, 192:208] = 0x80  # scales of -128
+        if qtype == T.IQ1_M:  # its d shares the scale words: a plausible one again
+            iq1m_scale(raw.reshape(-1, block), np.random.default_rng(3))
     else:
         raw.reshape(-1, 34)[:, 2:] = 0x80  # -128, the one level below -127
     x = torch.full((2, cols), 3.0)
     x[1, ::2] = -3.0  # activations quantized to +-127
     plain = BlockMatrix(torch.from_numpy(raw.copy()), qtype, cols)
-    assert_rounding_close(kernels.product([laid_out(kernels, raw, qtype, cols, "tiles")])(x), x, [plain])
+    layout = "tiles" if kernels.tiled(qtype) else "file"
+    assert_rounding_close(kernels.product([laid_out(kernels, raw, qtype, cols, layout)])(x), x, [plain])
 
 
 def test_a_products_rows_do_not_depend_on_the_batch(kernels):
@@ -218,7 +221,7 @@ def test_every_stored_type_reads_back_as_ggufs_values(tmp_path):
             floats = np.random.default_rng(int(qtype)).standard_normal((6, 256)).astype(np.float32)
             raw = gguf_quantize(floats, qtype) if qtype != T.F32 else floats
         else:
-            raw = random_blocks(qtype, 6, 256 if qtype in K_QUANTS else 288)
+            raw = random_blocks(qtype, 6, 256 if block_weights(qtype) == 256 else 320)
         writer.add_tensor(qtype.name, raw, raw_dtype=qtype)
         raws[qtype] = raw
     writer.write_header_to_file()

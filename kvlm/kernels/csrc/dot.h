@@ -22,6 +22,7 @@
 
 #include "activations.h"
 #include "formats.h"
+#include "low_bit_formats.h"
 #include "tiles.h"
 
 #if defined(KVLM_TILES)
@@ -53,25 +54,76 @@ template <int R> struct ActRows {
     }
 };
 
-// One row of the file's layout times R activation rows, in plain C++: every format from its chunks,
-// sum over groups of (scale * levels.q + offset * sum of q) * step.
+// One row of the file's layout, read into its chunks (formats.h), times R activation rows:
+//     sum over groups of (scale * levels.q + offset * sum of q) * step,
+// with formats of signed levels (center > 0) as scale * (level - center).q, which leaves out their offsets.
+// In plain C++, or with AVX2 (and FMA): per 32 levels of a chunk, the 8-bit products summed in int32 per 4 (two
+// groups' halves side by side in the register's two 128-bit lanes), then each times its group's scale and step.
 template <int TYPE, int R>
-inline void row_times(const uint8_t* row, int64_t k, const ActRows<R>& act, float out[R]) {
-    using B = Traits<TYPE>;
-    const int block = is_k_quant<TYPE>() ? 256 : 32;
-    for (int t = 0; t < R; ++t) out[t] = 0.0f;
-    Chunk c;
+inline void chunks_times(const Chunk* chunks, int64_t k, const ActRows<R>& act, float out[R]) {
+    constexpr int block = is_k_quant<TYPE>() ? 256 : 32, center = Traits<TYPE>::center;
+#if defined(KVLM_TILES)
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i lanes[4];  // groups 2m (low lane) and 2m + 1 (high lane) of eight
+    for (int m = 0; m < 4; ++m) lanes[m] = _mm256_setr_epi32(2 * m, 2 * m, 2 * m, 2 * m, 2 * m + 1, 2 * m + 1, 2 * m + 1, 2 * m + 1);
+    __m256 acc[R];
+    for (int t = 0; t < R; ++t) acc[t] = _mm256_setzero_ps();
     for (int64_t index = 0; index * CHUNK < k; ++index) {
-        const int n = int(std::min<int64_t>(CHUNK / B::weights, (k - index * CHUNK) / B::weights));
-        unpack_generic<TYPE>(row + index * (CHUNK / B::weights) * B::bytes, n, c);
+        const Chunk& c = chunks[index];
+        const int subs = int(std::min<int64_t>(CHUNK, k - index * CHUNK) / 32);
+        __m256 scaled[R][2];  // each group's scale times its activations' step
         for (int t = 0; t < R; ++t)
-            for (int g = 0; g < n * B::weights / GROUP; ++g) {
+            for (int h = 0; h < 2; ++h) {
+                __m256 step;
+                if constexpr (block == 256) {
+                    step = _mm256_set1_ps(act.step[t][index]);
+                } else {  // a step per 32 weights: blocks 8 index + 4 h .. + 3, each twice
+                    const __m128 four = _mm_loadu_ps(act.step[t] + 8 * index + 4 * h);
+                    step = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(four), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+                }
+                scaled[t][h] = _mm256_mul_ps(_mm256_load_ps(c.scale + 8 * h), step);
+                if constexpr (center == 0) {  // offset * step * sum of q, per group
+                    const __m256 sums = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(
+                        _mm_loadu_si128(reinterpret_cast<const __m128i*>(act.sum16[t] + 16 * index + 8 * h))));
+                    acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_load_ps(c.offset + 8 * h), step), sums, acc[t]);
+                }
+            }
+        for (int s = 0; s < subs; ++s) {
+            __m256i w = _mm256_load_si256(reinterpret_cast<const __m256i*>(c.levels + 32 * s)), magnitude = w;
+            if constexpr (center != 0) {  // signed: |w| times the activations with w's sign
+                w = _mm256_sub_epi8(w, _mm256_set1_epi8(char(center)));
+                magnitude = _mm256_sign_epi8(w, w);
+            }
+            for (int t = 0; t < R; ++t) {
+                __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(act.q[t] + index * CHUNK + 32 * s));
+                if constexpr (center != 0) a = _mm256_sign_epi8(a, w);
+                const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, a), ones);
+                const __m256 scale = _mm256_permutevar8x32_ps(scaled[t][s / 4], lanes[s % 4]);
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[t]);
+            }
+        }
+    }
+    for (int t = 0; t < R; ++t) {
+        const __m128 quad = _mm_add_ps(_mm256_castps256_ps128(acc[t]), _mm256_extractf128_ps(acc[t], 1));
+        const __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
+        out[t] = _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
+    }
+#else
+    for (int t = 0; t < R; ++t) out[t] = 0.0f;
+    for (int64_t index = 0; index * CHUNK < k; ++index) {
+        const Chunk& c = chunks[index];
+        const int groups = int(std::min<int64_t>(CHUNK, k - index * CHUNK) / GROUP);
+        for (int t = 0; t < R; ++t)
+            for (int g = 0; g < groups; ++g) {
                 const int64_t at = index * CHUNK + g * GROUP;
                 int32_t sum = 0;
-                for (int i = 0; i < GROUP; ++i) sum += int32_t(c.levels[GROUP * g + i]) * int32_t(act.q[t][at + i]);
-                out[t] += (c.scale[g] * float(sum) + c.offset[g] * float(act.sum16[t][at / GROUP])) * act.step[t][at / block];
+                for (int i = 0; i < GROUP; ++i)
+                    sum += (int32_t(c.levels[GROUP * g + i]) - center) * int32_t(act.q[t][at + i]);
+                const float offset = center ? 0.0f : c.offset[g] * float(act.sum16[t][at / GROUP]);
+                out[t] += (c.scale[g] * float(sum) + offset) * act.step[t][at / block];
             }
     }
+#endif
 }
 
 #if defined(KVLM_TILES)

@@ -7,7 +7,8 @@
 // MXFP4's power of two, and a small integer, which float32 holds exactly). The products read the chunks: the levels
 // go into integer dot products with 8-bit activations, the scales and offsets into float arithmetic once per group.
 //
-// This file holds the formats' plain C++ readers (what any -march builds); readers.h holds the vector ones.
+// This file holds the plain C++ readers (what any -march builds) of the nine formats the interleaved tiles know;
+// low_bit_formats.h those of the 1- to 4-bit formats; readers.h the vector ones.
 #pragma once
 
 #include <cmath>
@@ -21,8 +22,9 @@ constexpr int GROUP = 16;   // weights sharing one scale and offset in a chunk
 constexpr int GROUPS = CHUNK / GROUP;
 
 // ggml's type ids (gguf's GGMLQuantizationType).
-enum Type : int32_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14,
-                      MXFP4 = 39 };
+enum Type : int32_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13,
+                      Q6_K = 14, IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ1_S = 19, IQ4_NL = 20, IQ3_S = 21,
+                      IQ2_S = 22, IQ4_XS = 23, IQ1_M = 29, TQ1_0 = 34, TQ2_0 = 35, MXFP4 = 39, NVFP4 = 40 };
 
 struct alignas(64) Chunk {
     uint8_t levels[CHUNK];

@@ -51,13 +51,20 @@ const char* kvlm_isa() {
 
 int kvlm_supports(int32_t type) { return block_weights(type) != 0; }
 
+// gguf's grids of the grid formats (low_bit_formats.h), each entry's values as int8, in Grids' order.
+void kvlm_set_grids(const int8_t* values, int64_t n) {
+    if (n == int64_t(sizeof(Grids))) std::memcpy(&grids, values, sizeof(Grids));
+}
+
+int64_t kvlm_grids_size() { return int64_t(sizeof(Grids)); }
+
 // Rows `ids` (or 0..n_rows-1 when ids is null) of a quantized matrix with n_cols columns, into dst [n_rows][n_cols]
 // as float32 or bfloat16.
 int kvlm_dequantize(int32_t type, const uint8_t* weights, int64_t n_cols, const int64_t* ids, int64_t n_rows,
                     void* dst, int dst_bf16, int n_threads, int interleaved) {
     const int weights_per_block = block_weights(type);
     if (weights_per_block == 0) return UNSUPPORTED_TYPE;
-    if (n_cols % weights_per_block) return BAD_SHAPE;
+    if (n_cols % weights_per_block || (interleaved && !tiled_type(type))) return BAD_SHAPE;
     with_type(type, [&](auto tag) {
         constexpr int TYPE = decltype(tag)::value;
         const int64_t bytes = row_bytes<TYPE>(n_cols);
@@ -66,11 +73,12 @@ int kvlm_dequantize(int32_t type, const uint8_t* weights, int64_t n_cols, const 
             static thread_local std::vector<uint8_t> file_row;
             const int64_t source = ids ? ids[r] : r;
             const uint8_t* row = weights + source * bytes;
-            if (interleaved) {  // back to the file's layout first
-                file_row.resize(size_t(bytes));
-                deinterleave_row<TYPE>(weights, n_cols / weights_per_block, source, file_row.data());
-                row = file_row.data();
-            }
+            if constexpr (tiled_type(TYPE))
+                if (interleaved) {  // back to the file's layout first
+                    file_row.resize(size_t(bytes));
+                    deinterleave_row<TYPE>(weights, n_cols / weights_per_block, source, file_row.data());
+                    row = file_row.data();
+                }
             if (dst_bf16) dequantize_row<TYPE>(row, n_cols, static_cast<uint16_t*>(dst) + r * n_cols);
             else dequantize_row<TYPE>(row, n_cols, static_cast<float*>(dst) + r * n_cols);
         }
@@ -87,19 +95,24 @@ int kvlm_tiles() {
 #endif
 }
 
+// Whether the products read matrices of this type in interleaved tiles (a tile layout and a build that reads tiles).
+int kvlm_tiled(int32_t type) { return kvlm_tiles() && tiled_type(type); }
+
 // Rearranges a matrix of n_rows (a multiple of 8) rows of n_cols into interleaved tiles, in place.
 int kvlm_interleave(int32_t type, uint8_t* weights, int64_t n_rows, int64_t n_cols, int n_threads) {
     const int weights_per_block = block_weights(type);
     if (weights_per_block == 0) return UNSUPPORTED_TYPE;
-    if (n_cols % weights_per_block || n_rows % TILE_ROWS) return BAD_SHAPE;
+    if (n_cols % weights_per_block || n_rows % TILE_ROWS || !tiled_type(type)) return BAD_SHAPE;
     with_type(type, [&](auto tag) {
         constexpr int TYPE = decltype(tag)::value;
-        const int64_t tile_bytes = TILE_ROWS * row_bytes<TYPE>(n_cols);
+        if constexpr (tiled_type(TYPE)) {
+            const int64_t tile_bytes = TILE_ROWS * row_bytes<TYPE>(n_cols);
 #pragma omp parallel for num_threads(n_threads) schedule(static)
-        for (int64_t t = 0; t < n_rows / TILE_ROWS; ++t) {
-            static thread_local std::vector<uint8_t> scratch;
-            scratch.resize(size_t(tile_bytes));
-            interleave_tile<TYPE>(weights + t * tile_bytes, n_cols / weights_per_block, scratch.data());
+            for (int64_t t = 0; t < n_rows / TILE_ROWS; ++t) {
+                static thread_local std::vector<uint8_t> scratch;
+                scratch.resize(size_t(tile_bytes));
+                interleave_tile<TYPE>(weights + t * tile_bytes, n_cols / weights_per_block, scratch.data());
+            }
         }
     });
     return OK;

@@ -15,6 +15,7 @@
 #include "activations.h"
 #include "dot.h"
 #include "formats.h"
+#include "low_bit_formats.h"
 #include "tiles.h"
 
 namespace kvlm {
@@ -31,10 +32,24 @@ template <class F> bool with_type(int32_t type, F&& f) {
         case Q5_0: f(TypeTag<Q5_0>{}); return true;
         case Q5_1: f(TypeTag<Q5_1>{}); return true;
         case Q8_0: f(TypeTag<Q8_0>{}); return true;
+        case Q2_K: f(TypeTag<Q2_K>{}); return true;
+        case Q3_K: f(TypeTag<Q3_K>{}); return true;
         case Q4_K: f(TypeTag<Q4_K>{}); return true;
         case Q5_K: f(TypeTag<Q5_K>{}); return true;
         case Q6_K: f(TypeTag<Q6_K>{}); return true;
+        case IQ2_XXS: f(TypeTag<IQ2_XXS>{}); return true;
+        case IQ2_XS: f(TypeTag<IQ2_XS>{}); return true;
+        case IQ3_XXS: f(TypeTag<IQ3_XXS>{}); return true;
+        case IQ1_S: f(TypeTag<IQ1_S>{}); return true;
+        case IQ4_NL: f(TypeTag<IQ4_NL>{}); return true;
+        case IQ3_S: f(TypeTag<IQ3_S>{}); return true;
+        case IQ2_S: f(TypeTag<IQ2_S>{}); return true;
+        case IQ4_XS: f(TypeTag<IQ4_XS>{}); return true;
+        case IQ1_M: f(TypeTag<IQ1_M>{}); return true;
+        case TQ1_0: f(TypeTag<TQ1_0>{}); return true;
+        case TQ2_0: f(TypeTag<TQ2_0>{}); return true;
         case MXFP4: f(TypeTag<MXFP4>{}); return true;
+        case NVFP4: f(TypeTag<NVFP4>{}); return true;
         default: return false;
     }
 }
@@ -53,7 +68,8 @@ template <int TYPE> inline int read_chunk(const uint8_t* row, int64_t n_cols, in
     const int64_t total = n_cols / B::weights, first = index * per_chunk;
     const int n = int(std::min<int64_t>(per_chunk, total - first));
 #if defined(KVLM_TILES)
-    unpack<TYPE>(row + first * B::bytes, n, c);
+    if constexpr (has_reader(TYPE)) unpack<TYPE>(row + first * B::bytes, n, c);
+    else unpack_generic<TYPE>(row + first * B::bytes, n, c);
 #else
     unpack_generic<TYPE>(row + first * B::bytes, n, c);
 #endif
@@ -104,20 +120,23 @@ struct RowSpan {
 };
 
 // Rows j0 <= j < j1 of one part in the file's layout times the activation rows `span`, into y's columns offset + j
-// (y's row r for activation row r).
+// (y's row r for activation row r). Each row is read into its chunks once, for all the activation rows.
 template <int TYPE> void product_rows(const uint8_t* weights, int64_t k, int64_t j0, int64_t j1,
                                       const QuantizedRows& act, RowSpan span, void* y, bool y_bf16, int64_t y_cols,
                                       int64_t y_offset) {
+    static thread_local std::vector<Chunk> chunks;
+    chunks.resize(size_t((k + CHUNK - 1) / CHUNK));
     float sums[MAX_ACT_ROWS];
     for (int64_t j = j0; j < j1; ++j) {
         const uint8_t* row = weights + j * row_bytes<TYPE>(k);
+        for (size_t index = 0; index < chunks.size(); ++index) read_chunk<TYPE>(row, k, int64_t(index), chunks[index]);
         for (int64_t r0 = span.begin; r0 < span.end; r0 += MAX_ACT_ROWS) {
             const int n = int(std::min<int64_t>(MAX_ACT_ROWS, span.end - r0));
             switch (n) {
-                case 1: row_times<TYPE, 1>(row, k, ActRows<1>(act, r0), sums); break;
-                case 2: row_times<TYPE, 2>(row, k, ActRows<2>(act, r0), sums); break;
-                case 3: row_times<TYPE, 3>(row, k, ActRows<3>(act, r0), sums); break;
-                default: row_times<TYPE, MAX_ACT_ROWS>(row, k, ActRows<MAX_ACT_ROWS>(act, r0), sums); break;
+                case 1: chunks_times<TYPE, 1>(chunks.data(), k, ActRows<1>(act, r0), sums); break;
+                case 2: chunks_times<TYPE, 2>(chunks.data(), k, ActRows<2>(act, r0), sums); break;
+                case 3: chunks_times<TYPE, 3>(chunks.data(), k, ActRows<3>(act, r0), sums); break;
+                default: chunks_times<TYPE, MAX_ACT_ROWS>(chunks.data(), k, ActRows<MAX_ACT_ROWS>(act, r0), sums); break;
             }
             for (int t = 0; t < n; ++t) store(y, y_bf16, (r0 + t) * y_cols + y_offset + j, sums[t]);
         }
@@ -183,7 +202,8 @@ int check_matrix(const Matrix& w) {
 #else
         const bool tiles = false;
 #endif
-        if (w.k % weights_per_block || (w.interleaved[p] && (!tiles || w.rows[p] % TILE_ROWS))) return BAD_SHAPE;
+        if (w.k % weights_per_block || (w.interleaved[p] && (!tiles || !tiled_type(w.types[p]) || w.rows[p] % TILE_ROWS)))
+            return BAD_SHAPE;
     }
     return w.k % 32 ? BAD_SHAPE : OK;
 }
@@ -213,10 +233,11 @@ inline void multiply_units(const Matrix& w, const QuantizedRows act[2], RowSpan 
                 constexpr int TYPE = decltype(tag)::value;
                 const QuantizedRows& a = act[is_k_quant<TYPE>()];
 #if defined(KVLM_TILES)
-                if (w.interleaved[p]) {
-                    product_tiles<TYPE>(w.weights[p], w.k, u0, u1, a, span, y, y_bf16, n, part_column);
-                    return;
-                }
+                if constexpr (tiled_type(TYPE))
+                    if (w.interleaved[p]) {
+                        product_tiles<TYPE>(w.weights[p], w.k, u0, u1, a, span, y, y_bf16, n, part_column);
+                        return;
+                    }
 #endif
                 product_rows<TYPE>(w.weights[p], w.k, u0 * TILE_ROWS, std::min(u1 * TILE_ROWS, w.rows[p]), a, span, y,
                                    y_bf16, n, part_column);

@@ -12,6 +12,8 @@
 #include <immintrin.h>
 
 #include "formats.h"
+#include "low_bit_formats.h"
+#include "tiles.h"
 
 namespace kvlm {
 
@@ -206,6 +208,111 @@ template <> struct Reader<Q6_K> {
         }
     }
 };
+
+// --- the low-bit formats with readers of their own (low_bit_formats.h): Q2_K, Q3_K, IQ4_NL, IQ4_XS, IQ3_S ---
+
+// 32 bytes of 2-bit fields: field j (bits 2j) of each byte.
+inline __m256i pair_field(const uint8_t* bytes, int j) {
+    return _mm256_and_si256(_mm256_srl_epi16(load256(bytes), _mm_cvtsi32_si128(2 * j)), _mm256_set1_epi8(3));
+}
+
+// Sixteen per-16 scales given as integers, times d, with offsets -center * scale.
+inline void centered_groups(float d, const int8_t ints[16], int center, __m256 scale[2], __m256 offset[2]) {
+    const __m128i all = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ints));
+    for (int h = 0; h < 2; ++h) {
+        scale[h] = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(all, 8 * h))));
+        offset[h] = _mm256_mul_ps(_mm256_set1_ps(-float(center)), scale[h]);
+    }
+}
+
+template <> struct Reader<Q2_K> {
+    static __m256i levels(const uint8_t* block, int s) { return pair_field(block + 16 + 32 * (s / 4), s % 4); }
+    static void groups(const uint8_t* block, int, __m256 scale[2], __m256 offset[2]) {
+        const __m128i packed = load128(block);
+        const __m256 d = _mm256_set1_ps(f16_value(block + 80)), dmin = _mm256_set1_ps(f16_value(block + 82));
+        for (int h = 0; h < 2; ++h) {
+            const __m256i bytes = _mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8 * h));
+            const __m256i sc = _mm256_and_si256(bytes, _mm256_set1_epi32(15)), m = _mm256_srli_epi32(bytes, 4);
+            scale[h] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+            offset[h] = _mm256_xor_ps(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m)), _mm256_set1_ps(-0.0f));
+        }
+    }
+};
+
+template <> struct Reader<Q3_K> {
+    static __m256i levels(const uint8_t* block, int s) {
+        const __m256i high = _mm256_and_si256(_mm256_srl_epi16(load256(block), _mm_cvtsi32_si128(s)), _mm256_set1_epi8(1));
+        return _mm256_or_si256(pair_field(block + 32 + 32 * (s / 4), s % 4), _mm256_slli_epi16(high, 2));
+    }
+    static void groups(const uint8_t* block, int, __m256 scale[2], __m256 offset[2]) {
+        int8_t ints[16];
+        for (int g = 0; g < 16; ++g) ints[g] = int8_t(q3k_scale(block + 96, g));
+        centered_groups(f16_value(block + 108), ints, 4, scale, offset);
+    }
+};
+
+// IQ4's codes' levels (value + 128) as a pshufb table, in both 128-bit halves.
+inline __m256i iq4_level_table() {
+    alignas(16) uint8_t levels[16];
+    for (int code = 0; code < 16; ++code) levels[code] = uint8_t(IQ4_VALUES[code] + 128);
+    return _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(levels)));
+}
+
+template <> struct Reader<IQ4_NL> : BlockGroups<Reader<IQ4_NL>> {
+    static __m256i levels(const uint8_t* first, int s) {
+        return _mm256_shuffle_epi8(iq4_level_table(), nibble_levels(first + 18 * s + 2));
+    }
+    static void blocks(const uint8_t* first, int n, __m256& scale, __m256& offset) {
+        scale = f16_strided(first, 18, n);
+        offset = _mm256_mul_ps(scale, _mm256_set1_ps(-128.0f));
+    }
+};
+
+template <> struct Reader<IQ4_XS> {
+    static __m256i levels(const uint8_t* block, int s) {
+        return _mm256_shuffle_epi8(iq4_level_table(), nibble_levels(block + 8 + 16 * s));
+    }
+    static void groups(const uint8_t* block, int, __m256 scale[2], __m256 offset[2]) {
+        alignas(32) float per_block[8];
+        const float d = f16_value(block);
+        for (int s = 0; s < 8; ++s) per_block[s] = d * float(iq4xs_scale(block, s));
+        const __m256 scales = _mm256_load_ps(per_block);
+        per_group(scales, scale);
+        per_group(_mm256_mul_ps(_mm256_set1_ps(-128.0f), scales), offset);
+    }
+};
+
+// 0xff in byte i where bit i of `bits` is set.
+inline __m256i bit_bytes(uint32_t bits) {
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(int(bits)),
+                                               _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                                 0x0101010101010101, 0));
+    const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201));
+    return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+}
+
+template <> struct Reader<IQ3_S> {
+    static __m256i levels(const uint8_t* block, int s) {
+        const uint8_t* qs = block + 2 + 8 * s;
+        const uint32_t high = block[66 + s];
+        alignas(32) int32_t entries[8];
+        for (int i = 0; i < 8; ++i) std::memcpy(&entries[i], grids.iq3s[qs[i] | ((high >> i) & 1) << 8], 4);
+        const __m256i values = _mm256_load_si256(reinterpret_cast<const __m256i*>(entries));
+        const __m256i minus = bit_bytes(load_u32(block + 74 + 4 * s));
+        const __m256i signed_values = _mm256_sub_epi8(_mm256_xor_si256(values, minus), minus);
+        return _mm256_add_epi8(signed_values, _mm256_set1_epi8(16));
+    }
+    static void groups(const uint8_t* block, int, __m256 scale[2], __m256 offset[2]) {
+        int8_t ints[16];
+        for (int g = 0; g < 16; ++g) ints[g] = int8_t(1 + 2 * ((block[106 + g / 4] >> (4 * (g / 2 % 2))) & 15));
+        centered_groups(f16_value(block), ints, 16, scale, offset);
+    }
+};
+
+// Whether a format has a vector reader above (the others are read by formats.h's plain C++ readers).
+constexpr bool has_reader(int32_t type) {
+    return tiled_type(type) || type == Q2_K || type == Q3_K || type == IQ4_NL || type == IQ4_XS || type == IQ3_S;
+}
 
 // A chunk into memory (for dequantization): the same readers, stored.
 template <int TYPE> inline void unpack(const uint8_t* first, int n, Chunk& c) {

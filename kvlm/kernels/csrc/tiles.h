@@ -37,6 +37,12 @@ namespace kvlm {
 
 constexpr int TILE_ROWS = 8;
 
+// The formats with a tile layout (below): the other formats' products read the file's layout.
+constexpr bool tiled_type(int32_t type) {
+    return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0 || type == Q4_K ||
+           type == Q5_K || type == Q6_K || type == MXFP4;
+}
+
 // A part of a block column: levels of weights [first, first + n) of each row in one of the forms above, or a
 // side value (scales) copied as it is: `count` items of `size` bytes from the file block at `file`, item k of row
 // r at tile offset `at + (8 k + r) size`.
