@@ -146,7 +146,7 @@ def model_file(args: argparse.Namespace) -> Path:
     return make_big_model(default_path(args.shape), shape=args.shape)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="qwen2.5-7b", help="bench/big_model_file.py's shape (default qwen2.5-7b)")
     parser.add_argument("--model", default=None, help="a GGUF file instead of the made one")
@@ -163,14 +163,19 @@ def main() -> None:
     parser.add_argument("--child-vocab", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--child-cold", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child-extra-bufts", default="on", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = parser().parse_args()
     if args.child:
         child(args)
     else:
         compare(args)
 
 
-def compare(args: argparse.Namespace) -> None:
+def compare(args: argparse.Namespace) -> dict:
+    """Prints the comparison; returns the medians by (engine, cold)."""
     from kvlm.loader.gguf_file import read_gguf_config
 
     path = model_file(args)
@@ -210,6 +215,7 @@ def compare(args: argparse.Namespace) -> None:
               f"{median[KVLM, True]['start s'] / median[LLAMA, True]['start s']:.2f}x (time), peak memory "
               f"{ours['peak GiB'] / theirs['peak GiB']:.2f}x"
               + (f", {args.sequences} sequences {ours[parallel] / theirs[parallel]:.2f}x" if args.sequences else ""))
+    return median
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ loaders independently of any real checkpoint.
 from __future__ import annotations
 
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -171,10 +172,13 @@ def write_gguf(
     quant: GGMLQuantizationType = GGMLQuantizationType.F32,
     keep_f32: tuple[str, ...] = (),
     split_max_tensors: int = 0,
+    blocks_of: Callable[[str, np.ndarray], np.ndarray] | None = None,
 ) -> Path:
     """`keep_f32`: name endings of matrices llama.cpp's converter keeps in F32 whatever the file type;
     `split_max_tensors` > 0: written in parts of at most that many tensors, as llama.cpp's converter does with
-    --split-max-tensors (PATH-00001-of-0000N.gguf, ...; the first part's path returned)."""
+    --split-max-tensors (PATH-00001-of-0000N.gguf, ...; the first part's path returned); `blocks_of(name, array)`:
+    a matrix's blocks of type `quant` written instead of gguf's quantization of it (for the types gguf cannot
+    quantize)."""
     writer = GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
     for key, value in metadata.items():
         add_value(writer, key, value)
@@ -182,7 +186,8 @@ def write_gguf(
         if quant == GGMLQuantizationType.F32 or array.ndim == 1 or name.endswith(keep_f32):  # and norms in F32
             writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
         else:
-            writer.add_tensor(name, quantize(array, quant), raw_dtype=quant)
+            blocks = blocks_of(name, array) if blocks_of else quantize(array, quant)
+            writer.add_tensor(name, blocks, raw_dtype=quant)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
