@@ -1,13 +1,15 @@
 // Weights times rows of 8-bit activations (activations.h). Two ways, as in llama.cpp:
 //
-// - 32-weight formats (Q4_0 ... Q8_0, MXFP4), activations in blocks of 32: per block, the float scale times the
-//   integer dot product, plus the block's offset times the activations' sum;
-// - K-quants (Q4_K, Q5_K, Q6_K), activations in blocks of 256: a super-block's sub-block scales are integers, so
-//   its dot products are scaled and summed in integers, and floats come in once per super-block.
+// - 32-weight formats (Q4_0 ... Q8_0, MXFP4, IQ4_NL; and NVFP4's 64), activations in blocks of 32: per block, the
+//   float scale times the integer dot product, plus the block's offset times the activations' sum;
+// - formats of 256-weight super-blocks (the K-quants, the I-quants but IQ4_NL, TQ), activations in blocks of 256:
+//   the K-quant tiles scale a super-block's dot products by its integer sub-block scales and sum them in integers,
+//   floats coming in once per super-block; the row kernel scales them in floats per 16 weights.
 //
 // With AVX2 (and FMA, F16C) the weights are read in the interleaved tiles of tiles.h: 8 rows per pass, one row per
-// 32-bit lane, up to MAX_ACT_ROWS activation rows sharing each unpacked register of levels. Without AVX2, and for a
-// matrix whose rows do not fill whole tiles, rows are read one at a time from the file's layout in plain C++.
+// 32-bit lane, up to MAX_ACT_ROWS activation rows sharing each unpacked register of levels. Without AVX2, for a
+// matrix whose rows do not fill whole tiles, and for the formats without tiles (low_bit_formats.h), rows are read
+// one at a time from the file's layout into their chunks, then multiplied by chunks_times (AVX2 or plain C++).
 //
 // The integer parts are exact; the float sums run in an order of each path's own, so the paths agree within float
 // rounding. A row's arithmetic never depends on how many activation rows share the pass.
@@ -56,13 +58,16 @@ template <int R> struct ActRows {
 
 // One row of the file's layout, read into its chunks (formats.h), times R activation rows:
 //     sum over groups of (scale * levels.q + offset * sum of q) * step,
-// with formats of signed levels (center > 0) as scale * (level - center).q, which leaves out their offsets.
-// In plain C++, or with AVX2 (and FMA): per 32 levels of a chunk, the 8-bit products summed in int32 per 4 (two
-// groups' halves side by side in the register's two 128-bit lanes), then each times its group's scale and step.
+// In plain C++ the formats of signed levels (center > 0) as scale * (level - center).q, which leaves out their
+// offsets. With AVX2 (and FMA): per 32 levels of a chunk, the 8-bit products summed in int32 per 4 (two groups'
+// halves side by side in the register's two 128-bit lanes), then each times its group's scale and step; levels up to
+// 127 as they are (maddubs' unsigned side) and the offsets apart, wider ones (Q8_0's, IQ4's) as signed levels, |w|
+// times the activations with w's sign.
 template <int TYPE, int R>
 inline void chunks_times(const Chunk* chunks, int64_t k, const ActRows<R>& act, float out[R]) {
     constexpr int block = is_k_quant<TYPE>() ? 256 : 32, center = Traits<TYPE>::center;
 #if defined(KVLM_TILES)
+    constexpr bool signed_levels = TYPE == Q8_0 || TYPE == IQ4_NL || TYPE == IQ4_XS;  // levels past 127
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i lanes[4];  // groups 2m (low lane) and 2m + 1 (high lane) of eight
     for (int m = 0; m < 4; ++m) lanes[m] = _mm256_setr_epi32(2 * m, 2 * m, 2 * m, 2 * m, 2 * m + 1, 2 * m + 1, 2 * m + 1, 2 * m + 1);
@@ -82,7 +87,7 @@ inline void chunks_times(const Chunk* chunks, int64_t k, const ActRows<R>& act, 
                     step = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(four), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
                 }
                 scaled[t][h] = _mm256_mul_ps(_mm256_load_ps(c.scale + 8 * h), step);
-                if constexpr (center == 0) {  // offset * step * sum of q, per group
+                if constexpr (!signed_levels) {  // offset * step * sum of q, per group
                     const __m256 sums = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(
                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(act.sum16[t] + 16 * index + 8 * h))));
                     acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_load_ps(c.offset + 8 * h), step), sums, acc[t]);
@@ -90,13 +95,13 @@ inline void chunks_times(const Chunk* chunks, int64_t k, const ActRows<R>& act, 
             }
         for (int s = 0; s < subs; ++s) {
             __m256i w = _mm256_load_si256(reinterpret_cast<const __m256i*>(c.levels + 32 * s)), magnitude = w;
-            if constexpr (center != 0) {  // signed: |w| times the activations with w's sign
+            if constexpr (signed_levels) {
                 w = _mm256_sub_epi8(w, _mm256_set1_epi8(char(center)));
                 magnitude = _mm256_sign_epi8(w, w);
             }
             for (int t = 0; t < R; ++t) {
                 __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(act.q[t] + index * CHUNK + 32 * s));
-                if constexpr (center != 0) a = _mm256_sign_epi8(a, w);
+                if constexpr (signed_levels) a = _mm256_sign_epi8(a, w);
                 const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, a), ones);
                 const __m256 scale = _mm256_permutevar8x32_ps(scaled[t][s / 4], lanes[s % 4]);
                 acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[t]);

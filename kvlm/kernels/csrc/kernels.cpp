@@ -53,7 +53,10 @@ int kvlm_supports(int32_t type) { return block_weights(type) != 0; }
 
 // gguf's grids of the grid formats (low_bit_formats.h), each entry's values as int8, in Grids' order.
 void kvlm_set_grids(const int8_t* values, int64_t n) {
-    if (n == int64_t(sizeof(Grids))) std::memcpy(&grids, values, sizeof(Grids));
+    if (n != int64_t(sizeof(Grids))) return;
+    std::memcpy(&grids, values, sizeof(Grids));
+    for (auto& entry : grids.iq1s)
+        for (uint8_t& v : entry) v = uint8_t(v + 1);  // -1, 0, 1 as 0, 1, 2
 }
 
 int64_t kvlm_grids_size() { return int64_t(sizeof(Grids)); }

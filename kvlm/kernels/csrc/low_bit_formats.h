@@ -30,15 +30,15 @@ template <> struct Traits<IQ1_S> { static constexpr int weights = 256, bytes = 5
 template <> struct Traits<IQ1_M> { static constexpr int weights = 256, bytes = 56, center = 16; };
 template <> struct Traits<NVFP4> { static constexpr int weights = 64, bytes = 36, center = 12; };
 
-// The grids of the grid formats: each entry 8 (IQ1, IQ2) or 4 (IQ3) small signed values. They are gguf's tables,
-// handed over once when the library is loaded (kvlm_set_grids; kvlm/kernels/native.py), not copied here.
+// The grids of the grid formats: each entry 8 (IQ1, IQ2) or 4 (IQ3) small values. They are gguf's tables, handed
+// over once when the library is loaded (kvlm_set_grids; kvlm/kernels/native.py), not copied here.
 struct Grids {
     int8_t iq2xxs[256][8];
     int8_t iq2xs[512][8];
     int8_t iq2s[1024][8];
     int8_t iq3xxs[256][4];
     int8_t iq3s[512][4];
-    int8_t iq1s[2048][8];
+    uint8_t iq1s[2048][8];  // value + 1: 0, 1, 2 (see iq1_levels)
 };
 inline Grids grids;
 
@@ -48,9 +48,25 @@ inline uint8_t ksigns(uint32_t index) { return uint8_t(index | uint32_t(__builti
 // IQ4's 16 non-linear values, read as levels value + 128.
 constexpr int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
-// n grid values (times sign bits: bit i of `signs` negates value i) into levels around `center`.
+// 0xff in byte i where bit i of the index is set, for 8 sign bits at once.
+struct SignBytes {
+    uint64_t of[256];
+    constexpr SignBytes() : of() {
+        for (int bits = 0; bits < 256; ++bits)
+            for (int i = 0; i < 8; ++i)
+                if ((bits >> i) & 1) of[bits] |= uint64_t(0xff) << (8 * i);
+    }
+};
+inline constexpr SignBytes sign_bytes;
+
+// N (8 or 4) grid values (0..127), each negated where its bit of `signs` is set, into levels around `center` (the
+// values at most center): eight bytes at a time in a 64-bit word, center + v and center - v never carrying.
 template <int N> inline void grid_levels(const int8_t* entry, uint32_t signs, int center, uint8_t* out) {
-    for (int i = 0; i < N; ++i) out[i] = uint8_t(center + ((signs >> i) & 1 ? -entry[i] : entry[i]));
+    uint64_t v = 0;
+    std::memcpy(&v, entry, N);
+    const uint64_t centers = 0x0101010101010101ull * uint64_t(center), minus = sign_bytes.of[signs & 0xff];
+    const uint64_t levels = ((centers + v) & ~minus) | ((centers - v) & minus);
+    std::memcpy(out, &levels, N);
 }
 
 inline void set_group(Chunk& c, int g, float scale, int center) {
@@ -221,9 +237,14 @@ template <> inline void unpack_generic<IQ3_S>(const uint8_t* block, int, Chunk& 
     }
 }
 
-// IQ1: grid values -1, 0, 1 plus a delta of +-1/8, read as 8 * value +- 1 with the scale divided by 8.
-inline void iq1_levels(const int8_t* entry, bool minus, uint8_t* out) {
-    for (int i = 0; i < 8; ++i) out[i] = uint8_t(16 + 8 * entry[i] + (minus ? -1 : 1));
+// IQ1: grid values -1, 0, 1 plus a delta of +-1/8, read as 8 * value +- 1 with the scale divided by 8, around 16:
+// 8 (value + 2) +- 1, eight at a time in a 64-bit word (the grid holds value + 1, kvlm_set_grids).
+inline void iq1_levels(const uint8_t* entry_plus_one, bool minus, uint8_t* out) {
+    constexpr uint64_t ones = 0x0101010101010101ull;
+    uint64_t v;
+    std::memcpy(&v, entry_plus_one, 8);
+    const uint64_t levels = ((v + ones) << 3) + (minus ? -ones : ones);  // bytes 8..24 +- 1: no carry between them
+    std::memcpy(out, &levels, 8);
 }
 
 // IQ1_S: f16 d, 32 bytes of grid indices' low 8 bits, then per 32 weights a 16-bit word: the indices' top 3 bits

@@ -216,9 +216,8 @@ inline __m256i pair_field(const uint8_t* bytes, int j) {
     return _mm256_and_si256(_mm256_srl_epi16(load256(bytes), _mm_cvtsi32_si128(2 * j)), _mm256_set1_epi8(3));
 }
 
-// Sixteen per-16 scales given as integers, times d, with offsets -center * scale.
-inline void centered_groups(float d, const int8_t ints[16], int center, __m256 scale[2], __m256 offset[2]) {
-    const __m128i all = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ints));
+// Sixteen per-16 scales given as int8, times d, with offsets -center * scale.
+inline void centered_groups(float d, __m128i all, int center, __m256 scale[2], __m256 offset[2]) {
     for (int h = 0; h < 2; ++h) {
         scale[h] = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(all, 8 * h))));
         offset[h] = _mm256_mul_ps(_mm256_set1_ps(-float(center)), scale[h]);
@@ -239,17 +238,36 @@ template <> struct Reader<Q2_K> {
     }
 };
 
+// Per 32-bit lane j, the word's bytes shifted right by 2j bits, each masked to its low 2 bits: byte i of lane j is
+// bits 2j, 2j + 1 of byte i.
+inline __m128i pairs_by_lane(uint32_t word) {
+    return _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(int(word)), _mm_setr_epi32(0, 2, 4, 6)), _mm_set1_epi8(3));
+}
+
 template <> struct Reader<Q3_K> {
     static __m256i levels(const uint8_t* block, int s) {
         const __m256i high = _mm256_and_si256(_mm256_srl_epi16(load256(block), _mm_cvtsi32_si128(s)), _mm256_set1_epi8(1));
         return _mm256_or_si256(pair_field(block + 32 + 32 * (s / 4), s % 4), _mm256_slli_epi16(high, 2));
     }
+    // formats.h's q3k_scale for all 16 at once: low nibbles of bytes 0-7 then their high ones, high pairs from the
+    // word of bytes 8-11 (pairs_by_lane: scale 4 j + i from byte i, bits 2j).
     static void groups(const uint8_t* block, int, __m256 scale[2], __m256 offset[2]) {
-        int8_t ints[16];
-        for (int g = 0; g < 16; ++g) ints[g] = int8_t(q3k_scale(block + 96, g));
+        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 96));
+        const __m128i low = _mm_unpacklo_epi64(_mm_and_si128(bytes, _mm_set1_epi8(15)),
+                                               _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(15)));
+        const __m128i ints = _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16(pairs_by_lane(load_u32(block + 104)), 4)),
+                                          _mm_set1_epi8(32));
         centered_groups(f16_value(block + 108), ints, 4, scale, offset);
     }
 };
+
+// The 8 nibbles of 4 bytes, low nibble first, as int32 lanes: a 4-bit value per 32 weights (IQ4_XS, IQ3_S).
+inline __m256i nibbles_by_block(const uint8_t* bytes) {
+    const __m128i x = _mm_cvtsi32_si128(int(load_u32(bytes)));
+    const __m128i both = _mm_unpacklo_epi8(_mm_and_si128(x, _mm_set1_epi8(15)),
+                                           _mm_and_si128(_mm_srli_epi16(x, 4), _mm_set1_epi8(15)));
+    return _mm256_cvtepu8_epi32(both);
+}
 
 // IQ4's codes' levels (value + 128) as a pshufb table, in both 128-bit halves.
 inline __m256i iq4_level_table() {
@@ -272,11 +290,14 @@ template <> struct Reader<IQ4_XS> {
     static __m256i levels(const uint8_t* block, int s) {
         return _mm256_shuffle_epi8(iq4_level_table(), nibble_levels(block + 8 + 16 * s));
     }
+    // formats.h's iq4xs_scale for all 8 at once.
     static void groups(const uint8_t* block, int, __m256 scale[2], __m256 offset[2]) {
-        alignas(32) float per_block[8];
-        const float d = f16_value(block);
-        for (int s = 0; s < 8; ++s) per_block[s] = d * float(iq4xs_scale(block, s));
-        const __m256 scales = _mm256_load_ps(per_block);
+        const __m256i high = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(load_u16(block + 2)),
+                                                                 _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+                                              _mm256_set1_epi32(3));
+        const __m256i ints = _mm256_sub_epi32(_mm256_or_si256(nibbles_by_block(block + 4), _mm256_slli_epi32(high, 4)),
+                                              _mm256_set1_epi32(32));
+        const __m256 scales = _mm256_mul_ps(_mm256_set1_ps(f16_value(block)), _mm256_cvtepi32_ps(ints));
         per_group(scales, scale);
         per_group(_mm256_mul_ps(_mm256_set1_ps(-128.0f), scales), offset);
     }
@@ -293,19 +314,21 @@ inline __m256i bit_bytes(uint32_t bits) {
 
 template <> struct Reader<IQ3_S> {
     static __m256i levels(const uint8_t* block, int s) {
-        const uint8_t* qs = block + 2 + 8 * s;
-        const uint32_t high = block[66 + s];
-        alignas(32) int32_t entries[8];
-        for (int i = 0; i < 8; ++i) std::memcpy(&entries[i], grids.iq3s[qs[i] | ((high >> i) & 1) << 8], 4);
-        const __m256i values = _mm256_load_si256(reinterpret_cast<const __m256i*>(entries));
+        // the 8 grid entries (4 values each) of grid indices 8s .. 8s + 7 (formats.h, iq3s_index), loaded as words
+        const auto entry = [block, s](int i) {
+            return int(load_u32(reinterpret_cast<const uint8_t*>(grids.iq3s[iq3s_index(block, 8 * s + i)])));
+        };
+        const __m256i values = _mm256_setr_epi32(entry(0), entry(1), entry(2), entry(3), entry(4), entry(5), entry(6),
+                                                 entry(7));
         const __m256i minus = bit_bytes(load_u32(block + 74 + 4 * s));
         const __m256i signed_values = _mm256_sub_epi8(_mm256_xor_si256(values, minus), minus);
         return _mm256_add_epi8(signed_values, _mm256_set1_epi8(16));
     }
     static void groups(const uint8_t* block, int, __m256 scale[2], __m256 offset[2]) {
-        int8_t ints[16];
-        for (int g = 0; g < 16; ++g) ints[g] = int8_t(1 + 2 * ((block[106 + g / 4] >> (4 * (g / 2 % 2))) & 15));
-        centered_groups(f16_value(block), ints, 16, scale, offset);
+        const __m256i odd = _mm256_add_epi32(_mm256_slli_epi32(nibbles_by_block(block + 106), 1), _mm256_set1_epi32(1));
+        const __m256 scales = _mm256_mul_ps(_mm256_set1_ps(f16_value(block)), _mm256_cvtepi32_ps(odd));
+        per_group(scales, scale);
+        per_group(_mm256_mul_ps(_mm256_set1_ps(-16.0f), scales), offset);
     }
 };
 
