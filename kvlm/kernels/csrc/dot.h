@@ -379,11 +379,172 @@ inline void q6k_tile(const uint8_t* tile, int64_t n_super, const ActRows<R>& act
     for (int t = 0; t < R; ++t) out[t] = _mm256_fnmadd_ps(centers[t], _mm256_set1_ps(32.0f), acc[t]);
 }
 
+// Each row's int32 value v as the int16 pair (v, v), for madd against pairs of 8-bit products.
+inline __m256i as_pairs(__m256i v) { return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(v, 16)); }
+
+// Rows' int32 values a, b as int16 pairs (a, b): madd with two activation sums (s_a, s_b) gives a s_a + b s_b.
+inline __m256i two_pairs(__m256i a, __m256i b) {
+    return _mm256_or_si256(_mm256_and_si256(a, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(b, 16));
+}
+
+inline __m256i two_sums16(const int16_t* sums) {
+    int32_t both;
+    std::memcpy(&both, sums, 4);
+    return _mm256_set1_epi32(both);
+}
+
+// The 2-bit levels of weights 4q .. 4q + 3 of each row, from a pairs(16) register.
+template <int Q> inline __m256i pair_levels(__m256i x) {
+    return _mm256_and_si256(_mm256_srli_epi16(x, 2 * Q), _mm256_set1_epi8(3));
+}
+
+// Q2_K: per super-block, 16 sub-blocks of 16 2-bit levels with 4-bit scales and mins: the levels' dot products
+// times the scales summed in int32 per row, the mins times the activations' 16-sums likewise; then d and dmin
+// times the activations' step.
+template <int R>
+inline void q2k_tile(const uint8_t* tile, int64_t n_super, const ActRows<R>& act, __m256 out[R]) {
+    constexpr int COLUMN = TILE_ROWS * Traits<Q2_K>::bytes;
+    __m256 acc[R], mins[R];
+    for (int t = 0; t < R; ++t) acc[t] = mins[t] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < n_super; ++c) {
+        const uint8_t* column = tile + c * COLUMN;
+        __m256i sums[R], min_sums[R];
+        for (int t = 0; t < R; ++t) sums[t] = min_sums[t] = _mm256_setzero_si256();
+        unroll<8>([&](auto pair_) {
+            constexpr int pair = decltype(pair_)::value;
+            __m256i bytes[2];
+            for (int h = 0; h < 2; ++h) {
+                const int j = 2 * pair + h;
+                bytes[h] = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(column + 32 + 8 * j)));
+                const __m256i scale = as_pairs(_mm256_and_si256(bytes[h], _mm256_set1_epi32(15)));
+                const __m256i x = load256(column + 160 + 32 * j);
+                for (int t = 0; t < R; ++t) {  // int16 pairs: 4 registers' 2 products of levels <= 3
+                    const int8_t* q = act.q[t] + 256 * c + 16 * j;
+                    const __m256i pairs = _mm256_add_epi16(
+                        _mm256_add_epi16(pair_sums(pair_levels<0>(x), q), pair_sums(pair_levels<1>(x), q + 4)),
+                        _mm256_add_epi16(pair_sums(pair_levels<2>(x), q + 8), pair_sums(pair_levels<3>(x), q + 12)));
+                    sums[t] = _mm256_add_epi32(sums[t], _mm256_madd_epi16(pairs, scale));
+                }
+            }
+            const __m256i min_pair = two_pairs(_mm256_srli_epi32(bytes[0], 4), _mm256_srli_epi32(bytes[1], 4));
+            for (int t = 0; t < R; ++t)
+                min_sums[t] = _mm256_add_epi32(min_sums[t], _mm256_madd_epi16(min_pair, two_sums16(act.sum16[t] + 16 * c + 2 * pair)));
+        });
+        const __m256 d = f16x8(column), dmin = f16x8(column + 16);
+        for (int t = 0; t < R; ++t) {
+            const __m256 step = _mm256_set1_ps(act.step[t][c]);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t]), _mm256_mul_ps(d, step), acc[t]);
+            mins[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(min_sums[t]), _mm256_mul_ps(dmin, step), mins[t]);
+        }
+    }
+    for (int t = 0; t < R; ++t) out[t] = _mm256_sub_ps(acc[t], mins[t]);
+}
+
+// Bit G of each byte (the only one left set) moved to bit 2: a Q3_K level's third bit.
+template <int G> inline __m256i third_bit(__m256i plane) {
+    const __m256i bit = _mm256_and_si256(plane, _mm256_set1_epi8(char(1 << G)));
+    if constexpr (G < 2) return _mm256_slli_epi16(bit, 2 - G);
+    else if constexpr (G == 2) return bit;
+    else return _mm256_srli_epi16(bit, G - 2);
+}
+
+// Q3_K's scale J (formats.h, q3k_scale) of 8 rows, from the three words A, B, C of each row's scale bytes.
+template <int J> inline __m256i q3k_scales(const __m256i words[3]) {
+    const __m256i low = _mm256_and_si256(_mm256_srli_epi32(words[(J % 8) / 4], 8 * (J % 4) + 4 * (J / 8)), _mm256_set1_epi32(15));
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi32(words[2], 8 * (J % 4) + 2 * (J / 4)), _mm256_set1_epi32(3));
+    return _mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32(high, 4)), _mm256_set1_epi32(32));
+}
+
+// Q3_K: as Q6_K, 16 sub-blocks of 16 with signed scales, levels 0..7 centered at 4.
+template <int R>
+inline void q3k_tile(const uint8_t* tile, int64_t n_super, const ActRows<R>& act, __m256 out[R]) {
+    constexpr int COLUMN = TILE_ROWS * Traits<Q3_K>::bytes;
+    __m256 acc[R], centers[R];
+    for (int t = 0; t < R; ++t) acc[t] = centers[t] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < n_super; ++c) {
+        const uint8_t* column = tile + c * COLUMN;
+        const __m256i words[3] = {load256(column + 16), load256(column + 48), load256(column + 80)};
+        __m256i sums[R], center_sums[R];
+        for (int t = 0; t < R; ++t) sums[t] = center_sums[t] = _mm256_setzero_si256();
+        unroll<8>([&](auto h_) {
+            constexpr int h = decltype(h_)::value;  // sub-blocks 2h and 2h + 1
+            const __m256i scales[2] = {q3k_scales<2 * h>(words), q3k_scales<2 * h + 1>(words)};
+            const __m256i plane = load256(column + 112 + 96 * h);
+            unroll<2>([&](auto half_) {
+                constexpr int half = decltype(half_)::value;
+                const __m256i x = load256(column + 144 + 96 * h + 32 * half);
+                const __m256i l0 = _mm256_or_si256(pair_levels<0>(x), third_bit<4 * half>(plane));
+                const __m256i l1 = _mm256_or_si256(pair_levels<1>(x), third_bit<4 * half + 1>(plane));
+                const __m256i l2 = _mm256_or_si256(pair_levels<2>(x), third_bit<4 * half + 2>(plane));
+                const __m256i l3 = _mm256_or_si256(pair_levels<3>(x), third_bit<4 * half + 3>(plane));
+                const __m256i scale = as_pairs(scales[half]);
+                for (int t = 0; t < R; ++t) {  // int16 pairs: 4 registers' 2 products of levels <= 7
+                    const int8_t* q = act.q[t] + 256 * c + 32 * h + 16 * half;
+                    const __m256i pairs = _mm256_add_epi16(_mm256_add_epi16(pair_sums(l0, q), pair_sums(l1, q + 4)),
+                                                           _mm256_add_epi16(pair_sums(l2, q + 8), pair_sums(l3, q + 12)));
+                    sums[t] = _mm256_add_epi32(sums[t], _mm256_madd_epi16(pairs, scale));
+                }
+            });
+            const __m256i both = two_pairs(scales[0], scales[1]);
+            for (int t = 0; t < R; ++t)
+                center_sums[t] = _mm256_add_epi32(center_sums[t], _mm256_madd_epi16(both, two_sums16(act.sum16[t] + 16 * c + 2 * h)));
+        });
+        const __m256 d = f16x8(column);
+        for (int t = 0; t < R; ++t) {
+            const __m256 step = _mm256_mul_ps(d, _mm256_set1_ps(act.step[t][c]));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t]), step, acc[t]);
+            centers[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(center_sums[t]), step, centers[t]);
+        }
+    }
+    for (int t = 0; t < R; ++t) out[t] = _mm256_fnmadd_ps(centers[t], _mm256_set1_ps(4.0f), acc[t]);
+}
+
+// IQ4_XS: per super-block, 8 sub-blocks of 32 4-bit codes mapped to signed values (IQ4_VALUES) and 6-bit scales:
+// |value| times the activations with the value's sign (maddubs), times the row's scale (madd) summed in int32.
+template <int R>
+inline void iq4xs_tile(const uint8_t* tile, int64_t n_super, const ActRows<R>& act, __m256 out[R]) {
+    constexpr int COLUMN = TILE_ROWS * Traits<IQ4_XS>::bytes;
+    const __m256i values = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(IQ4_VALUES)));
+    __m256 acc[R];
+    for (int t = 0; t < R; ++t) acc[t] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < n_super; ++c) {
+        const uint8_t* column = tile + c * COLUMN;
+        const __m256i high = _mm256_cvtepu16_epi32(load128(column + 16)), low = load256(column + 32);
+        __m256i sums[R];
+        for (int t = 0; t < R; ++t) sums[t] = _mm256_setzero_si256();
+        unroll<8>([&](auto s_) {
+            constexpr int s = decltype(s_)::value;
+            const __m256i scale = as_pairs(_mm256_sub_epi32(
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(low, 4 * s), _mm256_set1_epi32(15)),
+                                _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(high, 2 * s), _mm256_set1_epi32(3)), 4)),
+                _mm256_set1_epi32(32)));
+            for (int p = 0; p < 4; ++p) {
+                __m256i codes[2];
+                nibble_levels(column + 64 + 128 * s, p, codes[0], codes[1]);
+                for (int half = 0; half < 2; ++half) {
+                    const __m256i w = _mm256_shuffle_epi8(values, codes[half]), magnitude = _mm256_sign_epi8(w, w);
+                    for (int t = 0; t < R; ++t) {
+                        const __m256i a = _mm256_sign_epi8(broadcast4(act.q[t] + 256 * c + 32 * s + 8 * p + 4 * half), w);
+                        sums[t] = _mm256_add_epi32(sums[t], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, a), scale));
+                    }
+                }
+            }
+        });
+        const __m256 d = f16x8(column);
+        for (int t = 0; t < R; ++t)
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t]), _mm256_mul_ps(d, _mm256_set1_ps(act.step[t][c])), acc[t]);
+    }
+    for (int t = 0; t < R; ++t) out[t] = acc[t];
+}
+
 // An interleaved tile of k columns times R activation rows from r0: 8 outputs per activation row.
 template <int TYPE, int R>
 inline void tile_times(const uint8_t* tile, int64_t k, const QuantizedRows& act, int64_t r0, __m256 out[R]) {
     const ActRows<R> rows(act, r0);
     if constexpr (TYPE == Q6_K) q6k_tile<R>(tile, k / 256, rows, out);
+    else if constexpr (TYPE == Q2_K) q2k_tile<R>(tile, k / 256, rows, out);
+    else if constexpr (TYPE == Q3_K) q3k_tile<R>(tile, k / 256, rows, out);
+    else if constexpr (TYPE == IQ4_XS) iq4xs_tile<R>(tile, k / 256, rows, out);
     else if constexpr (is_k_quant<TYPE>()) k45_tile<TYPE, R>(tile, k / 256, rows, out);
     else legacy_tile<TYPE, R>(tile, k / 32, rows, out);
 }

@@ -17,13 +17,18 @@
 //   Q5_K   d[8] dmin[8] A[8] B[8] C[8], then per 32-weight sub-block: fifth(32) nibbles(32)   of packed scales
 //   Q6_K   d[8] scales[16][8], then per 16-weight sub-block: high2(16) nibbles(16)
 //   MXFP4  e[8]                 nibbles(32)                      E8M0 exponents, one byte per row
+//   Q2_K   d[8] dmin[8] scales[16][8], then per 16-weight sub-block: pairs(16)
+//   Q3_K   d[8] A[8] B[8] C[8], then per 32 weights: third(32) pairs(16) pairs(16)     A, B, C: its 12 scale bytes
+//   IQ4_XS d[8] high[8] low[8], then per 32-weight sub-block: nibbles(32)      the scales' high pairs, low nibbles
 //
-// where, for w[r][i] the levels of row r (formats.h: unsigned, 0..15, 31, 63; Q8_0 its signed bytes; MXFP4 its
-// 4-bit codes, since its levels 0..24 do not fit a nibble: the products map codes to levels as they read them):
+// where, for w[r][i] the levels of row r (formats.h: unsigned, 0..3, 7, 15, 31, 63; Q8_0 its signed bytes; MXFP4
+// and IQ4_XS their 4-bit codes, since their levels do not fit a nibble: the products map codes as they read them):
 //   nibbles(n): n/8 registers of 32 bytes; register p, byte 4r + i = (w[r][8p+i] & 15) | (w[r][8p+4+i] & 15) << 4
 //   fifth(32):  one register; byte 4r + i, bit g = bit 4 of w[r][4g+i]                          (g = 0..7)
 //   high2(16):  one register; byte 4r + i, bits 2g, 2g+1 = bits 4, 5 of w[r][4g+i]              (g = 0..3)
 //   bytes(32):  8 registers; register g, byte 4r + i = w[r][4g+i]
+//   pairs(16):  one register; byte 4r + i, bits 2q, 2q+1 = bits 0, 1 of w[r][4q+i]                (q = 0..3)
+//   third(32):  one register; byte 4r + i, bit g = bit 2 of w[r][4g+i]                          (g = 0..7)
 // so the levels of weights 4g..4g+3 of every row are one register (after a mask and a shift), to be multiplied by
 // the activations 4g..4g+3 broadcast to every lane.
 #pragma once
@@ -32,6 +37,7 @@
 #include <cstring>
 
 #include "formats.h"
+#include "low_bit_formats.h"
 
 namespace kvlm {
 
@@ -40,13 +46,13 @@ constexpr int TILE_ROWS = 8;
 // The formats with a tile layout (below): the other formats' products read the file's layout.
 constexpr bool tiled_type(int32_t type) {
     return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0 || type == Q4_K ||
-           type == Q5_K || type == Q6_K || type == MXFP4;
+           type == Q5_K || type == Q6_K || type == MXFP4 || type == Q2_K || type == Q3_K || type == IQ4_XS;
 }
 
 // A part of a block column: levels of weights [first, first + n) of each row in one of the forms above, or a
 // side value (scales) copied as it is: `count` items of `size` bytes from the file block at `file`, item k of row
 // r at tile offset `at + (8 k + r) size`.
-enum SectionKind : int { NIBBLES, FIFTH, HIGH2, BYTES, SIDE };
+enum SectionKind : int { NIBBLES, FIFTH, HIGH2, BYTES, PAIRS, THIRD, SIDE };
 
 struct Section {
     SectionKind kind;
@@ -107,6 +113,37 @@ template <> struct TileLayout<Q6_K> {
 };
 #undef KVLM_Q6
 
+// Q2_K: d, dmin (two f16 from byte 80), the 16 scale bytes (one item each), 16 sub-blocks of 16 2-bit levels.
+#define KVLM_Q2(j) {PAIRS, 160 + 32 * (j), 16 * (j), 16, 0, 0}
+template <> struct TileLayout<Q2_K> {
+    static constexpr Section sections[] = {
+        {SIDE, 0, 0, 2, 80, 2}, {SIDE, 32, 0, 16, 0, 1},
+        KVLM_Q2(0), KVLM_Q2(1), KVLM_Q2(2), KVLM_Q2(3), KVLM_Q2(4), KVLM_Q2(5), KVLM_Q2(6), KVLM_Q2(7),
+        KVLM_Q2(8), KVLM_Q2(9), KVLM_Q2(10), KVLM_Q2(11), KVLM_Q2(12), KVLM_Q2(13), KVLM_Q2(14), KVLM_Q2(15)};
+};
+#undef KVLM_Q2
+
+// Q3_K: d (f16 at byte 108), the 12 bytes of scales as three words (from byte 96), then per 32 weights their third
+// bits and two sub-blocks of 16 2-bit levels.
+#define KVLM_Q3(h) {THIRD, 112 + 96 * (h), 32 * (h), 32, 0, 0}, {PAIRS, 144 + 96 * (h), 32 * (h), 16, 0, 0}, \
+                   {PAIRS, 176 + 96 * (h), 32 * (h) + 16, 16, 0, 0}
+template <> struct TileLayout<Q3_K> {
+    static constexpr Section sections[] = {
+        {SIDE, 0, 0, 1, 108, 2}, {SIDE, 16, 0, 3, 96, 4},
+        KVLM_Q3(0), KVLM_Q3(1), KVLM_Q3(2), KVLM_Q3(3), KVLM_Q3(4), KVLM_Q3(5), KVLM_Q3(6), KVLM_Q3(7)};
+};
+#undef KVLM_Q3
+
+// IQ4_XS: d (f16), the word of the scales' high pairs (2 bytes), their low nibbles (4 bytes), 8 sub-blocks of
+// 4-bit codes (as MXFP4's, codes: the products map them to values as they read them).
+#define KVLM_IQ4(s) {NIBBLES, 64 + 128 * (s), 32 * (s), 32, 0, 0}
+template <> struct TileLayout<IQ4_XS> {
+    static constexpr Section sections[] = {
+        {SIDE, 0, 0, 1, 0, 2}, {SIDE, 16, 0, 1, 2, 2}, {SIDE, 32, 0, 1, 4, 4},
+        KVLM_IQ4(0), KVLM_IQ4(1), KVLM_IQ4(2), KVLM_IQ4(3), KVLM_IQ4(4), KVLM_IQ4(5), KVLM_IQ4(6), KVLM_IQ4(7)};
+};
+#undef KVLM_IQ4
+
 // --- a block's levels in the file's own bytes (the inverse of formats.h's readers) ---
 
 template <int TYPE> void file_levels(const uint8_t* block, uint8_t* levels) {
@@ -119,6 +156,15 @@ template <int TYPE> void file_levels(const uint8_t* block, uint8_t* levels) {
 // MXFP4's tiles hold its codes (the layout above), so its "levels" here are the codes as stored.
 template <> inline void file_levels<MXFP4>(const uint8_t* block, uint8_t* codes) {
     for (int i = 0; i < 16; ++i) { codes[i] = block[1 + i] & 15; codes[16 + i] = block[1 + i] >> 4; }
+}
+
+// IQ4_XS's tiles hold its codes too.
+template <> inline void file_levels<IQ4_XS>(const uint8_t* block, uint8_t* codes) {
+    for (int s = 0; s < 8; ++s)
+        for (int i = 0; i < 16; ++i) {
+            codes[32 * s + i] = block[8 + 16 * s + i] & 15;
+            codes[32 * s + 16 + i] = block[8 + 16 * s + i] >> 4;
+        }
 }
 
 inline void set_nibble_pairs(uint8_t* qs, const uint8_t* low, const uint8_t* high, int n) {
@@ -156,6 +202,23 @@ template <> inline void set_file_levels<Q5_K>(uint8_t* block, const uint8_t* w) 
         for (int i = 0; i < 32; ++i)
             qh[i] |= uint8_t(((w[64 * j + i] >> 4) & 1) << (2 * j) | ((w[64 * j + 32 + i] >> 4) & 1) << (2 * j + 1));
     }
+}
+// Q2_K's and Q3_K's 2-bit fields: weight 128 h + 32 j + i in bits 2j of byte 32 h + i.
+inline void set_pair_fields(uint8_t* qs, const uint8_t* w) {
+    std::memset(qs, 0, 64);
+    for (int h = 0; h < 2; ++h)
+        for (int j = 0; j < 4; ++j)
+            for (int i = 0; i < 32; ++i) qs[32 * h + i] |= uint8_t((w[128 * h + 32 * j + i] & 3) << (2 * j));
+}
+template <> inline void set_file_levels<Q2_K>(uint8_t* block, const uint8_t* w) { set_pair_fields(block + 16, w); }
+template <> inline void set_file_levels<Q3_K>(uint8_t* block, const uint8_t* w) {
+    set_pair_fields(block + 32, w);
+    std::memset(block, 0, 32);
+    for (int b = 0; b < 8; ++b)
+        for (int i = 0; i < 32; ++i) block[i] |= uint8_t(((w[32 * b + i] >> 2) & 1) << b);
+}
+template <> inline void set_file_levels<IQ4_XS>(uint8_t* block, const uint8_t* codes) {
+    for (int s = 0; s < 8; ++s) set_nibble_pairs(block + 8 + 16 * s, codes + 32 * s, codes + 32 * s + 16, 16);
 }
 template <> inline void set_file_levels<Q6_K>(uint8_t* block, const uint8_t* w) {
     uint8_t* ql = block;
@@ -197,6 +260,18 @@ inline void put_levels(const Section& s, const uint8_t* const w[TILE_ROWS], uint
                 case BYTES:
                     for (int g = 0; g < 8; ++g) out[32 * g + at] = v[4 * g + i];
                     break;
+                case PAIRS: {
+                    uint8_t bits = 0;
+                    for (int q = 0; q < 4; ++q) bits |= uint8_t((v[4 * q + i] & 3) << (2 * q));
+                    out[at] = bits;
+                    break;
+                }
+                case THIRD: {
+                    uint8_t bits = 0;
+                    for (int g = 0; g < 8; ++g) bits |= uint8_t(((v[4 * g + i] >> 2) & 1) << g);
+                    out[at] = bits;
+                    break;
+                }
                 case SIDE:
                     break;
             }
@@ -225,6 +300,12 @@ inline void get_levels(const Section& s, const uint8_t* column, int r, uint8_t* 
                 break;
             case BYTES:
                 for (int g = 0; g < 8; ++g) v[4 * g + i] = in[32 * g + at];
+                break;
+            case PAIRS:
+                for (int q = 0; q < 4; ++q) v[4 * q + i] |= uint8_t((in[at] >> (2 * q)) & 3);
+                break;
+            case THIRD:
+                for (int g = 0; g < 8; ++g) v[4 * g + i] |= uint8_t(((in[at] >> g) & 1) << 2);
                 break;
             case SIDE:
                 break;
