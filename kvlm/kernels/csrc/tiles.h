@@ -20,6 +20,7 @@
 //   Q2_K   d[8] dmin[8] scales[16][8], then per 16-weight sub-block: pairs(16)
 //   Q3_K   d[8] A[8] B[8] C[8], then per 32 weights: third(32) pairs(16) pairs(16)     A, B, C: its 12 scale bytes
 //   IQ4_XS d[8] high[8] low[8], then per 32-weight sub-block: nibbles(32)      the scales' high pairs, low nibbles
+//   IQ3_S  d[8] scales[8] index[64][8] ninth[8][8] signs[32][8]                  bytes of the file's block, transposed
 //
 // where, for w[r][i] the levels of row r (formats.h: unsigned, 0..3, 7, 15, 31, 63; Q8_0 its signed bytes; MXFP4
 // and IQ4_XS their 4-bit codes, since their levels do not fit a nibble: the products map codes as they read them):
@@ -46,7 +47,8 @@ constexpr int TILE_ROWS = 8;
 // The formats with a tile layout (below): the other formats' products read the file's layout.
 constexpr bool tiled_type(int32_t type) {
     return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0 || type == Q4_K ||
-           type == Q5_K || type == Q6_K || type == MXFP4 || type == Q2_K || type == Q3_K || type == IQ4_XS;
+           type == Q5_K || type == Q6_K || type == MXFP4 || type == Q2_K || type == Q3_K || type == IQ4_XS ||
+           type == IQ3_S;
 }
 
 // A part of a block column: levels of weights [first, first + n) of each row in one of the forms above, or a
@@ -144,6 +146,15 @@ template <> struct TileLayout<IQ4_XS> {
 };
 #undef KVLM_IQ4
 
+// IQ3_S: side values only, its bytes transposed so that one load gives a byte of each of the 8 rows: d, the scale
+// nibbles (a word per row), then item by item the 64 grid indices' low bytes, the 8 bytes of their ninth bits and
+// the 32 sign bytes. Its levels come from grid lookups, which take an index a row anyway.
+template <> struct TileLayout<IQ3_S> {
+    static constexpr Section sections[] = {
+        {SIDE, 0, 0, 1, 0, 2}, {SIDE, 16, 0, 1, 106, 4}, {SIDE, 48, 0, 64, 2, 1}, {SIDE, 560, 0, 8, 66, 1},
+        {SIDE, 624, 0, 32, 74, 1}};
+};
+
 // --- a block's levels in the file's own bytes (the inverse of formats.h's readers) ---
 
 template <int TYPE> void file_levels(const uint8_t* block, uint8_t* levels) {
@@ -220,6 +231,7 @@ template <> inline void set_file_levels<Q3_K>(uint8_t* block, const uint8_t* w) 
 template <> inline void set_file_levels<IQ4_XS>(uint8_t* block, const uint8_t* codes) {
     for (int s = 0; s < 8; ++s) set_nibble_pairs(block + 8 + 16 * s, codes + 32 * s, codes + 32 * s + 16, 16);
 }
+template <> inline void set_file_levels<IQ3_S>(uint8_t*, const uint8_t*) {}  // all its bytes are side values
 template <> inline void set_file_levels<Q6_K>(uint8_t* block, const uint8_t* w) {
     uint8_t* ql = block;
     uint8_t* qh = block + 128;
