@@ -2,13 +2,10 @@
 any is read."""
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import dequantize as gguf_dequantize
 
 from kvlm.core.errors import ModelFileError, UnsupportedModelError
 from kvlm.core.family import ATTENTION, CONV, GATED_DELTA, family_named
@@ -251,18 +248,8 @@ def _check_tensor(gguf: GGUFFile | SplitGGUF, info: TensorInfo | None, name: str
 
 
 def _check_readable(gguf: GGUFFile | SplitGGUF, info: TensorInfo, name: str) -> None:
-    """A type neither kvlm's kernels nor the gguf package read is refused here, before any weight is read."""
-    if info.qtype not in NATIVE_TYPES and info.qtype not in FLOAT_TYPES and not gguf_dequantizes(info.qtype):
-        raise ModelFileError(f"{gguf.path}: tensor {name} is stored as {info.qtype.name}, a type neither kvlm's "
-                             "kernels nor the gguf package can read")
-
-
-@functools.cache
-def gguf_dequantizes(qtype: GGMLQuantizationType) -> bool:
-    """Whether the gguf package dequantizes `qtype` (tried on one block of zeros)."""
-    block_bytes = GGML_QUANT_SIZES[qtype][1]
-    try:
-        gguf_dequantize(np.zeros(block_bytes, dtype=np.uint8), qtype)
-    except NotImplementedError:
-        return False
-    return True
+    """A type kvlm does not read (neither a float nor a block format of its kernels) is refused here, before any
+    weight is read."""
+    if info.qtype not in NATIVE_TYPES and info.qtype not in FLOAT_TYPES:
+        raise ModelFileError(f"{gguf.path}: tensor {name} is stored as {info.qtype.name}, a type kvlm cannot read "
+                             f"(it reads {', '.join(sorted(t.name for t in NATIVE_TYPES | FLOAT_TYPES.keys()))})")

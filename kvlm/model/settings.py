@@ -28,8 +28,6 @@ DEVICES = ("cpu", "cuda")
 QUANTS = ("int8", "int4")  # every layer matrix requantized to Q8_0 or Q4_0 blocks
 FROM_FILE = "file"  # each matrix in the blocks its file stores it in, where the kernels read them
 NATIVE_TYPE_NAMES = frozenset(t.name for t in NATIVE_TYPES)
-# how a file may store a tensor as plain numbers (GGUF's float types; a Hugging Face folder's torch dtype names)
-FLOAT_TYPE_NAMES = frozenset({"F32", "F16", "BF16", "F64", "float32", "float16", "bfloat16", "float64"})
 
 
 @dataclass(frozen=True)
@@ -53,13 +51,12 @@ class ComputeSettings:
         return self.quant
 
     def describe(self, stored_as: Iterable[str] = ()) -> str:
-        """The settings in words; `stored_as`: the file's tensor types, to name those held otherwise than the
-        file stores them (block types the kernels do not read are dequantized)."""
+        """The settings in words; `stored_as`: the file's tensor types, to name the block types held as stored."""
         weights = {None: "dense", FROM_FILE: "as the file stores them (its quantized blocks, read by native kernels)"}
         held = weights.get(self.quant, f"requantized {self.quant}")
-        unread = sorted(set(stored_as) - NATIVE_TYPE_NAMES - FLOAT_TYPE_NAMES)
-        if self.quant == FROM_FILE and unread:
-            held += f", except {', '.join(unread)}: dequantized to {self.dtype} (the kernels do not read these blocks)"
+        blocks = sorted(set(stored_as) & NATIVE_TYPE_NAMES)
+        if self.quant == FROM_FILE and blocks:
+            held = f"as the file stores them ({', '.join(blocks)} blocks, read by native kernels)"
         invariant = "batch-invariant" if self.batch_invariant else "not batch-invariant"
         where = "" if self.device == "cpu" else f"on {self.device}, "
         return f"{where}{self.dtype} activations, weights {held}, {invariant}: {self.reason}"

@@ -74,7 +74,7 @@ def test_bad_settings_are_refused_naming_the_value(settings, message):
 
 @pytest.mark.parametrize("types, storage", [
     (["Q4_1"], FROM_FILE), (["Q4_0", "Q4_K"], FROM_FILE), (["Q4_K", "Q5_0", "Q6_K"], FROM_FILE), (["Q8_0"], FROM_FILE),
-    (["MXFP4"], FROM_FILE), (["Q4_K", "F16"], None), (["bfloat16"], None), (["BF16"], None), (["IQ4_XS"], None),
+    (["MXFP4"], FROM_FILE), (["Q4_K", "F16"], None), (["bfloat16"], None), (["BF16"], None), (["IQ4_XS"], FROM_FILE),
 ])
 def test_a_matrix_keeps_its_files_blocks_where_the_kernels_read_every_part(types, storage):
     assert resolve_settings("bfloat16", kernels=True).matrix_storage(types) == storage

@@ -1,6 +1,6 @@
 """How the file's tensor types are held, said truly, and a type nothing here reads refused before any weight is:
-the start line names the block types the kernels do not read (dequantized), and a tensor of a type neither the
-kernels nor the gguf package read (Q8_1, a type of llama.cpp's intermediate results) fails the load naming it."""
+the start line names the block types held as stored, and a tensor of a type kvlm does not read (Q8_1, a type of
+llama.cpp's intermediate results) fails the load naming it."""
 from __future__ import annotations
 
 import numpy as np
@@ -17,12 +17,12 @@ from kvlm.model.settings import resolve_settings
 SPEC = SPECS["llama-llama3"]
 
 
-def test_block_types_the_kernels_do_not_read_are_named_as_dequantized():
+def test_every_block_type_is_said_to_be_held_as_stored():
     settings = resolve_settings("auto", "auto", kernels=True)
-    said = settings.describe(["F32", "Q4_K", "Q6_K", "Q3_K", "IQ4_XS"])
-    assert "as the file stores them" in said and f"except IQ4_XS, Q3_K: dequantized to {settings.dtype}" in said
-    assert "except" not in settings.describe(["F32", "Q4_K", "Q6_K", "bfloat16"])
-    assert "except" not in resolve_settings("float32", None).describe(["Q3_K"])  # dense anyway: nothing to except
+    said = settings.describe(["F32", "Q4_K", "Q6_K", "Q3_K", "IQ4_XS", "IQ1_S"])
+    assert "as the file stores them (IQ1_S, IQ4_XS, Q3_K, Q4_K, Q6_K blocks, read by native kernels)" in said
+    assert "dequantized" not in said
+    assert "blocks" not in resolve_settings("float32", None).describe(["Q3_K"])  # dense anyway
 
 
 def test_the_start_line_knows_the_files_types(tmp_path):
@@ -32,7 +32,8 @@ def test_the_start_line_knows_the_files_types(tmp_path):
     path = write_gguf(tmp_path / "q8.gguf", family_gguf_metadata(model, SPEC), family_gguf_tensors(model, SPEC),
                       arch=SPEC.arch, quant=GGMLQuantizationType.Q8_0)
     decoder = load_model(str(path), progress=False).decoder
-    assert decoder.stored_as == ["F32", "Q8_0"] and "except" not in decoder.describe()
+    assert decoder.stored_as == ["F32", "Q8_0"]
+    assert "(Q8_0 blocks, read by native kernels)" in decoder.describe() or not decoder.quantized  # no compiler: dense
 
 
 def test_a_type_nothing_reads_is_refused_before_any_weight_is_read(tmp_path, monkeypatch):
@@ -59,7 +60,7 @@ def test_a_type_nothing_reads_is_refused_before_any_weight_is_read(tmp_path, mon
         read_into(self, out, offset)
 
     monkeypatch.setattr(GGUFFile, "read_into", recorded)
-    with pytest.raises(ModelFileError, match="tensor blk.1.attn_q.weight is stored as Q8_1, a type neither kvlm's "
-                                             "kernels nor the gguf package can read"):
+    with pytest.raises(ModelFileError, match=r"tensor blk.1.attn_q.weight is stored as Q8_1, a type kvlm cannot read "
+                                             r"\(it reads BF16, F16, F32, IQ1_M, "):
         load_model(str(tmp_path / "q8_1.gguf"), progress=False)
     assert set(read) <= {config_vector}

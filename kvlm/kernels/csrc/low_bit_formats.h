@@ -278,10 +278,15 @@ template <> inline void unpack_generic<IQ1_M>(const uint8_t* block, int, Chunk& 
 }
 
 // NVFP4's scale from its unsigned E4M3 byte, halved (its codes are MXFP4's doubled FP4 values); 0 and 0x7F read 0.
+// Exact: mantissa * 2^-10 when the exponent is 0, else (1 + mantissa / 8) * 2^(exponent - 8), its bits built directly.
 inline float ue4m3_half(uint8_t x) {
     if (x == 0 || x == 0x7f) return 0.0f;
-    const int exponent = (x >> 3) & 15, mantissa = x & 7;
-    return exponent == 0 ? std::ldexp(float(mantissa), -10) : std::ldexp(float(8 + mantissa), exponent - 11);
+    const uint32_t exponent = (x >> 3) & 15, mantissa = x & 7;
+    if (exponent == 0) return float(mantissa) * (1.0f / 1024.0f);
+    const uint32_t bits = (exponent + 119) << 23 | mantissa << 20;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
 }
 
 // NVFP4: 4 E4M3 scales (one per 16 weights), then per 16 weights 8 bytes of codes (low nibbles weights 0-7, high
