@@ -325,12 +325,19 @@ inline void get_levels(const Section& s, const uint8_t* column, int r, uint8_t* 
     }
 }
 
+// Whether a format's tiles hold levels (IQ3_S's hold side values only).
+template <int TYPE> constexpr bool levels_in_tiles() {
+    for (const Section& s : TileLayout<TYPE>::sections)
+        if (s.kind != SIDE) return true;
+    return false;
+}
+
 // One block column of a tile from the 8 rows' blocks in the file's layout.
 template <int TYPE> void pack_column(const uint8_t* const blocks[TILE_ROWS], uint8_t* column) {
     uint8_t levels[TILE_ROWS][256];
     const uint8_t* w[TILE_ROWS];
     for (int r = 0; r < TILE_ROWS; ++r) {
-        file_levels<TYPE>(blocks[r], levels[r]);
+        if constexpr (levels_in_tiles<TYPE>()) file_levels<TYPE>(blocks[r], levels[r]);
         w[r] = levels[r];
     }
     for (const Section& s : TileLayout<TYPE>::sections) {
