@@ -1,11 +1,10 @@
 """The pure-torch side of the kernels: what runs where the native ones are absent, and what tests hold them to.
 
 `dequantize` gives gguf's own values bit for bit (the same float32 operations in the same order, or for the 1- to
-4-bit formats gguf's own dequantization); it serves
-loading when the native kernels are absent and the fp32 reference mode. `quantized_product` is the native
-product's exact definition: activations quantized to 8 bits as the kernel quantizes them (per block of 256 for the
-formats of 256-weight super-blocks, else of 32, as llama.cpp does), then exact arithmetic (float64), so the kernel must
-agree with it to float32 rounding.
+4-bit formats gguf's own dequantization); it serves loading when the native kernels are absent and the fp32
+reference mode. `quantized_product` is the native product's exact definition: activations quantized to 8 bits as the
+kernel quantizes them (per block of 256 for the formats of 256-weight super-blocks, else of 32, as llama.cpp does),
+then exact arithmetic (float64), so the kernel must agree with it to float32 rounding.
 """
 from __future__ import annotations
 
