@@ -12,14 +12,12 @@ from __future__ import annotations
 import kvlm  # noqa: F401  - before torch: it sets OMP_PROC_BIND before torch's OpenMP starts
 
 import argparse  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T  # noqa: E402
 
-from bench.common import machine_line, markdown_table  # noqa: E402
+from bench.common import machine_line, markdown_table, median_seconds  # noqa: E402
 from kvlm.kernels import NATIVE_TYPES, BlockMatrix, native_kernels  # noqa: E402
 
 ROWS, COLS = 1536, 8960
@@ -37,14 +35,8 @@ def random_matrix(qtype: T) -> BlockMatrix:
 def milliseconds(kernels, qtype: T, repeats: int) -> tuple[float, bool]:
     matrix = kernels.interleave(random_matrix(qtype))
     product, x = kernels.product([matrix]), torch.randn(1, COLS)
-    for _ in range(3):
-        product(x)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        product(x)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3, matrix.interleaved
+    median_seconds(lambda: product(x), 3)  # warm-up
+    return median_seconds(lambda: product(x), repeats) * 1e3, matrix.interleaved
 
 
 def main() -> None:

@@ -143,8 +143,10 @@ def test_a_tiles_levels_span_every_value(kernels, qtype):
 
 def test_a_products_rows_do_not_depend_on_the_batch(kernels):
     """A row's arithmetic is the same alone and among others (every way activation rows share a tile's pass)."""
-    for qtype in (T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K, T.MXFP4):
-        matrix = laid_out(kernels, random_blocks(qtype, 16, 512), qtype, 512, "tiles")
+    for qtype in (T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K, T.MXFP4, T.Q2_K, T.Q3_K, T.IQ4_XS, T.IQ3_S, T.IQ2_XS,
+                  T.IQ4_NL):
+        layout = "tiles" if kernels.tiled(qtype) else "file"  # the row kernel for the types without tiles
+        matrix = laid_out(kernels, random_blocks(qtype, 16, 512), qtype, 512, layout)
         x = torch.randn(7, 512, generator=torch.Generator().manual_seed(int(qtype)))
         together = kernels.product([matrix])(x)
         for i in range(7):
