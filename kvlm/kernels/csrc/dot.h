@@ -545,7 +545,7 @@ inline void iq3s_tile(const uint8_t* tile, int64_t n_super, const ActRows<R>& ac
     constexpr int COLUMN = TILE_ROWS * Traits<IQ3_S>::bytes;
     const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12,
                                             0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
-    const __m256i bit = _mm256_set1_epi32(0x08040201);
+    const __m256i low_bits = _mm256_set1_epi32(0x08040201), high_bits = _mm256_set1_epi32(int(0x80402010)), even = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
     __m256 acc[R];
     for (int t = 0; t < R; ++t) acc[t] = _mm256_setzero_ps();
     for (int64_t c = 0; c < n_super; ++c) {
@@ -562,13 +562,17 @@ inline void iq3s_tile(const uint8_t* tile, int64_t n_super, const ActRows<R>& ac
             for (int t = 0; t < R; ++t) pairs[t] = _mm256_setzero_si256();
             unroll<8>([&](auto g_) {  // weights 32 s + 4 g .. + 3 of each row
                 constexpr int g = decltype(g_)::value;
-                const __m256i low = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(column + 48 + 8 * (8 * s + g))));
-                const __m256i high = _mm256_and_si256(_mm256_slli_epi32(ninth, 8 - g), _mm256_set1_epi32(0x100));
-                const __m256i values = _mm256_i32gather_epi32(reinterpret_cast<const int*>(grids.iq3s),
-                                                              _mm256_or_si256(low, high), 4);
+                const uint8_t* index = column + 48 + 8 * (8 * s + g);
+                const uint64_t bytes = load_u64(index);
+                const auto entries = [bytes](int i) { return int64_t(iq3s_pairs.of[(bytes >> (8 * i)) & 0xff]); };
+                const __m256i first = _mm256_setr_epi64x(entries(0), entries(1), entries(2), entries(3));
+                const __m256i second = _mm256_setr_epi64x(entries(4), entries(5), entries(6), entries(7));
+                const __m256i pick = _mm256_add_epi32(even, _mm256_and_si256(_mm256_srli_epi32(ninth, g), _mm256_set1_epi32(1)));
+                const __m256i values = _mm256_blend_epi32(_mm256_permutevar8x32_epi32(first, pick),
+                                                          _mm256_permutevar8x32_epi32(second, pick), 0xf0);
                 const __m256i sign_byte = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(column + 624 + 8 * (4 * s + g / 2))));
-                const __m256i nibble = g % 2 ? _mm256_srli_epi32(sign_byte, 4) : sign_byte;
-                const __m256i minus = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(nibble, spread), bit), bit);
+                const __m256i bit = g % 2 ? high_bits : low_bits;  // this group's 4 signs: a nibble of the byte
+                const __m256i minus = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(sign_byte, spread), bit), bit);
                 for (int t = 0; t < R; ++t) {
                     const __m256i a = broadcast4(act.q[t] + 256 * c + 32 * s + 4 * g);
                     const __m256i signed_a = _mm256_sub_epi8(_mm256_xor_si256(a, minus), minus);

@@ -98,6 +98,12 @@ inline uint32_t load_u32(const uint8_t* p) {
     return v;
 }
 
+inline uint64_t load_u64(const uint8_t* p) {
+    uint64_t v;
+    std::memcpy(&v, p, 8);
+    return v;
+}
+
 inline float f16_at(const uint8_t* p) { return fp16_to_float(load_u16(p)); }
 
 // MXFP4's scale from its E8M0 exponent byte e, as ggml's ggml_e8m0_to_fp32_half: 2^(e - 128), half the E8M0 value

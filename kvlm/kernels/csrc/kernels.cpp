@@ -57,6 +57,7 @@ void kvlm_set_grids(const int8_t* values, int64_t n) {
     std::memcpy(&grids, values, sizeof(Grids));
     for (auto& entry : grids.iq1s)
         for (uint8_t& v : entry) v = uint8_t(v + 1);  // -1, 0, 1 as 0, 1, 2
+    iq3s_pairs.fill();
 }
 
 int64_t kvlm_grids_size() { return int64_t(sizeof(Grids)); }
