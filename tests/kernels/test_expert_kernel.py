@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as T
 
 from kvlm.kernels import NATIVE_TYPES, BlockMatrix, reference
 from kvlm.kernels.experts import ExpertBiases, NativeExperts
-from kvlm.kernels.native import BuildError, NativeKernels, build, compiler
+from helpers.native_builds import kernels_for
 from helpers.blocks import block_weights, random_blocks
 
 TYPES = sorted(NATIVE_TYPES, key=int)
@@ -20,13 +20,8 @@ N_EXPERT, N_USED = 6, 3
 
 
 @pytest.fixture(scope="module", params=["native", "x86-64"])
-def kernels(request):
-    if compiler() is None:
-        pytest.skip("no C++ compiler here: experts run as a loop of dense products instead (tested in test_moe)")
-    try:
-        return NativeKernels(build(request.param))
-    except BuildError as exc:
-        pytest.skip(f"cannot build for -march={request.param}: {exc}")
+def kernels(request, libraries):
+    return kernels_for(request.param, libraries)
 
 
 def routing(n_tokens: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
