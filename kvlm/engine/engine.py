@@ -12,6 +12,7 @@ from kvlm.core.batch import Batch
 from kvlm.core.staging import staged
 from kvlm.runtime.context import Context, DecodeStatus
 from kvlm.engine.prefix_cache import PrefixCache
+from kvlm.engine.state_checkpoints import StateCheckpoints, checkpoint_capacity
 from kvlm.engine.request import Request, RequestOutput, RequestState, StepEvent
 from kvlm.sampling.batch import Row, sample_rows
 from kvlm.sampling.sampler import RequestSampler, SampledToken
@@ -41,9 +42,11 @@ def memory_request(n_ctx: int | None = None, max_num_seqs: int = 16, max_num_bat
                    kv_dtype: str = AUTO, enable_prefix_caching: bool = True, block_size: int = 16,
                    swa_full: bool = False, speculative_tokens: int = 0) -> MemoryRequest:
     """What an engine of these settings asks of a model's memory: its Context's sizes (one more sequence for the
-    prefix cache; a block's worth of positions kept beyond a sliding window, and room for guessed tokens)."""
+    prefix cache; a block's worth of positions kept beyond a sliding window, and room for guessed tokens), and the
+    copies of recurrent states prefix caching keeps (none where the model has no recurrent layers)."""
     return MemoryRequest(n_ctx, max_num_seqs + 1, kv_dtype, max_num_batched_tokens, swa_full,
-                         _keep_extra(enable_prefix_caching, block_size, speculative_tokens))
+                         _keep_extra(enable_prefix_caching, block_size, speculative_tokens),
+                         checkpoint_capacity(max_num_seqs) if enable_prefix_caching else 0)
 
 
 def _keep_extra(enable_prefix_caching: bool, block_size: int, speculative_tokens: int) -> int:
@@ -75,11 +78,10 @@ class Engine:
                                swa_full=swa_full, swa_keep_extra=request.keep_extra,
                                cuda_graphs=False if enforce_eager else None)
         memory = self.context.memory
-        if enable_prefix_caching and memory.kind in ("recurrent", "hybrid"):
-            log.info("prefix caching is off: a %s memory keeps each sequence's recurrent state whole, so it cannot "
-                     "lend a prefix of it (every prompt is computed in full)", memory.kind)
-            enable_prefix_caching = False
-        self.prefix_cache = PrefixCache(memory, PREFIX_CACHE_SEQ, block_size) if enable_prefix_caching else None
+        self.prefix_cache = PrefixCache(memory, PREFIX_CACHE_SEQ, block_size) \
+            if enable_prefix_caching and memory.pools else None
+        self.checkpoints = StateCheckpoints(memory, block_size, request.state_checkpoints) \
+            if enable_prefix_caching and memory.kind in ("recurrent", "hybrid") else None
         self.speculator: Speculator | None = None
         if speculative_config is not None:
             self.speculator = make_speculator(speculative_config, model, n_ctx, max_num_seqs + 1,
@@ -87,7 +89,8 @@ class Engine:
             self.speculator.calibrate(self.context, PREFIX_CACHE_SEQ + 1)
         self.scheduler = Scheduler(memory, self.prefix_cache, max_num_seqs, max_num_batched_tokens,
                                    first_seq_id=PREFIX_CACHE_SEQ + 1,
-                                   on_release=self.speculator.forget if self.speculator else None)
+                                   on_release=self.speculator.forget if self.speculator else None,
+                                   checkpoints=self.checkpoints)
         self.requests: dict[str, Request] = {}
         # structured output: compiled off the step loop (the vocabulary's trie is built at the first use)
         self.grammars = GrammarCompiler(model.tokenizer, model.config.vocab_size)
@@ -236,6 +239,8 @@ class Engine:
                 self.n_prefill_tokens += item.n_tokens
             outputs = item.outputs  # (read before n_computed moves)
             request.n_computed += item.n_tokens
+            if self.checkpoints is not None and not item.guesses:  # (guesses: the state holds unverified tokens)
+                self.checkpoints.after_step(request.seq_id, request.n_computed)
             if not outputs:
                 continue
             if not request.output_token_ids:

@@ -98,8 +98,13 @@ class PrefixCache:
         return True
 
     def _keys(self, tokens: list[int]):
-        """One key per full block: a running hash over every token up to the block's end."""
-        digest = hashlib.sha256()
-        for end in range(self.block_size, len(tokens) + 1, self.block_size):
-            digest.update(np.asarray(tokens[end - self.block_size : end], dtype=np.int64).tobytes())
-            yield digest.copy().digest()
+        return prefix_keys(tokens, self.block_size)
+
+
+def prefix_keys(tokens: list[int], block_size: int):
+    """One key per full block of `tokens`: a running hash over every token up to the block's end (so equal keys
+    mean equal prefixes)."""
+    digest = hashlib.sha256()
+    for end in range(block_size, len(tokens) + 1, block_size):
+        digest.update(np.asarray(tokens[end - block_size : end], dtype=np.int64).tobytes())
+        yield digest.copy().digest()

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from kvlm.engine.prefix_cache import PrefixCache
 from kvlm.engine.request import Request, RequestState
+from kvlm.engine.state_checkpoints import StateCheckpoints
 from kvlm.memory.protocol import Memory
 
 
@@ -34,11 +35,15 @@ class Scheduled:
 class Scheduler:
     def __init__(self, memory: Memory, prefix_cache: PrefixCache | None, max_num_seqs: int,
                  max_num_batched_tokens: int, first_seq_id: int,
-                 on_release: Callable[[Request], None] | None = None) -> None:
-        """`on_release(request)`: called when a request gives up its sequence (finished or preempted)."""
+                 on_release: Callable[[Request], None] | None = None,
+                 checkpoints: StateCheckpoints | None = None) -> None:
+        """`on_release(request)`: called when a request gives up its sequence (finished or preempted).
+        `checkpoints`: a memory with recurrent states reuses prefixes through copies of them (and its K/V cells
+        through `prefix_cache`, if it has any)."""
         self.memory = memory
         self.on_release = on_release
         self.prefix_cache = prefix_cache
+        self.checkpoints = checkpoints
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -81,8 +86,11 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def cache_computed_prefix(self, request: Request) -> None:
+        computed = request.token_ids[: request.n_computed]
         if self.prefix_cache is not None:
-            self.prefix_cache.insert(request.token_ids[: request.n_computed], request.seq_id)
+            self.prefix_cache.insert(computed, request.seq_id)
+        if self.checkpoints is not None:
+            self.checkpoints.keep(computed, request.seq_id)
 
     def _admit(self) -> None:
         for request in list(self.waiting):
@@ -90,20 +98,39 @@ class Scheduler:
                 return
             if not request.ready:  # its grammar still compiles: the requests behind it go first
                 continue
-            # Room for the whole remaining prompt and one token more, so admission rarely ends in preemption.
+            # The cached prefix first: its cells are lent, not taken, and are not evicted to make room. Then room
+            # for the rest of the prompt and one token more, so admission rarely ends in preemption.
+            request.seq_id = self.free_seq_ids[-1]
+            self._reuse_cached_prefix(request)
             if not self.has_room(request.n_pending + 1) and self.running:
+                self.memory.seq_rm(request.seq_id, -1, -1)  # the lent cells back: it waits as it was
+                request.seq_id, request.n_computed, request.n_cached_tokens = None, 0, 0
                 return
             self.waiting.remove(request)
-            request.seq_id = self.free_seq_ids.pop()
+            self.free_seq_ids.pop()
             request.state = RequestState.RUNNING
-            self._reuse_cached_prefix(request)
             self.running.append(request)
 
     def _reuse_cached_prefix(self, request: Request) -> None:
-        if self.prefix_cache is None:
+        if self.checkpoints is not None:
+            n_cached = self._restore_checkpoint(request)
+        elif self.prefix_cache is not None:
+            n_cached = self.prefix_cache.lend(self.prefix_cache.match(request.token_ids), request.seq_id)
+        else:
             return
-        n_cached = self.prefix_cache.lend(self.prefix_cache.match(request.token_ids), request.seq_id)
         request.n_computed = request.n_cached_tokens = n_cached
+
+    def _restore_checkpoint(self, request: Request) -> int:
+        """The deepest kept state inside the prompt whose K/V cells (if the memory has any) are cached too."""
+        tokens = request.token_ids
+        blocks = self.prefix_cache.match(tokens) if self.prefix_cache is not None else None
+        limit = len(tokens) - 1 if blocks is None else len(blocks) * self.prefix_cache.block_size
+        checkpoint = self.checkpoints.deepest(tokens, limit)
+        if checkpoint is None:
+            return 0
+        if blocks is not None:
+            self.prefix_cache.lend(blocks[: checkpoint.n_tokens // self.prefix_cache.block_size], request.seq_id)
+        return self.checkpoints.restore(checkpoint, request.seq_id)
 
     def _plan(self) -> list[Scheduled]:
         budget = self.max_num_batched_tokens
@@ -114,6 +141,8 @@ class Scheduler:
             n_tokens = min(request.n_pending, budget)
             if n_tokens == 0:
                 break
+            if self.checkpoints is not None:
+                n_tokens = self.checkpoints.prompt_chunk(request.n_computed, n_tokens, len(request.token_ids))
             plan.append(Scheduled(request, n_tokens))
             budget -= n_tokens
         return plan
@@ -127,6 +156,8 @@ class Scheduler:
     def _release(self, request: Request, keep_in_cache: bool) -> None:
         if keep_in_cache:
             self.cache_computed_prefix(request)
+        if self.checkpoints is not None:
+            self.checkpoints.forget(request.seq_id)
         if self.on_release is not None:
             self.on_release(request)
         self.memory.seq_rm(request.seq_id, -1, -1)

@@ -29,7 +29,7 @@ from kvlm.core.family import ATTENTION, SLIDING
 from kvlm.core.config import ModelConfig
 from kvlm.loader.weights import ModelWeights
 from kvlm.memory.kv_store import AUTO, KV_DTYPES, resolve_kv_dtype
-from kvlm.memory.layout import memory_bytes
+from kvlm.memory.layout import memory_bytes, memory_layout
 from kvlm.model.settings import FROM_FILE, ComputeSettings
 
 MiB = 1 << 20
@@ -62,6 +62,7 @@ class MemoryRequest:
     n_ubatch: int = 512
     swa_full: bool = False
     keep_extra: int = 0  # positions a sequence keeps beyond its window (the engine's prefix-cache block)
+    state_checkpoints: int = 0  # copies of one sequence's recurrent states the engine's prefix caching keeps
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class MemoryPlan:
     n_ctx: int
     kv_dtype: str
     n_seq_max: int
+    state_copies: int = 0  # copies of a sequence's recurrent states kept for prefix reuse (within `kv`)
 
     @property
     def total(self) -> int:
@@ -85,8 +87,10 @@ class MemoryPlan:
         """(label, text) for `kvlm inspect` and the server's log."""
         cap = f"budget {_mib(self.budget)}" if self.budget is not None else \
             f"{self.limit_source} {_mib(self.limit)}, {_mib(self.in_use)} in use"
+        copies = f", {self.state_copies} state copies for prefix reuse" if self.state_copies else ""
         return [("weights", _mib(self.weights)),
-                ("kv cache", f"{_mib(self.kv)} (n_ctx {self.n_ctx}, {self.kv_dtype}, {self.n_seq_max} sequences)"),
+                ("kv cache", f"{_mib(self.kv)} (n_ctx {self.n_ctx}, {self.kv_dtype}, {self.n_seq_max} sequences"
+                             f"{copies})"),
                 ("buffers", _mib(self.compute)), ("total", f"{_mib(self.total)} of {cap}")]
 
 
@@ -119,10 +123,12 @@ def fit(config: ModelConfig, held: int, settings: ComputeSettings, request: Memo
     compute = compute_bytes(config, request) * ranks
     held *= ranks
     kv_of = lambda n_ctx, dtype=kv_dtype: ranks * memory_bytes(  # noqa: E731
-        config, n_ctx, request.n_seq_max, dtype, request.n_ubatch, request.swa_full, request.keep_extra)
+        config, n_ctx, request.n_seq_max, dtype, request.n_ubatch, request.swa_full, request.keep_extra,
+        request.state_checkpoints)
     n_ctx = request.n_ctx if request.n_ctx is not None else _largest_ctx(config, usable - held - compute, kv_of)
+    state_copies = request.state_checkpoints if memory_layout(config, 1).state_bytes else 0
     plan = MemoryPlan(held, kv_of(max(n_ctx, 1)), compute, limit, source, in_use, budget,
-                      max(n_ctx, 1), kv_dtype, request.n_seq_max)
+                      max(n_ctx, 1), kv_dtype, request.n_seq_max, state_copies)
     if n_ctx < 1 or plan.total > usable:
         raise MemoryPlanError(_refusal(config, plan, usable, kv_of, where))
     return plan

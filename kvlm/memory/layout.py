@@ -50,9 +50,10 @@ class MemoryLayout:
     def kv_bytes(self, config: ModelConfig, kv_dtype: str) -> int:
         return sum(pool.nbytes(config, kv_dtype) for pool in self.pools)
 
-    def nbytes(self, config: ModelConfig, kv_dtype: str, n_seq_max: int) -> int:
-        """Everything the memory allocates: the pools' K/V rows and a recurrent state per sequence."""
-        return self.kv_bytes(config, kv_dtype) + self.state_bytes * n_seq_max
+    def nbytes(self, config: ModelConfig, kv_dtype: str, n_seq_max: int, state_copies: int = 0) -> int:
+        """Everything the memory allocates: the pools' K/V rows and a recurrent state per sequence, and
+        `state_copies` more states (the engine's prefix caching keeps copies of them)."""
+        return self.kv_bytes(config, kv_dtype) + self.state_bytes * (n_seq_max + state_copies)
 
 
 def memory_layout(config: ModelConfig, n_ctx: int, n_seq_max: int = 1, n_ubatch: int = 512, swa_full: bool = False,
@@ -110,9 +111,11 @@ def memory_for(decoder, n_ctx: int, n_seq_max: int, n_ubatch: int, kv_dtype: str
 
 
 def memory_bytes(config: ModelConfig, n_ctx: int, n_seq_max: int, kv_dtype: str, n_ubatch: int = 512,
-                 swa_full: bool = False, keep_extra: int = 0) -> int:
-    """The bytes of the memory a model of this config gets (see memory_layout)."""
-    return memory_layout(config, n_ctx, n_seq_max, n_ubatch, swa_full, keep_extra).nbytes(config, kv_dtype, n_seq_max)
+                 swa_full: bool = False, keep_extra: int = 0, state_copies: int = 0) -> int:
+    """The bytes of the memory a model of this config gets (see memory_layout), with `state_copies` copies of one
+    sequence's recurrent states (none held where it has no recurrent layers)."""
+    return memory_layout(config, n_ctx, n_seq_max, n_ubatch, swa_full, keep_extra).nbytes(
+        config, kv_dtype, n_seq_max, state_copies)
 
 
 def recurrent_state_shapes(config: ModelConfig, kind: str) -> list[tuple[int, ...]] | None:

@@ -140,7 +140,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         return JSONResponse(reply.body(
             [reply.choice(c.index, o.text, formatter.format(o.logprobs or []), o.finish_reason, output_spec)
              for c, o in zip(choices, outputs)],
-            usage(n_prompt, sum(len(o.token_ids) for o in outputs))))
+            usage(n_prompt, sum(len(o.token_ids) for o in outputs), max(o.n_cached_tokens for o in outputs))))
 
     async def run_choice(reply: Reply, choice: Choice) -> RequestOutput:
         async for item in runner.generate(f"{reply.id}-{choice.index}", choice.prompt_token_ids, choice.params,
@@ -164,7 +164,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         tasks = [asyncio.create_task(pump(c)) for c in choices]
         offsets = {c.index: 0 for c in choices}
         readers = {c.index: ChoiceStream(output_spec) for c in choices}
-        n_generated, n_open = 0, len(choices)
+        n_generated, n_cached, n_open = 0, 0, len(choices)
         try:
             while n_open:
                 index, item = await merged.get()
@@ -175,6 +175,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
                 if isinstance(item, Finished):
                     n_open -= 1
                     n_generated += len(item.output.token_ids)
+                    n_cached = max(n_cached, item.output.n_cached_tokens)
                     for delta in reader.last_deltas():
                         yield sse(reply.chunk([reply.delta(index, delta, None, None)]))
                     finish_reason = reader.finish_reason(item.output.finish_reason)
@@ -186,7 +187,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
                     yield sse(reply.chunk([reply.delta(index, delta, logprobs, None)]))
                     logprobs = None
             if include_usage:
-                yield sse(reply.chunk([], usage(n_prompt, n_generated)))
+                yield sse(reply.chunk([], usage(n_prompt, n_generated, n_cached)))
             yield "data: [DONE]\n\n"
         finally:
             for task in tasks:

@@ -53,9 +53,11 @@ class Reply:
         return {"index": index, "text": delta or "", "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """OpenAI's usage, with the prompt tokens the prefix cache served (of n choices sharing a prompt: the most)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 class LogprobsFormatter:

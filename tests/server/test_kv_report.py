@@ -218,7 +218,8 @@ def recurrent_model(request, tmp_path_factory, one_thread):
 @pytest.fixture(scope="module")
 def recurrent_engine(recurrent_model):
     name, hf_config, model = recurrent_model
-    return name, hf_config, *generating(model, 6)
+    # prefix caching off: every slot and cell is a request's (the prefix cache's cells: the unified tests above)
+    return name, hf_config, *generating(model, 6, enable_prefix_caching=False)
 
 
 def test_report_of_recurrent_slots_after_a_few_steps(recurrent_engine):
@@ -229,7 +230,7 @@ def test_report_of_recurrent_slots_after_a_few_steps(recurrent_engine):
     recurrent = report["recurrent"]
     assert set(recurrent) == RECURRENT_KEYS
     slots = memory if name == "mamba2" else memory.recurrent
-    # one slot per sequence id: the engine's max_num_seqs (2) and the prefix cache's id (off for these memories)
+    # one slot per sequence id: the engine's max_num_seqs (2) and the prefix cache's id (caching off here)
     n_layer, floats = state_floats_per_slot(hf_config)
     assert (recurrent["n_slots"], recurrent["n_layer"]) == (3, n_layer)
     assert recurrent["bytes_per_slot"] == floats * 4  # float32

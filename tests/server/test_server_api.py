@@ -403,15 +403,18 @@ def test_metrics_parse_and_count_what_was_sent(server, client, smollm2):
     assert after["kvlm_requests_running"] == 0 and after["kvlm_requests_waiting"] == 0
 
 
-def test_prefix_reuse_shows_in_metrics(server, client):
+def test_prefix_reuse_shows_in_metrics_and_usage(server, client):
     system = "You are a patient tutor. " * 12
     messages = lambda q: [{"role": "system", "content": system}, {"role": "user", "content": q}]  # noqa: E731
     client.chat.completions.create(model=MODEL, messages=messages("What is 2 + 2?"), max_tokens=2, temperature=0)
     before = scrape(server)
-    client.chat.completions.create(model=MODEL, messages=messages("What is 3 + 3?"), max_tokens=2, temperature=0)
+    out = client.chat.completions.create(model=MODEL, messages=messages("What is 3 + 3?"), max_tokens=2,
+                                         temperature=0)
     after = scrape(server)
+    hit_tokens = after["kvlm_prefix_cache_hit_tokens_total"] - before.get("kvlm_prefix_cache_hit_tokens_total", 0)
     assert after["kvlm_prefix_cache_hits_total"] - before.get("kvlm_prefix_cache_hits_total", 0) == 1
-    assert after["kvlm_prefix_cache_hit_tokens_total"] - before.get("kvlm_prefix_cache_hit_tokens_total", 0) >= 64
+    assert hit_tokens >= 64
+    assert out.usage.prompt_tokens_details.cached_tokens == hit_tokens  # OpenAI's field
 
 
 # --- cancellation and load ---

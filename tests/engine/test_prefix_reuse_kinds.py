@@ -1,0 +1,139 @@
+"""Prefix reuse on every memory kind, on random-weight models transformers builds: Llama (unified KV), Gemma 3
+(iSWA, window 8), Mamba2 (recurrent states alone), LFM2 and Qwen3.5 (hybrid: K/V cells and states), each with
+kvlm's native kernels and with torch's ops alone. A conversation's next turn reuses what the engine computed for
+the previous one up to its last block boundary (K/V blocks, and for recurrent states the copy kept there:
+kvlm.engine.state_checkpoints) and answers exactly as without caching."""
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from helpers.family_factory import SPECS, family_gguf_metadata, family_gguf_tensors, random_model
+from helpers.gemma3_factory import gguf_of as gemma3_gguf, random_gemma3
+from helpers.gguf_factory import write_gguf
+from helpers.models import load_on, token_ids
+from helpers.qwen35_factory import random_qwen35, write_qwen35_gguf
+from helpers.recurrent_factory import lfm2_gguf, mamba2_gguf, random_lfm2, random_mamba2
+from kvlm import LLM, Batch, Context, SamplingParams
+from kvlm.core.family import RECURRENT_KINDS
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _llama(folder):
+    spec = SPECS["llama-llama3"]
+    model = random_model(spec)
+    return write_gguf(folder / "model.gguf", family_gguf_metadata(model, spec), family_gguf_tensors(model, spec),
+                      arch=spec.arch, quant=T.Q4_0)
+
+
+FILES = {
+    "llama": _llama,
+    "gemma3": lambda folder: gemma3_gguf(random_gemma3(), folder),
+    "mamba2": lambda folder: mamba2_gguf(random_mamba2(), folder, T.Q8_0),
+    "lfm2": lambda folder: lfm2_gguf(random_lfm2(), folder, T.Q8_0),
+    "qwen35": lambda folder: write_qwen35_gguf(random_qwen35(num_hidden_layers=4), folder / "model.gguf", T.Q8_0),
+}
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+BLOCK = 16
+
+
+@pytest.fixture(scope="module", params=[(name, ops) for name in FILES for ops in ("native", "torch")], ids="-".join)
+def model(request, tmp_path_factory):
+    name, ops = request.param
+    return load_on(FILES[name](tmp_path_factory.mktemp(name)), ops == "native")
+
+
+@pytest.fixture
+def recurrent_model(model):
+    if not set(model.config.layer_kinds) & set(RECURRENT_KINDS):
+        pytest.skip("no recurrent states: its K/V blocks are lent as they are")
+    return model
+
+
+def without_caching(model, prompt: list[int]) -> list[int]:
+    llm = LLM(model, n_ctx=256, max_num_seqs=2, enable_prefix_caching=False)
+    return llm.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids
+
+
+def test_the_next_turn_reuses_the_last_and_answers_as_without_caching(model):
+    """Turn 2 is turn 1's prompt, its answer and 30 tokens more: what the engine computed for turn 1 (the prompt and
+    all but the answer's last token: 169 tokens) is reused to its last block boundary (160 tokens, 94% of the 170
+    shared). A third request sharing only turn 1's prompt reuses it to the prompt's last boundary."""
+    llm = LLM(model, n_ctx=256, max_num_seqs=2)
+    first = token_ids(1000, 150, seed=1)
+    answer = llm.generate([first], GREEDY, use_tqdm=False)[0]
+    assert answer.token_ids == without_caching(model, first)
+    second = first + answer.token_ids + token_ids(1000, 30, seed=2)
+    again = llm.generate([second], GREEDY, use_tqdm=False)[0]
+    shared = len(first) + len(answer.token_ids)
+    assert again.n_cached_tokens == (shared - 1) // BLOCK * BLOCK == 160
+    assert again.n_cached_tokens >= 0.85 * shared
+    assert again.token_ids == without_caching(model, second)
+    branch = first + token_ids(1000, 12, seed=3)
+    other = llm.generate([branch], GREEDY, use_tqdm=False)[0]
+    assert other.n_cached_tokens == len(first) // BLOCK * BLOCK == 144
+    assert other.token_ids == without_caching(model, branch)
+
+
+def test_a_restored_state_equals_the_state_computed_from_scratch(recurrent_model):
+    model = recurrent_model
+    """The copy kept at the end of a request (100 prompt tokens and 19 of the answer computed: boundary 112) holds
+    the states a fresh context of the same KV dtype computes from those 112 tokens in one batch."""
+    llm = LLM(model, n_ctx=256, max_num_seqs=1)
+    prompt = token_ids(1000, 100, seed=4)
+    history = prompt + llm.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids
+    kept = llm.engine.checkpoints.deepest(history, len(history))
+    assert kept is not None and kept.n_tokens == 112
+    ctx = Context(model, n_ctx=256, n_seq_max=1, kv_dtype=llm.engine.context.kv_dtype)  # (the engine's: f16)
+    ctx.decode(Batch.for_sequence(history[: kept.n_tokens], seq_id=0))
+    _, span, scratch = ctx.memory.checkpoint(0)
+    assert span == [0, kept.n_tokens - 1] and len(scratch) == len(kept.parts)
+    for ours, reference in zip(kept.parts, scratch):
+        assert torch.allclose(ours, reference, rtol=0, atol=1e-5)
+
+
+def test_state_copies_stay_within_their_capacity_and_the_memory_plan_counts_them(recurrent_model):
+    model = recurrent_model
+    """One request at a time: room for its latest copy and one more; the plan's K/V bytes include both."""
+    llm = LLM(model, n_ctx=256, max_num_seqs=1)
+    checkpoints = llm.engine.checkpoints
+    assert checkpoints.capacity == 2 and llm.engine.plan.state_copies == 2
+    assert "2 state copies for prefix reuse" in dict(llm.engine.plan.lines())["kv cache"]
+    without = LLM(model, n_ctx=256, max_num_seqs=1, enable_prefix_caching=False).engine.plan
+    for seed in range(5):
+        llm.generate([token_ids(1000, 40 + 7 * seed, seed=10 + seed)], GREEDY, use_tqdm=False)
+        assert checkpoints.n_states <= 2
+    assert checkpoints.n_states == 2
+    assert llm.engine.plan.kv - without.kv == checkpoints.n_bytes
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """Qwen3.5 (K/V cells and delta-rule states) with the native kernels."""
+    return load_on(FILES["qwen35"](tmp_path_factory.mktemp("qwen35-hybrid")), True)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(stems=st.lists(st.integers(0, 2), min_size=3, max_size=6),
+       lengths=st.lists(st.integers(1, 40), min_size=6, max_size=6),
+       max_num_seqs=st.integers(1, 3))
+def test_requests_sharing_and_evicting_prefixes_answer_as_each_alone(hybrid, stems, lengths, max_num_seqs):
+    """Requests extending three conversation stems, several at a time in 160 cells with 2 x max_num_seqs state
+    copies: prefix blocks and copies are lent, evicted and preempted under each other, and every answer is the
+    answer of its request alone without caching."""
+    stem_tokens = [token_ids(1000, 40 + 24 * stem, seed=50 + stem) for stem in range(3)]
+    prompts = [stem_tokens[stem] + token_ids(1000, lengths[i], seed=60 + i) for i, stem in enumerate(stems)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    llm = LLM(hybrid, n_ctx=160, max_num_seqs=max_num_seqs, max_num_batched_tokens=48)
+    first = llm.generate(prompts, params, use_tqdm=False)
+    second = llm.generate(prompts[::-1], params, use_tqdm=False)[::-1]  # now with the cache full of them
+    checkpoints = llm.engine.checkpoints
+    assert checkpoints.n_states <= checkpoints.capacity
+    for prompt, a, b in zip(prompts, first, second):
+        alone = LLM(hybrid, n_ctx=160, max_num_seqs=1, enable_prefix_caching=False)
+        expected = alone.generate([prompt], params, use_tqdm=False)[0].token_ids
+        assert a.token_ids == expected and b.token_ids == expected
+    assert any(out.n_cached_tokens for out in second)
