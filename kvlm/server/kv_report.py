@@ -19,7 +19,9 @@ The shape:
                 "fragmentation": {"used_max", "holes", "hole_runs", "largest_free_run", "fragmentation"}}],
      # only for a memory with recurrent layers ("hybrid", "recurrent"): one state slot per sequence id
      "recurrent": {"n_slots", "n_used", "n_layer", "state_bytes", "bytes_per_slot",   # n_layer: recurrent layers
-                   "slots": [{"seq_id", "request_id", "role", "pos_min", "pos_max"}]}}  # the slots in use
+                   "slots": [{"seq_id", "request_id", "role", "pos_min", "pos_max"}],  # the slots in use
+                   # with prefix caching: the copies of states kept for reuse (kvlm.engine.state_checkpoints)
+                   "state_copies": {"n_states", "capacity", "bytes"}}}
 """
 from __future__ import annotations
 
@@ -135,4 +137,8 @@ def kv_report(engine: Engine) -> dict:
     }
     if recurrent is not None:
         report["recurrent"] = recurrent
+        copies = engine.checkpoints
+        if copies is not None:
+            recurrent["state_copies"] = {"n_states": copies.n_states, "capacity": copies.capacity,
+                                         "bytes": copies.n_bytes}
     return report

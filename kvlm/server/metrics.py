@@ -41,6 +41,9 @@ class ServerMetrics(StepObserver):
         # one slot per sequence id for models with recurrent layers (hybrid and recurrent memories); else 0
         self.recurrent_slots_used = Gauge("kvlm_recurrent_slots_used", "Recurrent state slots in use", registry=r)
         self.recurrent_slots_total = Gauge("kvlm_recurrent_slots_total", "Recurrent state slots in all", registry=r)
+        self.state_copies = Gauge("kvlm_prefix_state_copies", "Copies of recurrent states kept for prefix reuse",
+                                  registry=r)
+        self.state_copy_bytes = Gauge("kvlm_prefix_state_copy_bytes", "Bytes of those copies", registry=r)
         self.prefix_hits = Counter("kvlm_prefix_cache_hits", "Requests that reused a cached prompt prefix",
                                    registry=r)
         self.prefix_hit_tokens = Counter("kvlm_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
@@ -101,6 +104,9 @@ class ServerMetrics(StepObserver):
         if slots is not None:
             self.recurrent_slots_used.set(slots.n_used)
             self.recurrent_slots_total.set(slots.n_seq_max)
+        if engine.checkpoints is not None:
+            self.state_copies.set(engine.checkpoints.n_states)
+            self.state_copy_bytes.set(engine.checkpoints.n_bytes)
 
     def _count_structured(self, engine: Engine) -> None:
         """The engine keeps running totals; the counters get what they added since the last step."""

@@ -282,6 +282,24 @@ def test_metrics_count_recurrent_slots(recurrent_engine):
         assert samples[("kvlm_kv_cells_used", None)] == samples[("kvlm_kv_pool_cells_used", "kv")] == pool.n_used
 
 
+def test_report_and_metrics_show_the_state_copies_kept_for_prefix_reuse(recurrent_model):
+    """Prefix caching on, after 6 steps: the 20-token prompt's copy at its last block boundary (16), kept when the
+    prompt was done; the 13-token request's latest copy, taken when its decoding reached position 16 (kept when it
+    ends)."""
+    _, _, model = recurrent_model
+    engine, _ = generating(model, 6)
+    copies = engine.checkpoints
+    assert copies.n_states == 2 and copies.capacity == 4
+    report = json.loads(json.dumps(kv_report(engine)))
+    assert report["recurrent"]["state_copies"] == {"n_states": 2, "capacity": 4, "bytes": copies.n_bytes}
+    assert copies.n_bytes == 2 * report["recurrent"]["bytes_per_slot"]
+    metrics = ServerMetrics()
+    metrics.refresh(engine)
+    samples = {s.name: s.value for family in text_string_to_metric_families(metrics.render().decode())
+               for s in family.samples}
+    assert (samples["kvlm_prefix_state_copies"], samples["kvlm_prefix_state_copy_bytes"]) == (2, copies.n_bytes)
+
+
 def test_serve_logs_the_recurrent_state(recurrent_model, monkeypatch, caplog):
     """`serve` down to its log lines, with the app and uvicorn as stand-ins that return at once."""
     name, hf_config, model = recurrent_model
@@ -422,6 +440,16 @@ def test_view_of_recurrent_slots(recurrent_engine, tmp_path):
         if name == "lfm2":
             assert f"{slot['pos_max'] + 1} cells · positions 0–{slot['pos_max']} · " in item
     assert image[:8] == b"\x89PNG\r\n\x1a\n" and len(image) > 2000
+
+
+@pytest.mark.browser
+@needs_chromium
+def test_view_says_how_many_state_copies_are_kept(recurrent_model, tmp_path):
+    _, _, model = recurrent_model
+    engine, _ = generating(model, 6)  # prefix caching on: two copies (test_report_and_metrics_show_the_state_...)
+    dom, _ = render(kv_report(engine), tmp_path)
+    kib = lambda b: f"{math.floor(b / 2**10 * 10 + 0.5) / 10:.1f} KiB"  # noqa: E731  (JS's toFixed: half up)
+    assert f"; 2 of 4 state copies kept for prefix reuse ({kib(engine.checkpoints.n_bytes)})</div>" in dom
 
 
 @pytest.mark.browser
