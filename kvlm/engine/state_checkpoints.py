@@ -3,8 +3,8 @@ boundaries, kept by the hash of the prefix they hold.
 
 A recurrent state holds its whole sequence as one value: no prefix of it can be lent as K/V cells are. So the engine
 copies a running sequence's states whenever a step leaves it at a block boundary (the scheduler ends a prompt's
-chunk at the last boundary of the prompt, so that one exists), keeps the copy of the prompt's last boundary and the
-last one before the request ends, and a later request whose prompt extends one of those prefixes starts from the
+chunk at the prompt's last boundary before its end, so that one exists), keeps that copy and the last one before
+the request ends, and a later request whose prompt extends one of those prefixes starts from the
 copy (with, in a hybrid memory, the prefix cache's K/V cells of the same tokens) instead of from position 0. The
 native recurrent kernels step each token in order with the same float32 operations wherever a prompt is cut, so
 the state restored is the state a full recompute gives, bit for bit, and so is everything after it.
@@ -46,18 +46,21 @@ class StateCheckpoints:
 
     @property
     def n_states(self) -> int:
-        """The distinct states held (a kept copy may still be its sequence's latest)."""
-        return len({id(c) for c in [*self._kept.values(), *self._latest.values()]})
+        return len(self._held())
 
     @property
     def n_bytes(self) -> int:
-        held = {id(c): c for c in [*self._kept.values(), *self._latest.values()]}.values()
-        return sum(part.numel() * part.element_size() for c in held for part in c.parts)
+        return sum(part.numel() * part.element_size() for c in self._held() for part in c.parts)
+
+    def _held(self) -> list[StateCheckpoint]:
+        """The distinct copies held (a kept copy may still be its sequence's latest)."""
+        return list({id(c): c for c in [*self._kept.values(), *self._latest.values()]}.values())
 
     def prompt_chunk(self, n_computed: int, n_tokens: int, n_held: int) -> int:
-        """A prompt chunk's length, cut to end at the last block boundary of the sequence's `n_held` tokens where it
-        would run past it (so the state there exists to be copied)."""
-        boundary = n_held // self.block_size * self.block_size
+        """A prompt chunk's length, cut to end at the last block boundary before the end of the sequence's `n_held`
+        tokens where it would run past it (so the state there exists to be copied). Before the end, not at it: the
+        same prompt again must compute its last token, so it can only start from a copy short of it."""
+        boundary = (n_held - 1) // self.block_size * self.block_size
         return boundary - n_computed if n_computed < boundary < n_computed + n_tokens else n_tokens
 
     def after_step(self, seq_id: int, n_computed: int) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvlm.kernels.native import BuildError, NativeKernels, build, cpu_flags
+from kvlm.startup import START_CPUS
 
 # gcc -march values: this CPU's, AVX2 alone, plain x86-64 (no vector readers); AVX-512 without VNNI if this CPU can
 # run it (checked before loading, below).
@@ -19,8 +20,9 @@ def build_all() -> dict[str, Path | BuildError]:
     build is one compiler process of about half a minute, and a clean clone builds all four."""
     def attempt(march: str) -> Path | BuildError:
         # torch's OpenMP has pinned the main thread, and so this one, to one core; the compiler it starts inherits
-        # the mask, so free this thread first or the builds queue on that core.
-        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+        # the mask, so give this thread back the cores the process started with, or the builds queue on one.
+        if hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, START_CPUS)
         try:
             return build(march)
         except BuildError as exc:
