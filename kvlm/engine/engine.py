@@ -239,13 +239,13 @@ class Engine:
                 self.n_prefill_tokens += item.n_tokens
             outputs = item.outputs  # (read before n_computed moves)
             request.n_computed += item.n_tokens
+            prompt_done = outputs and not request.output_token_ids
+            if prompt_done:  # later requests can share the prompt now (its state copy is kept before the next)
+                self.scheduler.cache_computed_prefix(request)
             if self.checkpoints is not None and not item.guesses:  # (guesses: the state holds unverified tokens)
                 self.checkpoints.after_step(request.seq_id, request.n_computed)
-            if not outputs:
-                continue
-            if not request.output_token_ids:
-                self.scheduler.cache_computed_prefix(request)  # later requests can share the prompt now
-            sampling.append(item)
+            if outputs:
+                sampling.append(item)
         constrained = [item.request for item in sampling if item.request.grammar is not None
                        and self._constrained(item.request)]
         allowed = self.step_masks.fill(constrained) if constrained else {}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from helpers.family_factory import SPECS, family_gguf_metadata, family_gguf_tensors, random_model
 from helpers.gemma3_factory import gguf_of as gemma3_gguf, random_gemma3
@@ -120,6 +120,7 @@ def hybrid(tmp_path_factory):
 @given(stems=st.lists(st.integers(0, 2), min_size=3, max_size=6),
        lengths=st.lists(st.integers(1, 40), min_size=6, max_size=6),
        max_num_seqs=st.integers(1, 3))
+@example(stems=[0, 0, 0], lengths=[40, 1, 1, 1, 1, 1], max_num_seqs=1)  # a prompt ending at a block boundary
 def test_requests_sharing_and_evicting_prefixes_answer_as_each_alone(hybrid, stems, lengths, max_num_seqs):
     """Requests extending three conversation stems, several at a time in 160 cells with 2 x max_num_seqs state
     copies: prefix blocks and copies are lent, evicted and preempted under each other, and every answer is the
