@@ -9,7 +9,7 @@ from collections import Counter
 from pathlib import Path
 
 from kvlm.engine.chat_session import ChatSession
-from kvlm.engine.engine import memory_request
+from kvlm.engine.engine import DEFAULT_DISK_TIER, memory_request
 from kvlm.engine.llm import LLM
 from kvlm.engine.request import RequestOutput
 from kvlm.sampling.params import SamplingParams
@@ -86,6 +86,7 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds in-flight requests get to finish after SIGINT/SIGTERM")
     _speculative_argument(srv)
+    _prefix_tier_arguments(srv)
     srv.set_defaults(handler=_serve)
 
     pull_cmd = commands.add_parser("pull", help="download a model into the cache: a known name, or a Hugging Face "
@@ -196,6 +197,18 @@ def _speculative_argument(parser: argparse.ArgumentParser) -> None:
                         help='speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                              '(prompt lookup) or \'{"model": NAME, "num_speculative_tokens": 4}\' (a draft model); '
                              'the output is unchanged, guesses are made only where they pay')
+
+
+def _prefix_tier_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefix-cache-ram", type=_size, default=0, metavar="SIZE",
+                        help="keep finished conversations' states in RAM for later prompts that start with them, up "
+                             "to SIZE, e.g. 4GiB (as llama.cpp's --cache-ram; default 0: only the KV cells' cache)")
+    parser.add_argument("--prefix-cache-dir", default=None, metavar="DIR",
+                        help="keep them on disk too, in DIR: a restarted server with the same model and settings "
+                             "reuses the previous one's conversations")
+    parser.add_argument("--prefix-cache-disk", type=_size, default=DEFAULT_DISK_TIER, metavar="SIZE",
+                        help="most bytes kept in --prefix-cache-dir (default 10GiB), the least recently used "
+                             "evicted first")
 
 
 def _speculative_config(text: str) -> SpeculativeConfig:
@@ -361,7 +374,9 @@ def _serve(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, memory_budget=args.memory_budget,
         kv_dtype=args.kv_dtype, swa_full=args.swa_full, api_key=args.api_key, served_model_name=args.served_model_name,
         shutdown_timeout=args.shutdown_timeout, tensor_parallel_size=args.tensor_parallel_size, device=args.device,
-        speculative_config=args.speculative_config, enforce_eager=args.enforce_eager))
+        speculative_config=args.speculative_config, enforce_eager=args.enforce_eager,
+        prefix_cache_ram=args.prefix_cache_ram, prefix_cache_dir=args.prefix_cache_dir,
+        prefix_cache_disk=args.prefix_cache_disk))
 
 
 def _pull(args: argparse.Namespace) -> int:

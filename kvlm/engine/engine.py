@@ -12,6 +12,7 @@ from kvlm.core.batch import Batch
 from kvlm.core.staging import staged
 from kvlm.runtime.context import Context, DecodeStatus
 from kvlm.engine.prefix_cache import PrefixCache
+from kvlm.engine.prefix_tiers import PrefixTiers, fingerprint
 from kvlm.engine.state_checkpoints import StateCheckpoints, checkpoint_capacity
 from kvlm.engine.request import Request, RequestOutput, RequestState, StepEvent
 from kvlm.sampling.batch import Row, sample_rows
@@ -31,6 +32,7 @@ from kvlm.structured.step_masks import StepMasks
 
 log = logging.getLogger("kvlm")
 
+DEFAULT_DISK_TIER = 10 * 2**30  # bytes of the disk tier when only its directory is given
 PREFIX_CACHE_SEQ = 0  # the sequence id that keeps cached prefixes alive; requests use 1..max_num_seqs
 
 
@@ -60,11 +62,15 @@ class Engine:
     def __init__(self, model: Model, n_ctx: int | None = None, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 512, kv_dtype: str = AUTO, enable_prefix_caching: bool = True,
                  block_size: int = 16, swa_full: bool = False, memory_budget: int | None = None,
-                 speculative_config: SpeculativeConfig | dict | str | None = None, enforce_eager: bool = False) -> None:
+                 speculative_config: SpeculativeConfig | dict | str | None = None, enforce_eager: bool = False,
+                 prefix_cache_ram: int = 0, prefix_cache_dir: str | None = None,
+                 prefix_cache_disk: int = DEFAULT_DISK_TIER) -> None:
         """`n_ctx` None: the largest that fits in memory, up to the model's own context length; a context that does
         not fit is refused (MemoryPlanError) before it is allocated. `speculative_config`: vLLM's (see
         kvlm.speculative.config); guesses are verified in the step's batch, exactly. `enforce_eager` (vLLM's): no
-        CUDA graphs for decode steps on a GPU (kvlm.model.cuda_graphs)."""
+        CUDA graphs for decode steps on a GPU (kvlm.model.cuda_graphs). With prefix caching, `prefix_cache_ram`
+        bytes of finished sequences' states kept in RAM and `prefix_cache_disk` bytes in `prefix_cache_dir`
+        (kvlm.engine.prefix_tiers); 0 / None: no such tier."""
         self.model = model
         speculative_config = SpeculativeConfig.parse(speculative_config)
         k = speculative_config.num_speculative_tokens if speculative_config else 0
@@ -82,6 +88,10 @@ class Engine:
             if enable_prefix_caching and memory.pools else None
         self.checkpoints = StateCheckpoints(memory, block_size, request.state_checkpoints) \
             if enable_prefix_caching and memory.kind in ("recurrent", "hybrid") else None
+        self.tiers = None
+        if enable_prefix_caching and (prefix_cache_ram or prefix_cache_dir):
+            self.tiers = PrefixTiers(fingerprint(model, kv_dtype), prefix_cache_ram, prefix_cache_dir,
+                                     prefix_cache_disk, partial=memory.kind == "unified", min_tokens=block_size)
         self.speculator: Speculator | None = None
         if speculative_config is not None:
             self.speculator = make_speculator(speculative_config, model, n_ctx, max_num_seqs + 1,
@@ -90,7 +100,7 @@ class Engine:
         self.scheduler = Scheduler(memory, self.prefix_cache, max_num_seqs, max_num_batched_tokens,
                                    first_seq_id=PREFIX_CACHE_SEQ + 1,
                                    on_release=self.speculator.forget if self.speculator else None,
-                                   checkpoints=self.checkpoints)
+                                   checkpoints=self.checkpoints, tiers=self.tiers)
         self.requests: dict[str, Request] = {}
         # structured output: compiled off the step loop (the vocabulary's trie is built at the first use)
         self.grammars = GrammarCompiler(model.tokenizer, model.config.vocab_size)

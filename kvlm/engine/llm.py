@@ -8,11 +8,12 @@ from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
-from kvlm.engine.engine import Engine, memory_request
+from kvlm.engine.engine import DEFAULT_DISK_TIER, Engine, memory_request
 from kvlm.engine.request import RequestOutput
 from kvlm.sampling.params import SamplingParams
 from kvlm.loader.fetch import DEFAULT_MODEL
 from kvlm.loader.load import Model, load_model
+from kvlm.loader.memory_plan import parse_size
 from kvlm.memory.kv_store import AUTO
 from kvlm.speculative.config import SpeculativeConfig
 from kvlm.structured.params import StructuredOutputsParams
@@ -42,7 +43,8 @@ class LLM:
                  compile: bool = False, swa_full: bool = False, tensor_parallel_size: int = 1,
                  memory_budget: int | None = None,
                  speculative_config: SpeculativeConfig | dict | str | None = None, device: str = AUTO,
-                 enforce_eager: bool = False) -> None:
+                 enforce_eager: bool = False, prefix_cache_ram: int | str = 0, prefix_cache_dir: str | None = None,
+                 prefix_cache_disk: int | str = DEFAULT_DISK_TIER) -> None:
         """`swa_full`: for models with sliding-window layers, keep every cell of those layers (more memory; a
         cached prefix is then always reusable) instead of only each sequence's window. `tensor_parallel_size` N:
         the model's heads and MLP split over N processes (this one and N - 1 it starts; see kvlm.parallel).
@@ -56,7 +58,11 @@ class LLM:
 
         `speculative_config`: vLLM's, e.g. {"method": "ngram", "num_speculative_tokens": 4} (prompt lookup) or
         {"model": "qwen2.5-coder-0.5b-instruct", "num_speculative_tokens": 4} (a draft model); the output is the
-        same as without it (see kvlm.speculative)."""
+        same as without it (see kvlm.speculative).
+
+        `prefix_cache_ram`, `prefix_cache_dir`, `prefix_cache_disk`: finished sequences' states kept in RAM (bytes,
+        or a size such as "2GiB"; 0: none) and in a directory (up to `prefix_cache_disk`; it outlives the process),
+        loaded by later prompts that start with them (kvlm.engine.prefix_tiers), as llama.cpp's --cache-ram."""
         speculative_config = SpeculativeConfig.parse(speculative_config)
         request = memory_request(n_ctx, max_num_seqs, max_num_batched_tokens, kv_dtype, enable_prefix_caching,
                                  swa_full=swa_full,
@@ -75,7 +81,8 @@ class LLM:
                              max_num_batched_tokens=max_num_batched_tokens, kv_dtype=kv_dtype,
                              enable_prefix_caching=enable_prefix_caching, swa_full=swa_full,
                              memory_budget=memory_budget, speculative_config=speculative_config,
-                             enforce_eager=enforce_eager)
+                             enforce_eager=enforce_eager, prefix_cache_ram=_bytes(prefix_cache_ram),
+                             prefix_cache_dir=prefix_cache_dir, prefix_cache_disk=_bytes(prefix_cache_disk))
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -191,3 +198,7 @@ def _per_prompt(params, n: int) -> list[SamplingParams]:
     if len(params) != n:
         raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
     return params
+
+
+def _bytes(size: int | str) -> int:
+    return parse_size(size) if isinstance(size, str) else size

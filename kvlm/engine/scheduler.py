@@ -13,10 +13,13 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvlm.core.errors import CacheError
 from kvlm.engine.prefix_cache import PrefixCache
+from kvlm.engine.prefix_tiers import PrefixTiers
 from kvlm.engine.request import Request, RequestState
 from kvlm.engine.state_checkpoints import StateCheckpoints
 from kvlm.memory.protocol import Memory
+from kvlm.memory.seq_state import StateError
 
 
 @dataclass
@@ -36,14 +39,16 @@ class Scheduler:
     def __init__(self, memory: Memory, prefix_cache: PrefixCache | None, max_num_seqs: int,
                  max_num_batched_tokens: int, first_seq_id: int,
                  on_release: Callable[[Request], None] | None = None,
-                 checkpoints: StateCheckpoints | None = None) -> None:
+                 checkpoints: StateCheckpoints | None = None, tiers: PrefixTiers | None = None) -> None:
         """`on_release(request)`: called when a request gives up its sequence (finished or preempted).
         `checkpoints`: a memory with recurrent states reuses prefixes through copies of them (and its K/V cells
-        through `prefix_cache`, if it has any)."""
+        through `prefix_cache`, if it has any). `tiers`: finished sequences' states in RAM and on disk, loaded where
+        they give a prompt more than the cell pool holds."""
         self.memory = memory
         self.on_release = on_release
         self.prefix_cache = prefix_cache
         self.checkpoints = checkpoints
+        self.tiers = tiers
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -112,13 +117,42 @@ class Scheduler:
             self.running.append(request)
 
     def _reuse_cached_prefix(self, request: Request) -> None:
-        if self.checkpoints is not None:
-            n_cached = self._restore_checkpoint(request)
-        elif self.prefix_cache is not None:
-            n_cached = self.prefix_cache.lend(self.prefix_cache.match(request.token_ids), request.seq_id)
-        else:
-            return
+        n_cached = self._reuse_from_pool(request)
+        if self.tiers is not None:
+            n_cached = self._load_from_tiers(request, n_cached)
         request.n_computed = request.n_cached_tokens = n_cached
+
+    def _reuse_from_pool(self, request: Request) -> int:
+        if self.checkpoints is not None:
+            return self._restore_checkpoint(request)
+        if self.prefix_cache is not None:
+            return self.prefix_cache.lend(self.prefix_cache.match(request.token_ids), request.seq_id)
+        return 0
+
+    def _load_from_tiers(self, request: Request, n_cached: int) -> int:
+        """A tier's entry in place of what the pool lent, where it gives more of the prompt (the last token is left
+        to compute); the pool's prefix again if it cannot be loaded."""
+        hit = self.tiers.find(request.token_ids, len(request.token_ids) - 1)
+        if hit is None or hit.n_tokens <= n_cached:
+            return n_cached
+        data = self.tiers.read(hit)
+        if data is None:  # (unsound: deleted)
+            return n_cached
+        seq_id = request.seq_id
+        self.memory.seq_rm(seq_id, -1, -1)
+        try:
+            if not self.has_room(len(hit.entry.tokens)):
+                return self._reuse_from_pool(request)
+            self.memory.state_seq_load(data, seq_id)
+        except StateError as exc:
+            self.tiers.drop(hit, exc)
+            return self._reuse_from_pool(request)
+        except CacheError:  # no room after all: nothing was loaded
+            return self._reuse_from_pool(request)
+        if hit.n_tokens < len(hit.entry.tokens):
+            self.memory.seq_rm(seq_id, hit.n_tokens, -1)  # (a memory of K/V cells alone: the shared part kept)
+        self.tiers.loaded(hit)
+        return hit.n_tokens
 
     def _restore_checkpoint(self, request: Request) -> int:
         """The deepest kept state inside the prompt whose K/V cells (if the memory has any) are cached too."""
@@ -156,6 +190,8 @@ class Scheduler:
     def _release(self, request: Request, keep_in_cache: bool) -> None:
         if keep_in_cache:
             self.cache_computed_prefix(request)
+            if self.tiers is not None and request.n_computed >= self.tiers.min_tokens:
+                self.tiers.save(request.token_ids[: request.n_computed], self.memory.state_seq_save(request.seq_id))
         if self.checkpoints is not None:
             self.checkpoints.forget(request.seq_id)
         if self.on_release is not None:

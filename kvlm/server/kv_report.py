@@ -21,7 +21,9 @@ The shape:
      "recurrent": {"n_slots", "n_used", "n_layer", "state_bytes", "bytes_per_slot",   # n_layer: recurrent layers
                    "slots": [{"seq_id", "request_id", "role", "pos_min", "pos_max"}],  # the slots in use
                    # with prefix caching: the copies of states kept for reuse (kvlm.engine.state_checkpoints)
-                   "state_copies": {"n_states", "capacity", "bytes"}}}
+                   "state_copies": {"n_states", "capacity", "bytes"}},
+     # with --prefix-cache-ram / --prefix-cache-dir: finished sequences' states beyond the cells (prefix_tiers)
+     "prefix_tiers": [{"tier": "ram" | "disk", "entries", "bytes", "capacity", "queries", "hits", "hit_tokens"}]}
 """
 from __future__ import annotations
 
@@ -135,6 +137,8 @@ def kv_report(engine: Engine) -> dict:
                        "pos_min": memory.seq_pos_min(s), "pos_max": memory.seq_pos_max(s)} for s in live],
         "pools": pools,
     }
+    if engine.tiers is not None:
+        report["prefix_tiers"] = [tier_report(tier) for tier in engine.tiers.tiers]
     if recurrent is not None:
         report["recurrent"] = recurrent
         copies = engine.checkpoints
@@ -142,3 +146,9 @@ def kv_report(engine: Engine) -> dict:
             recurrent["state_copies"] = {"n_states": copies.n_states, "capacity": copies.capacity,
                                          "bytes": copies.n_bytes}
     return report
+
+
+def tier_report(tier) -> dict:
+    stats = tier.stats
+    return {"tier": tier.name, "entries": len(tier.entries), "bytes": tier.n_bytes, "capacity": tier.capacity,
+            "queries": stats.queries, "hits": stats.hits, "hit_tokens": stats.hit_tokens}

@@ -48,6 +48,15 @@ class ServerMetrics(StepObserver):
                                    registry=r)
         self.prefix_hit_tokens = Counter("kvlm_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
                                          registry=r)
+        # the prefix cache's tiers beyond the cells (--prefix-cache-ram, --prefix-cache-dir), by tier
+        self.tier_queries = Counter("kvlm_prefix_tier_queries", "Prompts looked up in a prefix cache tier", ["tier"],
+                                    registry=r)
+        self.tier_hits = Counter("kvlm_prefix_tier_hits", "Prompts that loaded a tier's entry", ["tier"], registry=r)
+        self.tier_hit_tokens = Counter("kvlm_prefix_tier_hit_tokens", "Prompt tokens loaded from a tier", ["tier"],
+                                       registry=r)
+        self.tier_bytes = Gauge("kvlm_prefix_tier_bytes", "Bytes of the entries a tier holds", ["tier"], registry=r)
+        self.tier_entries = Gauge("kvlm_prefix_tier_entries", "Entries a tier holds", ["tier"], registry=r)
+        self._tier_seen: dict[str, tuple[int, int, int]] = {}
         # structured output: what compiling grammars and masking tokens cost, and how many requests were constrained
         self.grammar_compile_seconds = Counter("kvlm_grammar_compile_seconds", "Time spent compiling grammars",
                                                registry=r)
@@ -107,6 +116,20 @@ class ServerMetrics(StepObserver):
         if engine.checkpoints is not None:
             self.state_copies.set(engine.checkpoints.n_states)
             self.state_copy_bytes.set(engine.checkpoints.n_bytes)
+        if engine.tiers is not None:
+            self._count_tiers(engine.tiers.tiers)
+
+    def _count_tiers(self, tiers) -> None:
+        for tier in tiers:
+            stats = tier.stats
+            totals = (stats.queries, stats.hits, stats.hit_tokens)
+            before = self._tier_seen.get(tier.name, (0, 0, 0))
+            for counter, now, then in zip((self.tier_queries, self.tier_hits, self.tier_hit_tokens), totals, before):
+                if now > then:
+                    counter.labels(tier=tier.name).inc(now - then)
+            self._tier_seen[tier.name] = totals
+            self.tier_bytes.labels(tier=tier.name).set(tier.n_bytes)
+            self.tier_entries.labels(tier=tier.name).set(len(tier.entries))
 
     def _count_structured(self, engine: Engine) -> None:
         """The engine keeps running totals; the counters get what they added since the last step."""

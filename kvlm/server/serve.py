@@ -8,7 +8,7 @@ from pathlib import Path
 
 import uvicorn
 
-from kvlm.engine.engine import Engine, memory_request
+from kvlm.engine.engine import DEFAULT_DISK_TIER, Engine, memory_request
 from kvlm.loader.gguf_split import split_prefix
 from kvlm.loader.load import load_model
 from kvlm.memory.kv_store import AUTO
@@ -42,6 +42,9 @@ class ServeSettings:
     memory_budget: int | None = None  # bytes for weights, KV cache and buffers (None: the machine's)
     speculative_config: SpeculativeConfig | None = None  # vLLM's (kvlm.speculative.config)
     enforce_eager: bool = False  # no CUDA graphs for decode steps on a GPU (vLLM's)
+    prefix_cache_ram: int = 0  # bytes of finished sequences' states kept in RAM (kvlm.engine.prefix_tiers)
+    prefix_cache_dir: str | None = None  # and on disk, across restarts
+    prefix_cache_disk: int = DEFAULT_DISK_TIER
 
 
 def served_name(model: str) -> str:
@@ -106,7 +109,9 @@ def serve(settings: ServeSettings) -> int:
         return Engine(model, n_ctx=settings.n_ctx or model.plan.n_ctx, max_num_seqs=settings.max_num_seqs,
                       max_num_batched_tokens=settings.max_num_batched_tokens, kv_dtype=settings.kv_dtype,
                       swa_full=settings.swa_full, memory_budget=settings.memory_budget,
-                      speculative_config=speculative, enforce_eager=settings.enforce_eager)
+                      speculative_config=speculative, enforce_eager=settings.enforce_eager,
+                      prefix_cache_ram=settings.prefix_cache_ram, prefix_cache_dir=settings.prefix_cache_dir,
+                      prefix_cache_disk=settings.prefix_cache_disk)
 
     # The engine steps on a thread of its own (kvlm.server.async_engine): no other thread may keep OpenMP workers.
     # (Tensor parallelism pins this thread to rank 0's cores, which the engine thread inherits: it builds here.)
