@@ -125,8 +125,9 @@ class ServerMetrics(StepObserver):
             totals = (stats.queries, stats.hits, stats.hit_tokens)
             before = self._tier_seen.get(tier.name, (0, 0, 0))
             for counter, now, then in zip((self.tier_queries, self.tier_hits, self.tier_hit_tokens), totals, before):
+                child = counter.labels(tier=tier.name)  # (shown from the start, at 0)
                 if now > then:
-                    counter.labels(tier=tier.name).inc(now - then)
+                    child.inc(now - then)
             self._tier_seen[tier.name] = totals
             self.tier_bytes.labels(tier=tier.name).set(tier.n_bytes)
             self.tier_entries.labels(tier=tier.name).set(len(tier.entries))

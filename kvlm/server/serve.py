@@ -81,6 +81,13 @@ def _recurrent_state(memory) -> str | None:
             f", {'/'.join(dtypes)}): {slots.kv_bytes} bytes ({slots.kv_bytes / 2**20:.1f} MiB)")
 
 
+def _tier(tier) -> str:
+    """'disk /x/<fingerprint>: 3 entries, 1.2 of 10240.0 MiB' (what a previous process left there, for disk)."""
+    where = f" {tier.folder}" if hasattr(tier, "folder") else ""
+    return (f"{tier.name}{where}: {len(tier.entries)} entries, {tier.n_bytes / 2**20:.1f} of "
+            f"{tier.capacity / 2**20:.1f} MiB")
+
+
 def _log_memory(memory, kv_dtype: str, max_num_seqs: int) -> None:
     """The KV cache's pools and bytes (as they always were for the KV-only kinds), then the recurrent state's."""
     slots, state = recurrent_part(memory), _recurrent_state(memory)
@@ -123,6 +130,8 @@ def serve(settings: ServeSettings) -> int:
     log.info("compute: %s", model.decoder.describe())
     log.info("memory: %s", "; ".join(f"{label} {text}" for label, text in engine.plan.lines()))
     _log_memory(memory, engine.context.kv_dtype, settings.max_num_seqs)
+    if engine.tiers is not None:
+        log.info("prefix cache tiers: %s", "; ".join(_tier(tier) for tier in engine.tiers.tiers) or "none")
     if speculative is not None:
         log.info("speculative decoding: %s, up to %d guessed tokens per step%s", speculative.method,
                  speculative.num_speculative_tokens, ", as many as pay (measured)" if speculative.adaptive else "")

@@ -18,6 +18,7 @@ from helpers.qwen35_factory import random_qwen35, write_qwen35_gguf
 from helpers.recurrent_factory import lfm2_gguf, mamba2_gguf, random_lfm2, random_mamba2
 from kvlm import LLM, Batch, Context, SamplingParams
 from kvlm.core.family import RECURRENT_KINDS
+from kvlm.memory.seq_state import decode_state, encode_state
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -123,22 +124,131 @@ def hybrid(tmp_path_factory):
 @example(stems=[0, 0, 0], lengths=[40, 1, 1, 1, 1, 1], max_num_seqs=1)  # a prompt ending at a block boundary
 def test_requests_sharing_and_evicting_prefixes_answer_as_each_alone(hybrid, stems, lengths, max_num_seqs):
     """Requests extending three conversation stems, several at a time in 160 cells with 2 x max_num_seqs state
-    copies: prefix blocks and copies are lent, evicted and preempted under each other, and every answer is the
-    answer of its request alone without caching. The same prompt twice in a row: the second starts from the copy at
-    the prompt's last block boundary before its end."""
+    copies and a RAM tier, then again, then each one's next turn: prefix blocks, copies and tier entries are lent,
+    loaded, evicted and preempted under each other, and every answer is the answer of its request alone without
+    caching. The same prompt twice in a row: the second starts at least from the copy at the prompt's last block
+    boundary before its end."""
     stem_tokens = [token_ids(1000, 40 + 24 * stem, seed=50 + stem) for stem in range(3)]
     prompts = [stem_tokens[stem] + token_ids(1000, lengths[i], seed=60 + i) for i, stem in enumerate(stems)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    llm = LLM(hybrid, n_ctx=160, max_num_seqs=max_num_seqs, max_num_batched_tokens=48)
+    llm = LLM(hybrid, n_ctx=160, max_num_seqs=max_num_seqs, max_num_batched_tokens=48, prefix_cache_ram="1MiB")
     first = llm.generate(prompts, params, use_tqdm=False)
     second = llm.generate(prompts[::-1], params, use_tqdm=False)[::-1]  # now with the cache full of them
-    checkpoints = llm.engine.checkpoints
-    assert checkpoints.n_states <= checkpoints.capacity
-    for prompt, a, b in zip(prompts, first, second):
-        alone = LLM(hybrid, n_ctx=160, max_num_seqs=1, enable_prefix_caching=False)
+    turns = [prompt + a.token_ids + token_ids(1000, 4, seed=70 + i) for i, (prompt, a) in enumerate(zip(prompts, first))]
+    third = llm.generate(turns, params, use_tqdm=False)
+    checkpoints, ram = llm.engine.checkpoints, llm.engine.tiers.tier("ram")
+    assert checkpoints.n_states <= checkpoints.capacity and ram.n_bytes <= ram.capacity
+    alone = LLM(hybrid, n_ctx=160, max_num_seqs=1, enable_prefix_caching=False)
+    for prompt, turn, a, b, c in zip(prompts, turns, first, second, third):
         expected = alone.generate([prompt], params, use_tqdm=False)[0].token_ids
         assert a.token_ids == expected and b.token_ids == expected
+        assert c.token_ids == alone.generate([turn], params, use_tqdm=False)[0].token_ids
     llm.generate([prompts[0]], params, use_tqdm=False)
     repeated = llm.generate([prompts[0]], params, use_tqdm=False)[0]  # from the copy short of the prompt's end
-    assert repeated.n_cached_tokens == (len(prompts[0]) - 1) // BLOCK * BLOCK
+    assert repeated.n_cached_tokens >= (len(prompts[0]) - 1) // BLOCK * BLOCK
     assert repeated.token_ids == first[0].token_ids
+
+
+# The tiers beyond the cells (kvlm.engine.prefix_tiers): finished sequences' states in RAM and on disk.
+
+def conversation(llm: LLM, first: list[int]) -> tuple[list[int], list[int]]:
+    """Turn 1 (first) through `llm`, and turn 2: turn 1, its answer and 30 tokens more."""
+    answer = llm.generate([first], GREEDY, use_tqdm=False)[0].token_ids
+    return answer, first + answer + token_ids(1000, 30, seed=2)
+
+
+def test_a_restarted_engine_reuses_the_conversation_from_its_disk_tier(model, tmp_path):
+    """Turn 1 in one engine, turn 2 in a new one over the same directory: the 169 positions the first computed
+    (all but the answer's last token: 99% of the 170 shared) are loaded, and the answer is the one without caching.
+    A memory of K/V cells alone also takes part of an entry: turn 1's prompt again reuses all but its last token."""
+    first = token_ids(1000, 150, seed=1)
+    answer, second = conversation(LLM(model, n_ctx=256, max_num_seqs=2, prefix_cache_dir=tmp_path), first)
+    restarted = LLM(model, n_ctx=256, max_num_seqs=2, prefix_cache_dir=tmp_path)
+    again = restarted.generate([second], GREEDY, use_tqdm=False)[0]
+    shared = len(first) + len(answer)
+    assert again.n_cached_tokens == shared - 1 >= 0.95 * shared
+    assert again.token_ids == without_caching(model, second)
+    disk = restarted.engine.tiers.tier("disk")
+    assert (disk.stats.hits, disk.stats.hit_tokens) == (1, shared - 1)
+    if restarted.engine.context.memory.kind == "unified":
+        fresh = LLM(model, n_ctx=256, max_num_seqs=2, prefix_cache_dir=tmp_path)
+        repeated = fresh.generate([first], GREEDY, use_tqdm=False)[0]
+        assert repeated.n_cached_tokens == len(first) - 1 and repeated.token_ids == answer
+
+
+def test_the_ram_tier_gives_back_what_the_cells_let_go(model):
+    llm = LLM(model, n_ctx=256, max_num_seqs=2, prefix_cache_ram="8MiB")
+    first = token_ids(1000, 150, seed=1)
+    answer, second = conversation(llm, first)
+    for pool_cache in (llm.engine.prefix_cache, llm.engine.checkpoints):
+        if pool_cache is not None:
+            pool_cache.clear()  # (as if other requests had evicted them)
+    again = llm.generate([second], GREEDY, use_tqdm=False)[0]
+    assert again.n_cached_tokens == len(first) + len(answer) - 1
+    assert again.token_ids == without_caching(model, second)
+    assert llm.engine.tiers.tier("ram").stats.hits == 1
+
+
+def entry_files(folder) -> list:
+    return sorted(folder.rglob("*.kvprefix"))
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "truncated", "garbage", "another fingerprint"])
+def test_a_damaged_or_foreign_entry_is_skipped_deleted_and_logged_once(hybrid, tmp_path, damage, caplog):
+    first = token_ids(1000, 100, seed=5)
+    _, second = conversation(LLM(hybrid, n_ctx=256, max_num_seqs=1, prefix_cache_dir=tmp_path), first)
+    [path] = entry_files(tmp_path)
+    data = bytearray(path.read_bytes())
+    if damage == "flipped byte":
+        data[len(data) // 2] ^= 0xFF
+    elif damage == "truncated":
+        data = data[: len(data) - 100]
+    elif damage == "garbage":
+        data = bytearray(torch.randint(0, 256, (len(data),), generator=torch.Generator().manual_seed(0)).tolist())
+    else:  # a sound entry of other settings (its header's fingerprint another)
+        header, positions, parts = decode_state(bytes(data), {})
+        header.pop("parts")
+        data = encode_state({**header, "fingerprint": "0" * 32}, positions, parts)
+    path.write_bytes(bytes(data))
+    caplog.set_level("WARNING", logger="kvlm")
+    caplog.clear()
+    restarted = LLM(hybrid, n_ctx=256, max_num_seqs=1, prefix_cache_dir=tmp_path)
+    again = restarted.generate([second], GREEDY, use_tqdm=False)[0]
+    assert again.n_cached_tokens == 0 and again.token_ids == without_caching(hybrid, second)
+    assert not path.exists() and restarted.engine.tiers.tier("disk").stats.hits == 0
+    assert len([r for r in caplog.records if path.name in r.getMessage()]) == 1
+
+
+def test_each_tier_stays_within_its_bound(hybrid, tmp_path):
+    """Room for about two entries of the five conversations: the least recently used go, on disk and in RAM."""
+    probe = LLM(hybrid, n_ctx=256, max_num_seqs=1, prefix_cache_dir=tmp_path / "probe", prefix_cache_ram="1MiB")
+    probe.generate([token_ids(1000, 100, seed=20)], GREEDY, use_tqdm=False)
+    ram_size, disk_size = (tier.n_bytes for tier in probe.engine.tiers.tiers)
+    llm = LLM(hybrid, n_ctx=256, max_num_seqs=1, prefix_cache_dir=tmp_path / "bounded",
+              prefix_cache_ram=int(2.5 * ram_size), prefix_cache_disk=int(2.5 * disk_size))
+    ram, disk = llm.engine.tiers.tiers
+    for seed in range(5):
+        llm.generate([token_ids(1000, 100, seed=20 + seed)], GREEDY, use_tqdm=False)
+        assert ram.n_bytes <= ram.capacity and disk.n_bytes <= disk.capacity
+        assert sum(p.stat().st_size for p in entry_files(tmp_path / "bounded")) == disk.n_bytes
+    assert len(ram.entries) == len(disk.entries) == 2
+
+
+def test_an_unwritable_directory_or_a_full_disk_leaves_no_disk_tier_and_fails_no_request(hybrid, tmp_path, caplog,
+                                                                                       monkeypatch):
+    prompt = token_ids(1000, 60, seed=7)
+    expected = without_caching(hybrid, prompt)
+    (tmp_path / "a-file").write_text("")
+    caplog.set_level("WARNING", logger="kvlm")
+    llm = LLM(hybrid, n_ctx=256, max_num_seqs=1, prefix_cache_dir=tmp_path / "a-file" / "tiers")
+    assert llm.engine.tiers.tier("disk") is None and "no disk tier" in caplog.text
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids == expected
+    llm = LLM(hybrid, n_ctx=256, max_num_seqs=1, prefix_cache_dir=tmp_path / "full", prefix_cache_ram="1MiB")
+
+    def no_space(*_):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("kvlm.engine.prefix_tiers.os.replace", no_space)
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids == expected
+    assert [t.name for t in llm.engine.tiers.tiers] == ["ram"] and "No space left on device" in caplog.text
+    assert len(llm.engine.tiers.tier("ram").entries) == 1

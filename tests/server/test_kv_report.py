@@ -20,8 +20,8 @@ from helpers.models import token_ids
 from helpers.recurrent_factory import random_lfm2, random_mamba2
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvlm import load_model
-from kvlm.engine.engine import PREFIX_CACHE_SEQ, Engine
+from kvlm import LLM, load_model
+from kvlm.engine.engine import DEFAULT_DISK_TIER, PREFIX_CACHE_SEQ, Engine
 from kvlm.sampling.params import SamplingParams
 from kvlm.memory.iswa import sliding_pool_cells
 from kvlm.server.kv_report import kv_report
@@ -473,3 +473,53 @@ def test_view_of_a_unified_memory_is_as_before(smollm2, tmp_path):
     assert any(f"seq {seq['seq_id']} · request cmpl-x · {seq['n_cells']} cells · positions 0–{seq['pos_max']} · "
                f"1 run(s)" in item for item in legend_items(dom))
     assert image[:8] == b"\x89PNG\r\n\x1a\n" and len(image) > 5000
+
+
+@pytest.fixture(scope="module")
+def tiered_engine(smollm2, tmp_path_factory):
+    """Two turns of a conversation with a RAM and a disk tier, the cells' prefix cache emptied in between: the
+    second loads the 47 positions the first computed from the RAM tier."""
+    llm = LLM(smollm2, n_ctx=256, max_num_seqs=2, prefix_cache_ram="64MiB",
+              prefix_cache_dir=tmp_path_factory.mktemp("tiers"))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    first = token_ids(1000, 40, seed=1)
+    answer = llm.generate([first], params, use_tqdm=False)[0].token_ids
+    llm.engine.prefix_cache.clear()
+    again = llm.generate([first + answer + token_ids(1000, 5, seed=2)], params, use_tqdm=False)[0]
+    assert again.n_cached_tokens == 47
+    return llm.engine
+
+
+def test_report_and_metrics_show_the_prefix_cache_tiers(tiered_engine):
+    ram, disk = tiered_engine.tiers.tiers
+    assert ram.n_bytes == sum(len(entry.data) for entry in ram.entries.values())
+    assert disk.n_bytes == sum(entry.path.stat().st_size for entry in disk.entries.values())
+    report = json.loads(json.dumps(kv_report(tiered_engine)))
+    assert report["prefix_tiers"] == [
+        {"tier": "ram", "entries": 2, "bytes": ram.n_bytes, "capacity": 64 * 2**20, "queries": 2, "hits": 1,
+         "hit_tokens": 47},
+        {"tier": "disk", "entries": 2, "bytes": disk.n_bytes, "capacity": DEFAULT_DISK_TIER, "queries": 2, "hits": 0,
+         "hit_tokens": 0}]
+    metrics = ServerMetrics()
+    metrics.refresh(tiered_engine)
+    samples = {(s.name, s.labels.get("tier")): s.value
+               for family in text_string_to_metric_families(metrics.render().decode()) for s in family.samples}
+    for tier in report["prefix_tiers"]:
+        name = tier["tier"]
+        assert samples[("kvlm_prefix_tier_queries_total", name)] == tier["queries"]
+        assert samples[("kvlm_prefix_tier_hits_total", name)] == tier["hits"]
+        assert samples[("kvlm_prefix_tier_hit_tokens_total", name)] == tier["hit_tokens"]
+        assert samples[("kvlm_prefix_tier_bytes", name)] == tier["bytes"]
+        assert samples[("kvlm_prefix_tier_entries", name)] == tier["entries"]
+
+
+@pytest.mark.browser
+@needs_chromium
+def test_view_shows_the_prefix_cache_tiers(tiered_engine, tmp_path):
+    report = kv_report(tiered_engine)
+    dom, _ = render(report, tmp_path)
+    mib = lambda b: f"{math.floor(b / 2**20 * 100 + 0.5) / 100:.2f} MiB"  # noqa: E731  (JS's toFixed: half up)
+    ram, disk = report["prefix_tiers"]
+    assert (f'<div id="tiers">prefix cache tiers: ram 2 entries, {mib(ram["bytes"])} of 64.00 MiB, 1 of 2 lookups '
+            f'hit (47 tokens); disk 2 entries, {mib(disk["bytes"])} of 10.00 GiB, 0 of 2 lookups hit (0 tokens)</div>'
+            ) in dom
