@@ -91,7 +91,7 @@ class Engine:
         self.tiers = None
         if enable_prefix_caching and (prefix_cache_ram or prefix_cache_dir):
             self.tiers = PrefixTiers(fingerprint(model, kv_dtype), prefix_cache_ram, prefix_cache_dir,
-                                     prefix_cache_disk, partial=memory.kind == "unified", min_tokens=block_size)
+                                     prefix_cache_disk, partial=self.checkpoints is None, block_size=block_size)
         self.speculator: Speculator | None = None
         if speculative_config is not None:
             self.speculator = make_speculator(speculative_config, model, n_ctx, max_num_seqs + 1,

@@ -4,12 +4,15 @@
 When a request ends, its sequence (every K/V row and recurrent state of the tokens computed: prompt and output but
 the last) is saved in the sequence-state format (kvlm.memory.seq_state) to each tier. A later request whose prompt
 starts with an entry's tokens loads the entry into its sequence instead of computing them, when that is more than
-the cell pool's prefix cache (kvlm.engine.prefix_cache, state_checkpoints) holds of it. A memory of K/V cells alone
-(unified) may also take the part of an entry its prompt shares, cutting the rest away; one with recurrent states or
-a sliding window only a whole entry (a state holds its whole sequence; a window cut short is not whole).
+the cell pool's prefix cache (kvlm.engine.prefix_cache, state_checkpoints) holds of it by a block or more. A memory
+of K/V cells alone (unified, iSWA) may also take the part of an entry its prompt shares, cutting the rest away
+(iSWA: where the window before the cut is still whole); one with recurrent states only a whole entry (a state holds
+its whole sequence and cannot be cut back), so for those the engine also saves the state at the prompt's last block
+boundary (its kept copy), which a next prompt carrying another reply than the one computed still starts with.
 
 Each tier is bounded in bytes and evicts its least recently used entry first. The disk tier writes every entry
-(the RAM tier keeps a copy in front of it) under DIR/<fingerprint>/, where the fingerprint covers everything that
+(the RAM tier keeps a copy in front of it; a thread of its own writes the files while the engine goes on, and
+finishes them before the process exits) under DIR/<fingerprint>/, where the fingerprint covers everything that
 changes a state's bytes: the model file, the computing settings and backend, the KV dtype, RoPE, kvlm's state
 format. A restarted process with the same settings finds the previous one's entries there. Entries carry a CRC32
 and their fingerprint; one that is corrupt, truncated or another's is logged once, deleted and never loaded. A
@@ -25,17 +28,19 @@ import os
 import struct
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
-
-from kvlm.memory.seq_state import MAGIC, VERSION, StateError, decode_state, encode_state, model_identity
+from kvlm.memory.seq_state import MAGIC, VERSION, StateError, blob_checksum, blob_head, decode_state, model_identity
 
 log = logging.getLogger("kvlm")
 
 SUFFIX = ".kvprefix"
+# Writes and deletes the disk tiers' files in order, off the engine's thread; at exit, what it was given is finished
+# (concurrent.futures waits for its queue).
+WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvlm-prefix-disk")
 STALE_PARTIAL_S = 600  # an entry file being written this long ago was left by a process that ended
 TIER_FORMAT = 1  # of the entry files around the sequence states (their header's fields)
 
@@ -108,11 +113,15 @@ class Tier:
 
 class DiskTier(Tier):
     """Entry files in a directory: the sequence state inside a state-format envelope holding the fingerprint and
-    the tokens (a header read without the body lists them at start)."""
+    the tokens (a header read without the body lists them at start). Files are written and deleted by one thread
+    of the process (WRITER), in order, while the engine goes on; the index is the engine thread's."""
 
     def __init__(self, folder: Path, capacity: int, fingerprint: str) -> None:
         super().__init__("disk", capacity)
         self.folder, self.fingerprint = folder, fingerprint
+        self.failure: OSError | None = None  # the last write's error, if it failed
+        self._writes: dict[Path, Future] = {}
+        WRITER.submit(lambda: None).result()  # (this process may have entries for this folder still being written)
         folder.mkdir(parents=True, exist_ok=True)
         probe = folder / ".write-test"
         probe.write_bytes(b"")  # (an unwritable directory fails here, before any request)
@@ -130,22 +139,40 @@ class DiskTier(Tier):
             super().add(entry)
 
     def add(self, entry: TierEntry) -> bool:
-        header = {"fingerprint": self.fingerprint, "tokens": entry.tokens.tolist(), "pool_cells": []}  # (no cells)
-        body = encode_state(header, np.empty(0, np.int64), [torch.frombuffer(bytearray(entry.data), dtype=torch.uint8)])
-        if len(body) > self.capacity:
+        head = blob_head({"fingerprint": self.fingerprint, "tokens": entry.tokens.tolist()}, len(entry.data))
+        size = len(head) + len(entry.data) + 4
+        if size > self.capacity:
             return False
         path = self.folder / (entry.key + SUFFIX)
+        self._writes = {p: f for p, f in self._writes.items() if not f.done()}
+        self._writes[path] = WRITER.submit(self._write, path, head, entry.data)
+        return super().add(TierEntry(entry.tokens, size, path=path))
+
+    def _write(self, path: Path, head: bytes, data: bytes) -> None:
+        """(On the writer thread.) A crash leaves a .partial file behind, never half an entry."""
         partial = path.with_suffix(f".{os.getpid()}.partial")  # (processes sharing the directory)
-        partial.write_bytes(body)
-        os.replace(partial, path)  # (a crash leaves a .partial behind, never half an entry)
-        return super().add(TierEntry(entry.tokens, len(body), path=path))
+        try:
+            with partial.open("wb") as file:
+                file.write(head)
+                file.write(data)
+                file.write(blob_checksum(head, data))
+            os.replace(partial, path)
+        except OSError as exc:
+            self.failure = exc
+            partial.unlink(missing_ok=True)
+
+    def flush(self) -> None:
+        WRITER.submit(lambda: None).result()
 
     def remove(self, entry: TierEntry) -> None:
         super().remove(entry)
-        entry.path.unlink(missing_ok=True)
+        WRITER.submit(entry.path.unlink, missing_ok=True)  # (after its write, if that is still to come)
 
     def read(self, entry: TierEntry) -> bytes | None:
         """The entry's state, checked (CRC32, fingerprint, tokens); None if it is not sound (then deleted)."""
+        writing = self._writes.pop(entry.path, None)
+        if writing is not None:
+            writing.result()
         try:
             header, _, parts = decode_state(entry.path.read_bytes(), {"fingerprint": self.fingerprint})
             if header["tokens"] != entry.tokens.tolist():
@@ -189,10 +216,10 @@ class TierHit:
 
 class PrefixTiers:
     def __init__(self, fingerprint: str, ram_bytes: int = 0, disk_dir: str | Path | None = None,
-                 disk_bytes: int = 0, partial: bool = True, min_tokens: int = 16) -> None:
-        """`partial`: whether a prompt may use part of an entry (a memory of K/V cells alone); `min_tokens`: the
-        shortest sequence worth saving (a prefix-cache block)."""
-        self.partial, self.min_tokens = partial, min_tokens
+                 disk_bytes: int = 0, partial: bool = True, block_size: int = 16) -> None:
+        """`partial`: whether a prompt may use part of an entry (K/V cells alone: no recurrent state); `block_size`: the
+        prefix cache's, the shortest sequence worth saving and the least gain worth loading one."""
+        self.partial, self.block_size = partial, block_size
         self.tiers: list[Tier] = [Tier("ram", ram_bytes)] if ram_bytes else []
         if disk_dir is not None and disk_bytes:
             try:
@@ -205,15 +232,26 @@ class PrefixTiers:
 
     def save(self, tokens: list[int], data: bytes) -> None:
         """Keep a sequence's state (positions 0 .. len(tokens) - 1) in every tier."""
+        self._drop_failed()
         entry = TierEntry(np.asarray(tokens, dtype=np.int64), len(data), data=data)
         for tier in list(self.tiers):
             if entry.key in tier.entries:  # (the same tokens again: the same bytes)
                 tier.entries.move_to_end(entry.key)
                 continue
-            try:
-                tier.add(entry)
-            except OSError as exc:  # a full disk, a directory gone: no disk tier from now on
-                log.warning("prefix cache: the %s tier is off (%s)", tier.name, exc)
+            tier.add(entry)
+
+    def flush(self) -> None:
+        """Wait until the disk tier's files are written (a tier whose writes failed is dropped)."""
+        for tier in self.tiers:
+            if isinstance(tier, DiskTier):
+                tier.flush()
+        self._drop_failed()
+
+    def _drop_failed(self) -> None:
+        for tier in list(self.tiers):
+            failure = getattr(tier, "failure", None)
+            if failure is not None:  # a full disk, a directory gone: no disk tier from now on
+                log.warning("prefix cache: the %s tier is off (%s)", tier.name, failure)
                 self.tiers.remove(tier)
 
     def find(self, tokens: list[int], limit: int) -> TierHit | None:

@@ -130,13 +130,16 @@ class Scheduler:
         return 0
 
     def _load_from_tiers(self, request: Request, n_cached: int) -> int:
-        """A tier's entry in place of what the pool lent, where it gives more of the prompt (the last token is left
-        to compute); the pool's prefix again if it cannot be loaded."""
-        hit = self.tiers.find(request.token_ids, len(request.token_ids) - 1)
-        if hit is None or hit.n_tokens <= n_cached:
-            return n_cached
-        data = self.tiers.read(hit)
-        if data is None:  # (unsound: deleted)
+        """A tier's entry in place of what the pool lent, where it gives a block of the prompt or more beyond it
+        (computing less than a block costs less than loading a whole sequence's state; the last token is left to
+        compute); the pool's prefix again if it cannot be loaded."""
+        hit, data = self._tier_hit(request, n_cached), None
+        while hit is not None:
+            data = self.tiers.read(hit)
+            if data is not None:
+                break
+            hit = self._tier_hit(request, n_cached)  # (that one was unsound, and is deleted: the next)
+        if hit is None:
             return n_cached
         seq_id = request.seq_id
         self.memory.seq_rm(seq_id, -1, -1)
@@ -149,8 +152,9 @@ class Scheduler:
             return self._reuse_from_pool(request)
         except CacheError:  # no room after all: nothing was loaded
             return self._reuse_from_pool(request)
-        if hit.n_tokens < len(hit.entry.tokens):
-            self.memory.seq_rm(seq_id, hit.n_tokens, -1)  # (a memory of K/V cells alone: the shared part kept)
+        if hit.n_tokens < len(hit.entry.tokens) and not self.memory.seq_rm(seq_id, hit.n_tokens, -1):
+            self.memory.seq_rm(seq_id, -1, -1)  # (a sliding window cut short: not usable)
+            return self._reuse_from_pool(request)
         self.tiers.loaded(hit)
         return hit.n_tokens
 
@@ -165,6 +169,24 @@ class Scheduler:
         if blocks is not None:
             self.prefix_cache.lend(blocks[: checkpoint.n_tokens // self.prefix_cache.block_size], request.seq_id)
         return self.checkpoints.restore(checkpoint, request.seq_id)
+
+    def _tier_hit(self, request: Request, n_cached: int):
+        hit = self.tiers.find(request.token_ids, len(request.token_ids) - 1)
+        return hit if hit is not None and hit.n_tokens - n_cached >= self.tiers.block_size else None
+
+    def _save_to_tiers(self, request: Request) -> None:
+        """The finished sequence's state, if it holds exactly its computed tokens (no guesses beyond them); and with
+        recurrent states, its state at the prompt's last kept block boundary too: a next prompt that carries
+        another reply than the one computed shares the prompt alone, and a state cannot be cut back to it."""
+        n, seq_id = request.n_computed, request.seq_id
+        if self.tiers is None or n < self.tiers.block_size or self.memory.seq_pos_max(seq_id) != n - 1:
+            return
+        self.tiers.save(request.token_ids[:n], self.memory.state_seq_save(seq_id))
+        prompt = request.prompt_token_ids
+        copy = self.checkpoints.deepest(prompt, len(prompt) - 1) if self.checkpoints is not None else None
+        if copy is not None and copy.n_tokens < n:
+            self.checkpoints.restore(copy, seq_id)  # (the sequence is being released: it may go back)
+            self.tiers.save(prompt[: copy.n_tokens], self.memory.state_seq_save(seq_id))
 
     def _plan(self) -> list[Scheduled]:
         budget = self.max_num_batched_tokens
@@ -190,8 +212,7 @@ class Scheduler:
     def _release(self, request: Request, keep_in_cache: bool) -> None:
         if keep_in_cache:
             self.cache_computed_prefix(request)
-            if self.tiers is not None and request.n_computed >= self.tiers.min_tokens:
-                self.tiers.save(request.token_ids[: request.n_computed], self.memory.state_seq_save(request.seq_id))
+            self._save_to_tiers(request)
         if self.checkpoints is not None:
             self.checkpoints.forget(request.seq_id)
         if self.on_release is not None:

@@ -133,6 +133,17 @@ def encode_state(header: dict, positions: np.ndarray, parts: list[torch.Tensor])
     return body + struct.pack("<I", zlib.crc32(body))
 
 
+def blob_head(header: dict, n_bytes: int) -> bytes:
+    """What precedes a blob of `n_bytes` in a state of no cells and one uint8 part (as encode_state writes it);
+    the blob and blob_checksum(head, blob) follow, so a large blob is written without being copied."""
+    header_bytes = json.dumps({**header, "pool_cells": [], "parts": [["torch.uint8", [n_bytes]]]}).encode()
+    return MAGIC + struct.pack("<II", VERSION, len(header_bytes)) + header_bytes
+
+
+def blob_checksum(head: bytes, blob: bytes) -> bytes:
+    return struct.pack("<I", zlib.crc32(blob, zlib.crc32(head)))
+
+
 def decode_state(data: bytes, expected: dict) -> tuple[dict, np.ndarray, list[torch.Tensor]]:
     """Header, positions and storage parts of a state, after checking it belongs to `expected` (identity etc.)."""
     header, offset = _read_header(data)

@@ -176,6 +176,22 @@ def test_a_restarted_engine_reuses_the_conversation_from_its_disk_tier(model, tm
         assert repeated.n_cached_tokens == len(first) - 1 and repeated.token_ids == answer
 
 
+def test_after_a_restart_a_prompt_carrying_another_reply_reuses_the_previous_prompt(model, tmp_path):
+    """The client sends turn 1's prompt back with a reply of its own, not the tokens the engine computed (a tool
+    call re-rendered): a new engine over the same directory reuses turn 1's prompt. K/V cells alone (unified): all
+    of it, the part of the entry it shares; recurrent states: to its last block boundary, where the state was saved
+    too. iSWA: nothing, as the window before the prompt's end left the sliding pool while the answer went on (the
+    limit of a sliding window, which the cells' own prefix cache does not have in the same process)."""
+    first = token_ids(1000, 150, seed=1)
+    LLM(model, n_ctx=256, max_num_seqs=2, prefix_cache_dir=tmp_path).generate([first], GREEDY, use_tqdm=False)
+    second = first + token_ids(1000, 40, seed=8)
+    restarted = LLM(model, n_ctx=256, max_num_seqs=2, prefix_cache_dir=tmp_path)
+    again = restarted.generate([second], GREEDY, use_tqdm=False)[0]
+    kind = restarted.engine.context.memory.kind
+    assert again.n_cached_tokens == {"unified": len(first), "iswa": 0}.get(kind, (len(first) - 1) // BLOCK * BLOCK)
+    assert again.token_ids == without_caching(model, second)
+
+
 def test_the_ram_tier_gives_back_what_the_cells_let_go(model):
     llm = LLM(model, n_ctx=256, max_num_seqs=2, prefix_cache_ram="8MiB")
     first = token_ids(1000, 150, seed=1)
@@ -195,10 +211,28 @@ def entry_files(folder) -> list:
 
 @pytest.mark.parametrize("damage", ["flipped byte", "truncated", "garbage", "another fingerprint"])
 def test_a_damaged_or_foreign_entry_is_skipped_deleted_and_logged_once(hybrid, tmp_path, damage, caplog):
+    """Every entry turn 1 left (the whole sequence, and the state at its prompt's last block boundary) damaged."""
     first = token_ids(1000, 100, seed=5)
-    _, second = conversation(LLM(hybrid, n_ctx=256, max_num_seqs=1, prefix_cache_dir=tmp_path), first)
-    [path] = entry_files(tmp_path)
-    data = bytearray(path.read_bytes())
+    llm = LLM(hybrid, n_ctx=256, max_num_seqs=1, prefix_cache_dir=tmp_path)
+    _, second = conversation(llm, first)
+    llm.engine.tiers.flush()
+    paths = entry_files(tmp_path)
+    assert len(paths) == 2
+    for path in paths:
+        path.write_bytes(damaged(path.read_bytes(), damage))
+    caplog.set_level("WARNING", logger="kvlm")
+    caplog.clear()
+    restarted = LLM(hybrid, n_ctx=256, max_num_seqs=1, prefix_cache_dir=tmp_path)
+    again = restarted.generate([second], GREEDY, use_tqdm=False)[0]
+    assert again.n_cached_tokens == 0 and again.token_ids == without_caching(hybrid, second)
+    assert restarted.engine.tiers.tier("disk").stats.hits == 0
+    for path in paths:
+        assert not path.exists()
+        assert len([r for r in caplog.records if path.name in r.getMessage()]) == 1
+
+
+def damaged(data: bytes, damage: str) -> bytes:
+    data = bytearray(data)
     if damage == "flipped byte":
         data[len(data) // 2] ^= 0xFF
     elif damage == "truncated":
@@ -209,29 +243,27 @@ def test_a_damaged_or_foreign_entry_is_skipped_deleted_and_logged_once(hybrid, t
         header, positions, parts = decode_state(bytes(data), {})
         header.pop("parts")
         data = encode_state({**header, "fingerprint": "0" * 32}, positions, parts)
-    path.write_bytes(bytes(data))
-    caplog.set_level("WARNING", logger="kvlm")
-    caplog.clear()
-    restarted = LLM(hybrid, n_ctx=256, max_num_seqs=1, prefix_cache_dir=tmp_path)
-    again = restarted.generate([second], GREEDY, use_tqdm=False)[0]
-    assert again.n_cached_tokens == 0 and again.token_ids == without_caching(hybrid, second)
-    assert not path.exists() and restarted.engine.tiers.tier("disk").stats.hits == 0
-    assert len([r for r in caplog.records if path.name in r.getMessage()]) == 1
+    return bytes(data)
 
 
 def test_each_tier_stays_within_its_bound(hybrid, tmp_path):
-    """Room for about two entries of the five conversations: the least recently used go, on disk and in RAM."""
+    """Room for about one and a half requests' entries (the whole sequence, and the state at the prompt's last
+    block boundary), five requests: the least recently used go, on disk and in RAM, the last request's stay."""
     probe = LLM(hybrid, n_ctx=256, max_num_seqs=1, prefix_cache_dir=tmp_path / "probe", prefix_cache_ram="1MiB")
     probe.generate([token_ids(1000, 100, seed=20)], GREEDY, use_tqdm=False)
     ram_size, disk_size = (tier.n_bytes for tier in probe.engine.tiers.tiers)
     llm = LLM(hybrid, n_ctx=256, max_num_seqs=1, prefix_cache_dir=tmp_path / "bounded",
-              prefix_cache_ram=int(2.5 * ram_size), prefix_cache_disk=int(2.5 * disk_size))
+              prefix_cache_ram=int(1.5 * ram_size), prefix_cache_disk=int(1.5 * disk_size))
     ram, disk = llm.engine.tiers.tiers
     for seed in range(5):
-        llm.generate([token_ids(1000, 100, seed=20 + seed)], GREEDY, use_tqdm=False)
+        prompt = token_ids(1000, 100, seed=20 + seed)
+        answer = llm.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids
+        llm.engine.tiers.flush()
         assert ram.n_bytes <= ram.capacity and disk.n_bytes <= disk.capacity
         assert sum(p.stat().st_size for p in entry_files(tmp_path / "bounded")) == disk.n_bytes
-    assert len(ram.entries) == len(disk.entries) == 2
+        for tier in (ram, disk):
+            assert len(tier.entries) <= 3
+            assert [list(e.tokens) for e in tier.entries.values()][-2:] == [prompt + answer[:-1], prompt[:96]]
 
 
 def test_an_unwritable_directory_or_a_full_disk_leaves_no_disk_tier_and_fails_no_request(hybrid, tmp_path, caplog,
@@ -250,5 +282,6 @@ def test_an_unwritable_directory_or_a_full_disk_leaves_no_disk_tier_and_fails_no
 
     monkeypatch.setattr("kvlm.engine.prefix_tiers.os.replace", no_space)
     assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids == expected
+    llm.engine.tiers.flush()
     assert [t.name for t in llm.engine.tiers.tiers] == ["ram"] and "No space left on device" in caplog.text
-    assert len(llm.engine.tiers.tier("ram").entries) == 1
+    assert len(llm.engine.tiers.tier("ram").entries) == 2  # (the whole sequence, the prompt's last boundary)

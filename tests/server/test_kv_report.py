@@ -487,6 +487,7 @@ def tiered_engine(smollm2, tmp_path_factory):
     llm.engine.prefix_cache.clear()
     again = llm.generate([first + answer + token_ids(1000, 5, seed=2)], params, use_tqdm=False)[0]
     assert again.n_cached_tokens == 47
+    llm.engine.tiers.flush()
     return llm.engine
 
 
