@@ -188,9 +188,12 @@ def compare_on(spec: str, args: argparse.Namespace) -> list[str]:
                      (f", llama.cpp / defaults = {theirs[ten]['ttft'] / warm[ten]['ttft']:.1f}x" if theirs else ""))
     first_after = restart + 1
     lines.append(f"turn {first_after}, the first after the restart: disk tier {restarted[first_after]['ttft']:.2f} s "
-                 f"= {restarted[first_after]['ttft'] / warm[first_after]['ttft']:.2f}x the warm hit "
-                 f"({warm[first_after]['ttft']:.2f} s)" +
+                 f"= {restarted[first_after]['ttft'] / warm[first_after]['ttft']:.2f}x the warm hit of the "
+                 f"uninterrupted run ({warm[first_after]['ttft']:.2f} s)" +
                  (f"; llama.cpp restarted {theirs_restarted[0]['ttft']:.2f} s" if theirs_restarted else ""))
+    if first_after + 1 in restarted:  # (the same process's next turn, a hit in its cells: no process-to-process spread)
+        lines.append(f"  and {restarted[first_after]['ttft'] / restarted[first_after + 1]['ttft']:.2f}x the restarted "
+                     f"process's own next turn, a hit in its cells ({restarted[first_after + 1]['ttft']:.2f} s)")
     least = min((row["n_cached"] / len(prompts[row["turn"] - 2]), row["turn"]) for row in warm.values() if row["turn"] > 1)
     lines.append(f"least share of the shared prefix reused (defaults): {least[0]:.1%} (turn {least[1]})")
     print("\n".join(lines), flush=True)

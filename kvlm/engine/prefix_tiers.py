@@ -26,8 +26,10 @@ import json
 import logging
 import os
 import struct
+import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,11 +40,21 @@ from kvlm.memory.seq_state import MAGIC, VERSION, StateError, blob_checksum, blo
 log = logging.getLogger("kvlm")
 
 SUFFIX = ".kvprefix"
-# Writes and deletes the disk tiers' files in order, off the engine's thread; at exit, what it was given is finished
-# (concurrent.futures waits for its queue).
-WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvlm-prefix-disk")
 STALE_PARTIAL_S = 600  # an entry file being written this long ago was left by a process that ended
 TIER_FORMAT = 1  # of the entry files around the sequence states (their header's fields)
+
+
+def _yield_to_compute() -> None:
+    """The writer thread runs niced: while it checksums and copies, the step's threads keep their cores."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):  # (not on Linux: the thread runs as it is)
+        pass
+
+
+# Writes and deletes the disk tiers' files in order, off the engine's thread; at exit, what it was given is finished
+# (concurrent.futures waits for its queue).
+WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvlm-prefix-disk", initializer=_yield_to_compute)
 
 
 def fingerprint(model, kv_dtype: str) -> str:
@@ -230,15 +242,22 @@ class PrefixTiers:
     def tier(self, name: str) -> Tier | None:
         return next((tier for tier in self.tiers if tier.name == name), None)
 
-    def save(self, tokens: list[int], data: bytes) -> None:
-        """Keep a sequence's state (positions 0 .. len(tokens) - 1) in every tier."""
+    def save(self, tokens: list[int], state: Callable[[], bytes]) -> None:
+        """Keep a sequence's state (positions 0 .. len(tokens) - 1; `state()` gives it) in every tier that lacks
+        it (the same tokens again are the same bytes: kept, as the most recently used)."""
         self._drop_failed()
-        entry = TierEntry(np.asarray(tokens, dtype=np.int64), len(data), data=data)
-        for tier in list(self.tiers):
-            if entry.key in tier.entries:  # (the same tokens again: the same bytes)
+        entry = TierEntry(np.asarray(tokens, dtype=np.int64), 0)
+        lacking = []
+        for tier in self.tiers:
+            if entry.key in tier.entries:
                 tier.entries.move_to_end(entry.key)
-                continue
-            tier.add(entry)
+            else:
+                lacking.append(tier)
+        if lacking:
+            entry.data = state()
+            entry.n_bytes = len(entry.data)
+            for tier in lacking:
+                tier.add(entry)
 
     def flush(self) -> None:
         """Wait until the disk tier's files are written (a tier whose writes failed is dropped)."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from kvlm.core.errors import CacheError
 from kvlm.engine.prefix_cache import PrefixCache
-from kvlm.engine.prefix_tiers import PrefixTiers
+from kvlm.engine.prefix_tiers import PrefixTiers, TierHit
 from kvlm.engine.request import Request, RequestState
 from kvlm.engine.state_checkpoints import StateCheckpoints
 from kvlm.memory.protocol import Memory
@@ -170,7 +170,7 @@ class Scheduler:
             self.prefix_cache.lend(blocks[: checkpoint.n_tokens // self.prefix_cache.block_size], request.seq_id)
         return self.checkpoints.restore(checkpoint, request.seq_id)
 
-    def _tier_hit(self, request: Request, n_cached: int):
+    def _tier_hit(self, request: Request, n_cached: int) -> TierHit | None:
         hit = self.tiers.find(request.token_ids, len(request.token_ids) - 1)
         return hit if hit is not None and hit.n_tokens - n_cached >= self.tiers.block_size else None
 
@@ -181,12 +181,15 @@ class Scheduler:
         n, seq_id = request.n_computed, request.seq_id
         if self.tiers is None or n < self.tiers.block_size or self.memory.seq_pos_max(seq_id) != n - 1:
             return
-        self.tiers.save(request.token_ids[:n], self.memory.state_seq_save(seq_id))
+        self.tiers.save(request.token_ids[:n], lambda: self.memory.state_seq_save(seq_id))
         prompt = request.prompt_token_ids
         copy = self.checkpoints.deepest(prompt, len(prompt) - 1) if self.checkpoints is not None else None
         if copy is not None and copy.n_tokens < n:
-            self.checkpoints.restore(copy, seq_id)  # (the sequence is being released: it may go back)
-            self.tiers.save(prompt[: copy.n_tokens], self.memory.state_seq_save(seq_id))
+            def state_at_copy() -> bytes:
+                self.checkpoints.restore(copy, seq_id)  # (the sequence is being released: it may go back)
+                return self.memory.state_seq_save(seq_id)
+
+            self.tiers.save(prompt[: copy.n_tokens], state_at_copy)
 
     def _plan(self) -> list[Scheduled]:
         budget = self.max_num_batched_tokens
