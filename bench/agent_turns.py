@@ -57,6 +57,8 @@ def conversation(tokenizer, n_turns: int) -> list[list[int]]:
 
     text = read_text()
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}]
+    result_role = "tool" if _renders(tokenizer, messages + [{"role": "assistant", "content": "."},
+                                                          {"role": "tool", "content": "."}]) else "user"
     prompts = []
     for turn in range(n_turns):
         rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=TOOLS)
@@ -64,8 +66,19 @@ def conversation(tokenizer, n_turns: int) -> list[list[int]]:
         call = {"name": "read_file", "arguments": {"path": f"notes/part-{turn + 1:02d}.txt"}}
         start = 20000 + turn * RESULT_CHARS
         messages += [{"role": "assistant", "content": f"<tool_call>\n{json.dumps(call)}\n</tool_call>"},
-                     {"role": "tool", "content": text[start : start + RESULT_CHARS]}]
+                     {"role": result_role, "content": text[start : start + RESULT_CHARS]}]
     return prompts
+
+
+def _renders(tokenizer, messages: list[dict]) -> bool:
+    """Whether the chat template takes these messages (Gemma 3's has no tool role: results come as the user's)."""
+    import jinja2
+
+    try:
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=TOOLS)
+    except jinja2.TemplateError:  # (raised by the template itself)
+        return False
+    return True
 
 
 # --- the children ----------------------------------------------------------------------------------------------------
