@@ -25,7 +25,6 @@ import hashlib
 import json
 import logging
 import os
-import struct
 import threading
 import time
 from collections import OrderedDict
@@ -35,7 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from kvlm.memory.seq_state import MAGIC, VERSION, StateError, blob_checksum, blob_head, decode_state, model_identity
+from kvlm.memory.seq_state import (VERSION, StateError, blob_checksum, blob_head, decode_state, model_identity,
+                                   peek_header)
 
 log = logging.getLogger("kvlm")
 
@@ -199,13 +199,7 @@ class DiskTier(Tier):
 
     def _indexed(self, path: Path) -> TierEntry:
         with path.open("rb") as file:
-            head = file.read(len(MAGIC) + 8)
-            if not head.startswith(MAGIC):
-                raise StateError("not a kvlm state (bad magic)")
-            version, header_len = struct.unpack_from("<II", head, len(MAGIC))
-            if version != VERSION:
-                raise StateError(f"state format version {version}, this kvlm reads {VERSION}")
-            header = json.loads(file.read(header_len))
+            header = peek_header(file)
         if header["fingerprint"] != self.fingerprint:
             raise StateError("saved with other model settings (fingerprint mismatch)")
         entry = TierEntry(np.asarray(header["tokens"], dtype=np.int64), path.stat().st_size, path=path)

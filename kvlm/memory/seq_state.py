@@ -171,11 +171,24 @@ def _read_header(data: bytes) -> tuple[dict, int]:
     (crc,) = struct.unpack("<I", data[-4:])
     if zlib.crc32(data[:-4]) != crc:
         raise StateError("sequence state is corrupt or truncated (checksum mismatch)")
-    version, header_len = struct.unpack_from("<II", data, len(MAGIC))
-    if version != VERSION:
-        raise StateError(f"sequence state format version {version} is not supported (this kvlm reads {VERSION})")
+    header_len = _header_length(data)
     start = len(MAGIC) + 8
     return json.loads(_take(data, start, header_len)), start + header_len
+
+
+def peek_header(file) -> dict:
+    """A state file's header, read from its start without its body: unchecked (decode_state checks everything)."""
+    return json.loads(file.read(_header_length(file.read(len(MAGIC) + 8))))
+
+
+def _header_length(head: bytes) -> int:
+    """The JSON header's length, after checking the magic and the format version."""
+    if len(head) < len(MAGIC) + 8 or not head.startswith(MAGIC):
+        raise StateError("not a kvlm sequence state (bad magic or too short)")
+    version, header_len = struct.unpack_from("<II", head, len(MAGIC))
+    if version != VERSION:
+        raise StateError(f"sequence state format version {version} is not supported (this kvlm reads {VERSION})")
+    return header_len
 
 
 def _take(data: bytes, offset: int, size: int) -> bytes:
