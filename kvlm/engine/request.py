@@ -78,6 +78,7 @@ class RequestOutput:
     # tool_calls, reasoning_content); finish_reason is then OpenAI's too ("tool_calls" after calls)
     message: dict | None = None
     speculation: SpecStats | None = None  # with speculative decoding: its guesses verified and accepted
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it (None for EOS)
 
     @property
     def timings(self) -> dict[str, float]:
@@ -105,6 +106,7 @@ class RequestOutput:
             logprobs=list(request.logprobs) if request.params.logprobs is not None else None,
             error=request.error, n_cached_tokens=request.n_cached_tokens, time_to_first_token=ttft,
             decode_seconds=decode, speculation=request.speculation if request.speculation.num_drafts else None,
+            stop_reason=request.stop.stop_reason,
         )
 
 

@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from importlib import resources
 
 from fastapi import Depends, FastAPI, Request
@@ -14,13 +12,15 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 
 from kvlm.engine.engine import Engine
 from kvlm.engine.request import RequestOutput
-from kvlm.sampling.params import SamplingParams
-from kvlm.server.async_engine import AsyncEngine, EngineFailure, Finished
+from kvlm.server.async_engine import EngineFailure, Finished
 from kvlm.server.errors import error_body, install_error_handlers
 from kvlm.server.kv_report import kv_report
-from kvlm.server.metrics import ServerMetrics
+from kvlm.server.messages_api import add_messages_routes
+from kvlm.server.responses_api import add_responses_routes
+from kvlm.server.served import Choice, ServedModel
+from kvlm.server.transport import CLIENT_CLOSED_REQUEST, sse, until_disconnected
 from kvlm.tool_calls.chat_output import ChatOutputSpec, ChoiceStream
-from kvlm.server.chat_turn import chat_prompt, chat_turn, compiled, constraint_field
+from kvlm.server.chat_turn import chat_prompt, compiled, constraint_field
 from kvlm.server.protocol import (
     BadRequest,
     ChatCompletionRequest,
@@ -31,24 +31,9 @@ from kvlm.server.protocol import (
 )
 from kvlm.server.responses import LogprobsFormatter, Reply, usage
 
-DISCONNECT_POLL_S = 0.25
-CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the response
-
-
-@dataclass
-class Choice:
-    """One generation the engine runs for a response: choice `index` of a prompt."""
-
-    index: int
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    reasoning_ended: Callable[[str], int | None] | None = None  # see Engine.add_request
-
-
 def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> FastAPI:
-    metrics = ServerMetrics()
-    runner = AsyncEngine(engine, metrics)
-    tokenizer = engine.model.tokenizer
+    served = ServedModel(engine, model_name)
+    runner, metrics, tokenizer = served.runner, served.metrics, served.tokenizer
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -61,48 +46,41 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
     install_error_handlers(app)
 
     async def authorized(request: Request) -> None:
+        """The key as OpenAI's clients send it (Authorization: Bearer) or Anthropic's (x-api-key)."""
         if api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
-            raise BadRequest("Incorrect API key provided: pass it as 'Authorization: Bearer <key>'", status=401,
-                             code="invalid_api_key")
+        if scheme.lower() != "bearer":
+            token = request.headers.get("x-api-key", "")
+        if not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            raise BadRequest("Incorrect API key provided: pass it as 'Authorization: Bearer <key>' or "
+                             "'x-api-key: <key>'", status=401, code="invalid_api_key")
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
             raise BadRequest(f"The model '{name}' does not exist; this server serves '{model_name}'", "model",
                              status=404, code="model_not_found")
 
-    def in_vocabulary(ids, field: str) -> None:
-        vocab = engine.model.config.vocab_size
-        bad = [t for t in ids if not 0 <= int(t) < vocab]
-        if bad:
-            raise BadRequest(f"token id {bad[0]} in {field} is outside the vocabulary [0, {vocab})", field)
+    def served_for(name: str | None) -> ServedModel:
+        check_model(name)
+        return served
 
-    def token_ids(prompt: str | list[int], field: str) -> list[int]:
-        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise BadRequest(f"{field} must not be empty", field)
-        in_vocabulary(ids, field)
-        return ids
-
-    def sampling_checked(params: SamplingParams) -> SamplingParams:
-        in_vocabulary((params.logit_bias or {}).keys(), "logit_bias")
-        return params
+    app.state.responses = add_responses_routes(app, served_for, authorized)
+    add_messages_routes(app, served_for, authorized)
 
     # --- generation ---
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
         body.check_supported()
-        prompts = [token_ids(p, "prompt") for p in body.prompts()]
+        prompts = [served.token_ids(p, "prompt") for p in body.prompts()]
         constraint = body.constraint()
         await compiled(engine.grammars, constraint, constraint_field(body))
         n, choices = body.n_choices(), []
         for p, ids in enumerate(prompts):
             max_tokens = checked_max_tokens(body.max_tokens, len(ids), engine.n_ctx, "max_tokens")
-            choices += [Choice(p * n + i, ids, sampling_checked(body.sampling_params(max_tokens, body.logprobs, i,
-                                                                                     constraint)))
+            choices += [Choice(p * n + i, ids, served.sampling_checked(body.sampling_params(max_tokens, body.logprobs,
+                                                                                            i, constraint)))
                         for i in range(n)]
         reply = Reply("text_completion", model_name)
         return await respond(reply, body, choices, sum(map(len, prompts)), request)
@@ -110,17 +88,10 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        turn = await chat_turn(tokenizer, engine.grammars, body)
-        ids = turn.prompt_token_ids
-        in_vocabulary(ids, "messages")
+        turn = await served.chat_turn(body)
         field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        max_tokens = checked_max_tokens(body.requested_max_tokens(), len(ids), engine.n_ctx, field, "messages")
-        logprobs = body.logprobs_count()
-        skip_special_tokens = not turn.output.keeps_special_tokens
-        choices = [Choice(i, ids, sampling_checked(body.sampling_params(max_tokens, logprobs, i, turn.constraint,
-                                                                        skip_special_tokens)),
-                          turn.reasoning_ended)
-                   for i in range(body.n_choices())]
+        choices = served.chat_choices(body, turn, field)
+        ids = turn.prompt_token_ids
         reply = Reply("chat.completion", model_name)
         return await respond(reply, body, choices, len(ids), request, turn.output)
 
@@ -143,11 +114,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
             usage(n_prompt, sum(len(o.token_ids) for o in outputs), max(o.n_cached_tokens for o in outputs))))
 
     async def run_choice(reply: Reply, choice: Choice) -> RequestOutput:
-        async for item in runner.generate(f"{reply.id}-{choice.index}", choice.prompt_token_ids, choice.params,
-                                          choice.reasoning_ended):
-            if isinstance(item, Finished):
-                return item.output
-        raise EngineFailure("the engine stopped before the request finished")
+        return await served.run(f"{reply.id}-{choice.index}", choice)
 
     async def stream_events(reply: Reply, choices: list[Choice], formatter: LogprobsFormatter, n_prompt: int,
                             include_usage: bool, output_spec: ChatOutputSpec | None) -> AsyncIterator[str]:
@@ -155,8 +122,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
 
         async def pump(choice: Choice) -> None:
             try:
-                async for item in runner.generate(f"{reply.id}-{choice.index}", choice.prompt_token_ids,
-                                                  choice.params, choice.reasoning_ended):
+                async for item in served.events(f"{reply.id}-{choice.index}", choice):
                     await merged.put((choice.index, item))
             except EngineFailure as exc:
                 await merged.put((choice.index, exc))
@@ -208,7 +174,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
     @app.post("/detokenize", dependencies=[Depends(authorized)])
     async def detokenize(body: DetokenizeRequest) -> dict:
         check_model(body.model)
-        return {"prompt": tokenizer.decode(token_ids(body.tokens, "tokens"))}
+        return {"prompt": tokenizer.decode(served.token_ids(body.tokens, "tokens"))}
 
     # --- about the server ---
     @app.get("/v1/models", dependencies=[Depends(authorized)])
@@ -236,23 +202,3 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         return HTMLResponse(resources.files("kvlm.server").joinpath("kv_view.html").read_text(encoding="utf-8"))
 
     return app
-
-
-def sse(body: dict) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-
-async def until_disconnected(request: Request, work: asyncio.Future):
-    """Await `work`; None if the client went away first, in which case `work` is cancelled (aborting its
-    requests)."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                return None
-    finally:
-        if not task.done():
-            task.cancel()

@@ -11,9 +11,11 @@ fields kvlm itself returns (`reasoning_content`, `refusal`, `annotations`, `audi
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
 
 from kvlm.sampling.params import SamplingParams
 from kvlm.structured.params import StructuredOutputsParams
@@ -31,6 +33,35 @@ class BadRequest(ValueError):
     def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None) -> None:
         super().__init__(message)
         self.param, self.status, self.code = param, status, code
+
+
+@contextmanager
+def params_renamed(names: dict[str, str]) -> Iterator[None]:
+    """A BadRequest raised inside names its field as another API knows it: the first part of its `param` renamed
+    (the Responses and Messages APIs run as chat requests, whose checks name chat's fields)."""
+    try:
+        yield
+    except BadRequest as exc:
+        if exc.param is not None:
+            head, dot, rest = exc.param.partition(".")
+            exc.param = names.get(head, head) + dot + rest
+        raise
+
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+def validated(model: type[Model], fields: dict[str, Any], names: dict[str, str]) -> Model:
+    """`model` built from fields another API's request was translated into; a value it refuses is a 400 naming the
+    field by `names` (see params_renamed)."""
+    try:
+        return model.model_validate(fields)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        path = ".".join(str(part) for part in error["loc"])
+        head, dot, rest = path.partition(".")
+        param = names.get(head, head) + dot + rest
+        raise BadRequest(f"{param}: {error['msg']} (got {error.get('input')!r})", param) from None
 
 
 class StreamOptions(BaseModel):
