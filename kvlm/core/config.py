@@ -8,6 +8,9 @@ from itertools import groupby
 from kvlm.core.family import ATTENTION, CONV, GATED_DELTA, LAYER_KINDS, MAMBA, RECURRENT_KINDS, SLIDING, family_named
 from kvlm.core.rope import RopeScaling
 
+POOLINGS = ("last", "mean", "cls")  # how an embedding is pooled (kvlm.engine.pooling)
+GGUF_POOLING_TYPES = {1: "mean", 2: "cls", 3: "last"}  # llama.cpp's LLAMA_POOLING_TYPE_* (0 none, 4 rank)
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -63,6 +66,7 @@ class ModelConfig:
     full_v_is_k: bool = False
     per_layer_embd: int = 0
     layer_n_ff: tuple[int, ...] = ()
+    pooling: str = "last"  # how an embedding is pooled from the final norm's output (kvlm.engine.pooling)
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "vocab_size", "n_ctx_train"):

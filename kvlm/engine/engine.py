@@ -11,6 +11,7 @@ import torch
 from kvlm.core.batch import Batch
 from kvlm.core.staging import staged
 from kvlm.runtime.context import Context, DecodeStatus
+from kvlm.engine.pooling import Pooler
 from kvlm.engine.prefix_cache import PrefixCache
 from kvlm.engine.prefix_tiers import PrefixTiers, fingerprint
 from kvlm.engine.state_checkpoints import StateCheckpoints, checkpoint_capacity
@@ -116,10 +117,12 @@ class Engine:
         return self.context.n_ctx
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    reasoning_ended: Callable[[str], int | None] | None = None) -> str:
+                    reasoning_ended: Callable[[str], int | None] | None = None, pooling: str | None = None) -> str:
         """`reasoning_ended(output_text)`, for a model that may reason before it answers: where the answer starts
         in the output so far (None while it may still be reasoning); a structured-output constraint then applies
-        only to the answer (see RequestGrammar)."""
+        only to the answer (see RequestGrammar). `pooling` ("last", "mean", "cls"; kvlm.engine.pooling): an
+        embedding request, which computes its prompt and ends with its pooled vector (RequestOutput.embedding),
+        generating nothing; batched with the others."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -129,7 +132,8 @@ class Engine:
             grammar = RequestGrammar(self.grammars.submit(params.structured_outputs), self.grammars, reasoning_ended)
         request = Request(request_id, list(prompt_token_ids), params,
                           RequestSampler(params, list(prompt_token_ids)),
-                          StopChecker(tokenizer, params, tokenizer.stop_ids), grammar)
+                          StopChecker(tokenizer, params, tokenizer.stop_ids), grammar,
+                          pooler=Pooler(pooling) if pooling is not None else None)
         self.requests[request_id] = request
         problem = self._unfit(request)
         if problem:
@@ -176,7 +180,7 @@ class Engine:
             self._add_guesses(plan)
         batch = self._batch(plan)
         started = time.perf_counter()
-        status = self.context.decode(batch)
+        status = self.context.decode(batch, embeddings=any(item.request.pooler is not None for item in plan))
         if status != DecodeStatus.OK:
             raise EngineError(f"decode failed with {status.name}: {self.context.last_error}")
         if self.speculator is not None:  # the forward pass alone, as the calibration timed it
@@ -238,16 +242,24 @@ class Engine:
             tokens += request.token_ids[start : start + item.n_tokens] + item.guesses
             positions += range(start, start + n_rows)
             seq_ids += [request.seq_id] * n_rows
-            outputs += [False] * (item.n_tokens - 1) + [item.outputs] + [True] * len(item.guesses)
+            item.first_output = sum(outputs)
+            if request.pooler is not None:
+                outputs += request.pooler.output_rows(start, item.n_tokens, item.outputs)
+            else:
+                outputs += [False] * (item.n_tokens - 1) + [item.outputs] + [True] * len(item.guesses)
         return Batch(tokens=tokens, pos=positions, seq_ids=seq_ids, logits=outputs)
 
     def _advance(self, plan: list[Scheduled]) -> list[StepEvent]:
         sampling = []  # the chunks that give their request tokens this step, in the order of the batch's logits
+        pooled = []  # embedding requests whose prompt this step finished
         for item in plan:
             request = item.request
             if len(request.output_token_ids) == 0:
                 self.n_prefill_tokens += item.n_tokens
             outputs = item.outputs  # (read before n_computed moves)
+            if request.pooler is not None:
+                rows = sum(request.pooler.output_rows(request.n_computed, item.n_tokens, outputs))
+                request.pooler.add(self.context.embeddings()[item.first_output : item.first_output + rows])
             request.n_computed += item.n_tokens
             prompt_done = outputs and not request.output_token_ids
             if prompt_done:  # later requests can share the prompt now (its state copy is kept before the next)
@@ -255,14 +267,14 @@ class Engine:
             if self.checkpoints is not None and not item.guesses:  # (guesses: the state holds unverified tokens)
                 self.checkpoints.after_step(request.seq_id, request.n_computed)
             if outputs:
-                sampling.append(item)
+                (pooled if request.pooler is not None else sampling).append(item)
         constrained = [item.request for item in sampling if item.request.grammar is not None
                        and self._constrained(item.request)]
         allowed = self.step_masks.fill(constrained) if constrained else {}
         sampled = self._sample_at_once(sampling, allowed) if self.batched_sampling else {}
-        events, row = [], 0
+        events = [self._pooled(item.request) for item in pooled]
         for item in sampling:
-            request = item.request
+            request, row = item.request, item.first_output
             if request.error is not None:  # its output broke its grammar
                 self.scheduler.finish(request, "error")
                 events.append(StepEvent(request.request_id, request.stop.finish(), [], True))
@@ -273,19 +285,23 @@ class Engine:
                                            sampled.get(request.request_id)))
             if self.speculator is not None:
                 self.speculator.settle(request, events[-1].new_token_ids)
-            row += 1 + len(item.guesses)
         return events
+
+    def _pooled(self, request: Request) -> StepEvent:
+        """An embedding request whose whole prompt is computed ends with its vector."""
+        request.embedding = request.pooler.result()
+        self.scheduler.finish(request, "stop")
+        return StepEvent(request.request_id, "", [], True)
 
     def _sample_at_once(self, sampling: list[Scheduled], allowed: dict[str, TokenMask]) -> dict[str, SampledToken]:
         """The tokens of the step's rows that take one (not those verifying guesses, whose rows are sampled in turn
         until a guess fails), sampled together where the logits are."""
-        rows, requests, row = [], [], 0
+        rows, requests = [], []
         for item in sampling:
             request = item.request
             if request.error is None and not item.guesses:
-                rows.append(row)
+                rows.append(item.first_output)
                 requests.append(request)
-            row += 1 + len(item.guesses)
         if not rows:
             return {}
         logits = self.context.logits()[staged(torch.tensor(rows), self.context.logits_device)]

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
+from kvlm.engine.pooling import checked_dimensions, checked_pooling, truncated
 from kvlm.engine.engine import DEFAULT_DISK_TIER, Engine, memory_request
 from kvlm.engine.request import RequestOutput
 from kvlm.sampling.params import SamplingParams
@@ -90,6 +91,22 @@ class LLM:
         prompts = [prompts] if isinstance(prompts, str) or _is_token_list(prompts) else list(prompts)
         return self._run([self._ids(p) for p in prompts], _per_prompt(params, len(prompts)), use_tqdm)
 
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling: str | None = None, dimensions: int | None = None,
+              use_tqdm: bool = True) -> list[RequestOutput]:
+        """One embedding per prompt, in order (`output.embedding`: L2-normalized floats), batched through the engine
+        as generation is. `pooling`: "last", "mean" or "cls" (kvlm.engine.pooling); the model's own by default
+        (its GGUF's pooling_type, a sentence-transformers folder's pooling; "last" where neither says).
+        `dimensions`: the first that many values, normalized again (Matryoshka models)."""
+        prompts = [prompts] if isinstance(prompts, str) or _is_token_list(prompts) else list(prompts)
+        pooling = checked_pooling(pooling or self.model.config.pooling)
+        checked_dimensions(dimensions, self.model.config.n_embd)
+        ids = [self._ids(p) for p in prompts]
+        outputs = self._run(ids, [SamplingParams(max_tokens=1)] * len(ids), use_tqdm, pooling=pooling)
+        for output in outputs:
+            if output.embedding is not None:
+                output.embedding = truncated(output.embedding, dimensions)
+        return outputs
+
     def chat(self, conversations: Conversation | Sequence[Conversation],
              params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True, *,
              add_generation_prompt: bool = True, tools: list[dict] | None = None,
@@ -152,10 +169,11 @@ class LLM:
         return list(prompt) if _is_token_list(prompt) else self.tokenizer.encode(prompt)
 
     def _run(self, prompts: list[list[int]], params: list[SamplingParams], use_tqdm: bool,
-             reasoning_ended: list | None = None) -> list[RequestOutput]:
+             reasoning_ended: list | None = None, pooling: str | None = None) -> list[RequestOutput]:
         self._check_constraints(params)
         reasoning_ended = reasoning_ended or [None] * len(prompts)
-        ids = [self.engine.add_request(p, sp, reasoning_ended=r) for p, sp, r in zip(prompts, params, reasoning_ended)]
+        ids = [self.engine.add_request(p, sp, reasoning_ended=r, pooling=pooling)
+               for p, sp, r in zip(prompts, params, reasoning_ended)]
         with tqdm(total=len(ids), desc="requests", unit="req", disable=not use_tqdm) as bar:
             started, generated = time.perf_counter(), 0
             done = sum(self.engine.requests[i].finished for i in ids)

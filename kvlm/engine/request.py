@@ -7,6 +7,7 @@ from enum import Enum
 
 from kvlm.sampling.sampler import RequestSampler, SampledToken
 from kvlm.sampling.params import SamplingParams
+from kvlm.engine.pooling import Pooler
 from kvlm.engine.stop import StopChecker
 from kvlm.speculative.stats import SpecStats
 from kvlm.structured.request_grammar import RequestGrammar
@@ -39,6 +40,8 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     speculation: SpecStats = field(default_factory=SpecStats)  # its guesses verified and accepted
+    pooler: Pooler | None = None  # an embedding request: its prompt pooled, nothing generated
+    embedding: list[float] | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -79,6 +82,7 @@ class RequestOutput:
     message: dict | None = None
     speculation: SpecStats | None = None  # with speculative decoding: its guesses verified and accepted
     stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it (None for EOS)
+    embedding: list[float] | None = None  # an embedding request's pooled, L2-normalized vector
 
     @property
     def timings(self) -> dict[str, float]:
@@ -106,7 +110,7 @@ class RequestOutput:
             logprobs=list(request.logprobs) if request.params.logprobs is not None else None,
             error=request.error, n_cached_tokens=request.n_cached_tokens, time_to_first_token=ttft,
             decode_seconds=decode, speculation=request.speculation if request.speculation.num_drafts else None,
-            stop_reason=request.stop.stop_reason,
+            stop_reason=request.stop.stop_reason, embedding=request.embedding,
         )
 
 

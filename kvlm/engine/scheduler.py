@@ -28,6 +28,7 @@ class Scheduled:
     n_tokens: int
     guesses: list[int] = field(default_factory=list)  # speculative decoding: tokens to verify after the chunk
     checkpoint: object = None  # the memory's checkpoint of the sequence before the guesses (recurrent states)
+    first_output: int = 0  # the row of the step's logits (and states) its first output row has
 
     @property
     def outputs(self) -> bool:
@@ -117,6 +118,8 @@ class Scheduler:
             self.running.append(request)
 
     def _reuse_cached_prefix(self, request: Request) -> None:
+        if request.pooler is not None and not request.pooler.reuses_prefix:
+            return  # its pooling reads states of every token
         n_cached = self._reuse_from_pool(request)
         if self.tiers is not None:
             n_cached = self._load_from_tiers(request, n_cached)

@@ -9,7 +9,7 @@ import numpy as np
 
 from kvlm.core.errors import ModelFileError, UnsupportedModelError
 from kvlm.core.family import ATTENTION, CONV, GATED_DELTA, family_named
-from kvlm.core.config import ModelConfig
+from kvlm.core.config import GGUF_POOLING_TYPES, ModelConfig
 from kvlm.kernels.blocks import NATIVE_TYPES
 from kvlm.loader.gguf_reader import GGUFFile, TensorInfo
 from kvlm.loader.gguf_split import SplitGGUF, open_gguf
@@ -101,6 +101,7 @@ def config_from_metadata(
             n_ctx_train=int(key("context_length")),
             rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
             tie_word_embeddings=tied,
+            pooling=GGUF_POOLING_TYPES.get(int(metadata.get(f"{arch}.pooling_type") or 0), "last"),
             rope=rope.rope_from_gguf(metadata, arch, freq_factors, yarn_truncate=family.gguf_yarn_truncate,
                                      longrope_factors=longrope_factors),
             **layers,

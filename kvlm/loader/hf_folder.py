@@ -95,6 +95,7 @@ def config_from_hf(folder: Path) -> ModelConfig:
             vocab_size=raw["vocab_size"],
             n_ctx_train=raw.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            pooling=_pooling(folder),
             **layers,
         )
     except UnsupportedModelError as exc:
@@ -103,6 +104,19 @@ def config_from_hf(folder: Path) -> ModelConfig:
         raise ModelFileError(f"{path}: the config has no {exc.args[0]!r}") from None
     except (TypeError, ValueError) as exc:  # values of the wrong type, or ones ModelConfig rejects
         raise ModelFileError(f"{path}: the config describes an invalid model: {exc}") from exc
+
+
+def _pooling(folder: Path) -> str:
+    """The pooling a sentence-transformers folder names (1_Pooling/config.json); "last" where it names none."""
+    try:
+        modes = json.loads((folder / "1_Pooling" / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return "last"
+    for key, pooling in (("pooling_mode_lasttoken", "last"), ("pooling_mode_mean_tokens", "mean"),
+                         ("pooling_mode_cls_token", "cls")):
+        if modes.get(key) is True:
+            return pooling
+    return "last"
 
 
 def _text_config(raw: dict, path: Path) -> dict:

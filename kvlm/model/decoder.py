@@ -104,20 +104,30 @@ class Decoder(Blocks):
 
     @torch.inference_mode()
     def forward(
-        self, tokens: torch.Tensor, positions: torch.Tensor, kv: MemoryView, output_rows: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """float32 logits [n_out, vocab] for the tokens at `output_rows` (all tokens when None).
+        self, tokens: torch.Tensor, positions: torch.Tensor, kv: MemoryView, output_rows: torch.Tensor | None = None,
+        with_hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """float32 logits [n_out, vocab] for the tokens at `output_rows` (all tokens when None); `with_hidden`:
+        (logits, hidden), hidden the final norm's float32 output [n_out, n_embd] at those rows (what embeddings
+        are pooled from).
 
         Each layer writes the K/V of `tokens` through `kv` before attending over the visible rows;
         nothing here makes those rows visible to later calls: the cache's commit does that.
         """
-        return self.logits(tokens, positions, kv, output_rows)
+        hidden = self.hidden(tokens, positions, kv, output_rows)
+        logits = self.head(hidden)
+        return (logits, hidden.float()) if with_hidden else logits
 
     def logits(self, tokens: torch.Tensor, positions: torch.Tensor | None, kv, output_rows: torch.Tensor | None,
                rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
         """`forward` without its inference mode, for graphs to trace; `kv`: the memory's view, or a graph's
         TracedView. `rotations`: `self.rotations(positions)` where the caller has them (a CUDA graph's step keeps
         them in buffers of its own), positions then unused."""
+        return self.head(self.hidden(tokens, positions, kv, output_rows, rotations))
+
+    def hidden(self, tokens: torch.Tensor, positions: torch.Tensor | None, kv, output_rows: torch.Tensor | None,
+               rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+        """The final norm's output at `output_rows`: what the output head reads."""
         x = self.token_embd(tokens)
         if self.embedding_scale is not None:
             x = x * self.embedding_scale
@@ -133,7 +143,11 @@ class Decoder(Blocks):
                 x = x * layer.output_scale
         if output_rows is not None:
             x = x[output_rows]
-        logits = self.output(self.ops.norm(x, self.output_norm, self.config.rms_norm_eps)).float()
+        return self.ops.norm(x, self.output_norm, self.config.rms_norm_eps)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of the final norm's output (rank 0's all of them, under tensor parallelism)."""
+        logits = self.output(hidden).float()
         if self.config.logit_scale != 1.0:
             logits = logits / self.config.logit_scale
         cap = self.config.final_logit_softcap

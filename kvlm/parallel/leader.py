@@ -209,11 +209,11 @@ class LeaderDecoder:
     def __getattr__(self, name: str):
         return getattr(self._decoder, name)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv, output_rows=None) -> torch.Tensor:
-        # (on the host: a GPU tensor would unpickle onto rank 0's GPU)
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv, output_rows=None, with_hidden=False):
+        # (on the host: a GPU tensor would unpickle onto rank 0's GPU; the other ranks' hidden states are not needed)
         self._leader.send(("forward", tokens.cpu(), positions, None if output_rows is None else output_rows.cpu()))
         try:
-            return self._decoder.forward(tokens, positions, kv, output_rows)
+            return self._decoder.forward(tokens, positions, kv, output_rows, with_hidden)
         except TensorParallelError:
             raise
         except Exception as exc:

@@ -57,6 +57,7 @@ class Context:
         self.memory = memory if model.tensor_parallel is None else model.tensor_parallel.mirrored(memory, sizes)
         self.last_error = ""
         self._logits: torch.Tensor | None = None  # where the model computes them
+        self._hidden: torch.Tensor | None = None  # the final norm's output at the output rows, when asked for
         self._host_logits: torch.Tensor | None = None  # copied to the host when a row is asked for there
         self.decode_graphs = (DecodeGraphs(decoder, min(n_seq_max, n_ubatch), n_ctx, decoder.device == "cuda")
                               if cuda_graphs else None)
@@ -66,8 +67,10 @@ class Context:
             log.info("KV cache%s: %d cells, %d layers, K (%s): %.2f MiB, V (%s): %.2f MiB",
                      which, pool.n_cells, pool.store.n_layer, kv_dtype, half, kv_dtype, half)
 
-    def decode(self, batch: Batch) -> DecodeStatus:
-        self._logits = self._host_logits = None
+    def decode(self, batch: Batch, embeddings: bool = False) -> DecodeStatus:
+        """`embeddings`: also keep the final norm's output at the output rows (`embeddings()`), as llama.cpp's
+        llama_set_embeddings; such a batch runs eagerly (the graphs give logits only)."""
+        self._logits = self._host_logits = self._hidden = None
         try:
             sanitized = sanitize(batch, vocab_size=self.model.config.vocab_size, n_seq_max=self.n_seq_max,
                                  n_batch=self.n_batch, seq_pos_max=self.memory.seq_pos_max)
@@ -84,35 +87,41 @@ class Context:
             return self._fail(DecodeStatus.NO_SLOT,
                               f"no room: the batch needs {len(sanitized.tokens)} cells; free: {free}")
         self.memory.begin()
-        outputs = []
+        outputs, hidden = [], []
         for index, (ubatch, slot) in enumerate(zip(ubatches, slots)):
             where = f"micro-batch {index + 1} of {len(ubatches)}"
             if self.abort_callback is not None and self.abort_callback():
                 return self._roll_back(DecodeStatus.ABORTED, f"aborted by abort_callback before {where}")
             try:
-                outputs.append(self._compute(ubatch, slot))
+                logits = self._compute(ubatch, slot, embeddings)
             except (MemoryError, torch.OutOfMemoryError) as exc:  # (a GPU's is torch's)
                 return self._roll_back(DecodeStatus.ALLOC_FAILED, f"out of memory in {where}: {exc}")
             except Exception as exc:  # noqa: BLE001 - any failure of the forward pass is reported, not raised
                 return self._roll_back(DecodeStatus.COMPUTE_FAILED,
                                        f"compute failed in {where}: {type(exc).__name__}: {exc}")
+            if embeddings:
+                logits, states = logits
+                hidden.append(states)
+            outputs.append(logits)
         self.memory.commit()
         self._logits = _in_batch_order(torch.cat(outputs), ubatches)
+        if embeddings:
+            self._hidden = _in_batch_order(torch.cat(hidden), ubatches).cpu()
         self.last_error = ""
         return DecodeStatus.OK
 
-    def _compute(self, ubatch, slot) -> torch.Tensor:
+    def _compute(self, ubatch, slot, with_hidden: bool):
         view = self.memory.place(ubatch, slot)
         device = self.model.decoder.device  # the tokens to where the model computes; positions stay (RoPE's tables
         # are made from them on the host), and so do the logits (Context.logits)
         tokens, output_rows = staged_together(device, torch.from_numpy(ubatch.tokens),
                                               torch.from_numpy(ubatch.output.nonzero()[0]))
         positions = torch.tensor(ubatch.pos)
-        for graphs in (self.decode_graphs, self.model.graphs):
+        for graphs in (self.decode_graphs, self.model.graphs) if not with_hidden else ():
             logits = graphs.run(tokens, positions, view, output_rows) if graphs is not None else None
             if logits is not None:
                 return logits
-        return self.model.decoder.forward(tokens, positions, view, output_rows)
+        return self.model.decoder.forward(tokens, positions, view, output_rows, with_hidden)
 
     def _roll_back(self, status: DecodeStatus, message: str) -> DecodeStatus:
         self.memory.roll_back()
@@ -151,6 +160,13 @@ class Context:
         if self._logits is None:
             raise IndexError("no logits: the last decode did not succeed or has not run")
         return self._logits
+
+    def embeddings(self) -> torch.Tensor:
+        """The final norm's float32 output [n_outputs, n_embd] at the last batch's output rows, on the host; for a
+        batch decoded with `embeddings=True`."""
+        if self._hidden is None:
+            raise IndexError("no embeddings: the last decode did not succeed or was not asked for them")
+        return self._hidden
 
     # --- sequence state ---
     def state_seq_save(self, seq_id: int) -> bytes:

@@ -15,6 +15,7 @@ from kvlm.engine.request import RequestOutput
 from kvlm.server.async_engine import EngineFailure, Finished
 from kvlm.server.errors import error_body, install_error_handlers
 from kvlm.server.kv_report import kv_report
+from kvlm.server.embeddings_api import add_embeddings_routes
 from kvlm.server.messages_api import add_messages_routes
 from kvlm.server.responses_api import add_responses_routes
 from kvlm.server.served import Choice, ServedModel
@@ -31,8 +32,8 @@ from kvlm.server.protocol import (
 )
 from kvlm.server.responses import LogprobsFormatter, Reply, usage
 
-def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> FastAPI:
-    served = ServedModel(engine, model_name)
+def create_app(engine: Engine, model_name: str, api_key: str | None = None, pooling: str | None = None) -> FastAPI:
+    served = ServedModel(engine, model_name, pooling)
     runner, metrics, tokenizer = served.runner, served.metrics, served.tokenizer
 
     @asynccontextmanager
@@ -67,6 +68,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
 
     app.state.responses = add_responses_routes(app, served_for, authorized)
     add_messages_routes(app, served_for, authorized)
+    add_embeddings_routes(app, served_for, authorized)
 
     # --- generation ---
     @app.post("/v1/completions", dependencies=[Depends(authorized)])

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from kvlm.engine.engine import Engine
+from kvlm.engine.pooling import checked_pooling
 from kvlm.engine.request import RequestOutput, StepEvent
 from kvlm.sampling.params import SamplingParams
 from kvlm.server.async_engine import AsyncEngine, EngineFailure, Finished
@@ -25,8 +26,10 @@ class Choice:
 
 
 class ServedModel:
-    def __init__(self, engine: Engine, name: str) -> None:
+    def __init__(self, engine: Engine, name: str, pooling: str | None = None) -> None:
+        """`pooling`: how its embeddings are pooled (kvlm.engine.pooling); None: as the model's file says."""
         self.engine, self.name = engine, name
+        self.pooling = checked_pooling(pooling or engine.model.config.pooling)
         self.metrics = ServerMetrics()
         self.runner = AsyncEngine(engine, self.metrics)
         self.tokenizer = engine.model.tokenizer
@@ -72,6 +75,14 @@ class ServedModel:
     def events(self, request_id: str, choice: Choice) -> AsyncIterator[StepEvent | Finished]:
         """The choice's engine events, then `Finished`; leaving early aborts it."""
         return self.runner.generate(request_id, choice.prompt_token_ids, choice.params, choice.reasoning_ended)
+
+    async def embed(self, request_id: str, prompt_token_ids: list[int]) -> RequestOutput:
+        """The prompt's embedding (`embedding` of the output), computed beside the generating requests."""
+        async for item in self.runner.generate(request_id, prompt_token_ids, SamplingParams(max_tokens=1),
+                                               pooling=self.pooling):
+            if isinstance(item, Finished):
+                return item.output
+        raise EngineFailure("the engine stopped before the request finished")
 
     async def run(self, request_id: str, choice: Choice) -> RequestOutput:
         """The choice's whole output (with `error` set where the engine refused it, e.g. too long)."""
