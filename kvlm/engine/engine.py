@@ -65,13 +65,14 @@ class Engine:
                  block_size: int = 16, swa_full: bool = False, memory_budget: int | None = None,
                  speculative_config: SpeculativeConfig | dict | str | None = None, enforce_eager: bool = False,
                  prefix_cache_ram: int = 0, prefix_cache_dir: str | None = None,
-                 prefix_cache_disk: int = DEFAULT_DISK_TIER) -> None:
+                 prefix_cache_disk: int = DEFAULT_DISK_TIER, scheduling_policy: str = "fcfs") -> None:
         """`n_ctx` None: the largest that fits in memory, up to the model's own context length; a context that does
         not fit is refused (MemoryPlanError) before it is allocated. `speculative_config`: vLLM's (see
         kvlm.speculative.config); guesses are verified in the step's batch, exactly. `enforce_eager` (vLLM's): no
         CUDA graphs for decode steps on a GPU (kvlm.model.cuda_graphs). With prefix caching, `prefix_cache_ram`
         bytes of finished sequences' states kept in RAM and `prefix_cache_disk` bytes in `prefix_cache_dir`
-        (kvlm.engine.prefix_tiers); 0 / None: no such tier."""
+        (kvlm.engine.prefix_tiers); 0 / None: no such tier. `scheduling_policy`: "fcfs", or "priority" (vLLM's:
+        requests run in the order of their priority, lower first, preempting lower-ranked ones; see Scheduler)."""
         self.model = model
         speculative_config = SpeculativeConfig.parse(speculative_config)
         k = speculative_config.num_speculative_tokens if speculative_config else 0
@@ -101,7 +102,7 @@ class Engine:
         self.scheduler = Scheduler(memory, self.prefix_cache, max_num_seqs, max_num_batched_tokens,
                                    first_seq_id=PREFIX_CACHE_SEQ + 1,
                                    on_release=self.speculator.forget if self.speculator else None,
-                                   checkpoints=self.checkpoints, tiers=self.tiers)
+                                   checkpoints=self.checkpoints, tiers=self.tiers, policy=scheduling_policy)
         self.requests: dict[str, Request] = {}
         # structured output: compiled off the step loop (the vocabulary's trie is built at the first use)
         self.grammars = GrammarCompiler(model.tokenizer, model.config.vocab_size)
@@ -117,15 +118,18 @@ class Engine:
         return self.context.n_ctx
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    reasoning_ended: Callable[[str], int | None] | None = None, pooling: str | None = None) -> str:
+                    reasoning_ended: Callable[[str], int | None] | None = None, pooling: str | None = None,
+                    priority: int = 0) -> str:
         """`reasoning_ended(output_text)`, for a model that may reason before it answers: where the answer starts
         in the output so far (None while it may still be reasoning); a structured-output constraint then applies
         only to the answer (see RequestGrammar). `pooling` ("last", "mean", "cls"; kvlm.engine.pooling): an
         embedding request, which computes its prompt and ends with its pooled vector (RequestOutput.embedding),
-        generating nothing; batched with the others."""
+        generating nothing; batched with the others. `priority`: its rank under the priority policy (lower first);
+        other than 0 it needs that policy (ValueError, as vLLM)."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        self.check_priority(priority)
         tokenizer = self.model.tokenizer
         grammar = None
         if params.structured_outputs is not None:
@@ -133,7 +137,7 @@ class Engine:
         request = Request(request_id, list(prompt_token_ids), params,
                           RequestSampler(params, list(prompt_token_ids)),
                           StopChecker(tokenizer, params, tokenizer.stop_ids), grammar,
-                          pooler=Pooler(pooling) if pooling is not None else None)
+                          pooler=Pooler(pooling) if pooling is not None else None, priority=priority)
         self.requests[request_id] = request
         problem = self._unfit(request)
         if problem:
@@ -142,6 +146,11 @@ class Engine:
         else:
             self.scheduler.add(request)
         return request_id
+
+    def check_priority(self, priority: int) -> None:
+        if priority != 0 and self.scheduler.policy != "priority":
+            raise ValueError(f"priority {priority} needs the priority scheduling policy (--scheduling-policy "
+                             "priority); this engine schedules first come, first served")
 
     def _unfit(self, request: Request) -> str | None:
         n_prompt, vocab = len(request.prompt_token_ids), self.model.config.vocab_size

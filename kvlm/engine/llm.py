@@ -45,7 +45,7 @@ class LLM:
                  memory_budget: int | None = None,
                  speculative_config: SpeculativeConfig | dict | str | None = None, device: str = AUTO,
                  enforce_eager: bool = False, prefix_cache_ram: int | str = 0, prefix_cache_dir: str | None = None,
-                 prefix_cache_disk: int | str = DEFAULT_DISK_TIER) -> None:
+                 prefix_cache_disk: int | str = DEFAULT_DISK_TIER, scheduling_policy: str = "fcfs") -> None:
         """`swa_full`: for models with sliding-window layers, keep every cell of those layers (more memory; a
         cached prefix is then always reusable) instead of only each sequence's window. `tensor_parallel_size` N:
         the model's heads and MLP split over N processes (this one and N - 1 it starts; see kvlm.parallel).
@@ -63,7 +63,9 @@ class LLM:
 
         `prefix_cache_ram`, `prefix_cache_dir`, `prefix_cache_disk`: finished sequences' states kept in RAM (bytes,
         or a size such as "2GiB"; 0: none) and in a directory (up to `prefix_cache_disk`; it outlives the process),
-        loaded by later prompts that start with them (kvlm.engine.prefix_tiers), as llama.cpp's --cache-ram."""
+        loaded by later prompts that start with them (kvlm.engine.prefix_tiers), as llama.cpp's --cache-ram.
+
+        `scheduling_policy` "priority" (vLLM's): generate's `priority` orders the requests, lower first."""
         speculative_config = SpeculativeConfig.parse(speculative_config)
         request = memory_request(n_ctx, max_num_seqs, max_num_batched_tokens, kv_dtype, enable_prefix_caching,
                                  swa_full=swa_full,
@@ -83,13 +85,18 @@ class LLM:
                              enable_prefix_caching=enable_prefix_caching, swa_full=swa_full,
                              memory_budget=memory_budget, speculative_config=speculative_config,
                              enforce_eager=enforce_eager, prefix_cache_ram=_bytes(prefix_cache_ram),
-                             prefix_cache_dir=prefix_cache_dir, prefix_cache_disk=_bytes(prefix_cache_disk))
+                             prefix_cache_dir=prefix_cache_dir, prefix_cache_disk=_bytes(prefix_cache_disk),
+                             scheduling_policy=scheduling_policy)
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """One output per prompt, in order. A prompt is text (tokenized as is) or a list of token ids."""
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """One output per prompt, in order. A prompt is text (tokenized as is) or a list of token ids. `priority`:
+        one per prompt, under the priority scheduling policy (vLLM's)."""
         prompts = [prompts] if isinstance(prompts, str) or _is_token_list(prompts) else list(prompts)
-        return self._run([self._ids(p) for p in prompts], _per_prompt(params, len(prompts)), use_tqdm)
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority has {len(priority)} values for {len(prompts)} prompts")
+        return self._run([self._ids(p) for p in prompts], _per_prompt(params, len(prompts)), use_tqdm,
+                         priority=priority)
 
     def embed(self, prompts: Prompt | Sequence[Prompt], pooling: str | None = None, dimensions: int | None = None,
               use_tqdm: bool = True) -> list[RequestOutput]:
@@ -169,11 +176,15 @@ class LLM:
         return list(prompt) if _is_token_list(prompt) else self.tokenizer.encode(prompt)
 
     def _run(self, prompts: list[list[int]], params: list[SamplingParams], use_tqdm: bool,
-             reasoning_ended: list | None = None, pooling: str | None = None) -> list[RequestOutput]:
+             reasoning_ended: list | None = None, pooling: str | None = None,
+             priority: Sequence[int] | None = None) -> list[RequestOutput]:
         self._check_constraints(params)
+        for rank in priority or ():
+            self.engine.check_priority(rank)
         reasoning_ended = reasoning_ended or [None] * len(prompts)
-        ids = [self.engine.add_request(p, sp, reasoning_ended=r, pooling=pooling)
-               for p, sp, r in zip(prompts, params, reasoning_ended)]
+        priority = priority or [0] * len(prompts)
+        ids = [self.engine.add_request(p, sp, reasoning_ended=r, pooling=pooling, priority=rank)
+               for p, sp, r, rank in zip(prompts, params, reasoning_ended, priority)]
         with tqdm(total=len(ids), desc="requests", unit="req", disable=not use_tqdm) as bar:
             started, generated = time.perf_counter(), 0
             done = sum(self.engine.requests[i].finished for i in ids)

@@ -41,6 +41,7 @@ class Request:
     finish_time: float | None = None
     speculation: SpecStats = field(default_factory=SpecStats)  # its guesses verified and accepted
     pooler: Pooler | None = None  # an embedding request: its prompt pooled, nothing generated
+    priority: int = 0  # under the priority scheduling policy: lower runs first
     embedding: list[float] | None = None
 
     @property

@@ -5,6 +5,10 @@ then prompt chunks (running requests first, then newly admitted ones, oldest fir
 budget is spent, so a long prompt never stalls the others (chunked prefill). Admission is bounded by
 max_num_seqs and by free cells; when cells run out mid-generation the most recently admitted request
 is preempted: its cells are freed and it is recomputed later from its prompt and output so far.
+
+With the "priority" policy (vLLM's --scheduling-policy priority) requests wait and are preempted in the order of
+their `priority` (lower first), then of arrival; a waiting request that outranks a running one, with no sequence or
+no cells left for it, preempts the lowest-ranked running request.
 """
 from __future__ import annotations
 
@@ -20,6 +24,13 @@ from kvlm.engine.request import Request, RequestState
 from kvlm.engine.state_checkpoints import StateCheckpoints
 from kvlm.memory.protocol import Memory
 from kvlm.memory.seq_state import StateError
+
+POLICIES = ("fcfs", "priority")
+
+
+def rank(request: Request) -> tuple[int, float]:
+    """A request's place under the priority policy: lower runs first."""
+    return request.priority, request.arrival_time
 
 
 @dataclass
@@ -40,12 +51,15 @@ class Scheduler:
     def __init__(self, memory: Memory, prefix_cache: PrefixCache | None, max_num_seqs: int,
                  max_num_batched_tokens: int, first_seq_id: int,
                  on_release: Callable[[Request], None] | None = None,
-                 checkpoints: StateCheckpoints | None = None, tiers: PrefixTiers | None = None) -> None:
+                 checkpoints: StateCheckpoints | None = None, tiers: PrefixTiers | None = None,
+                 policy: str = "fcfs") -> None:
         """`on_release(request)`: called when a request gives up its sequence (finished or preempted).
         `checkpoints`: a memory with recurrent states reuses prefixes through copies of them (and its K/V cells
         through `prefix_cache`, if it has any). `tiers`: finished sequences' states in RAM and on disk, loaded where
         they give a prompt more than the cell pool holds."""
-        self.memory = memory
+        if policy not in POLICIES:
+            raise ValueError(f"the scheduling policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        self.memory, self.policy = memory, policy
         self.on_release = on_release
         self.prefix_cache = prefix_cache
         self.checkpoints = checkpoints
@@ -53,12 +67,22 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in admission order: the last is preempted first
+        self.running: list[Request] = []  # in admission order: the last is preempted first (fcfs)
         self.free_seq_ids = list(range(first_seq_id + max_num_seqs - 1, first_seq_id - 1, -1))
         self.n_preemptions = 0
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        self._wait(request)
+
+    def _wait(self, request: Request, front: bool = False) -> None:
+        """fcfs: at the back, or at the front (preempted); priority: in rank order."""
+        if self.policy == "priority":
+            at = next((i for i, other in enumerate(self.waiting) if rank(other) > rank(request)), len(self.waiting))
+            self.waiting.insert(at, request)
+        elif front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -71,7 +95,7 @@ class Scheduler:
             needed = sum(s.n_tokens for s in plan)
             if self.has_room(needed) or not self.running:
                 return plan
-            self.preempt(self.running[-1])
+            self.preempt(self._victim())
 
     def finish(self, request: Request, reason: str) -> None:
         """Release a request's sequence; its computed full blocks stay behind in the prefix cache."""
@@ -89,7 +113,11 @@ class Scheduler:
         request.state, request.n_computed = RequestState.WAITING, 0
         request.n_preemptions += 1
         self.n_preemptions += 1
-        self.waiting.appendleft(request)
+        self._wait(request, front=True)
+
+    def _victim(self) -> Request:
+        """The running request preempted first: the last admitted, or the lowest-ranked under priority."""
+        return max(self.running, key=rank) if self.policy == "priority" else self.running[-1]
 
     def cache_computed_prefix(self, request: Request) -> None:
         computed = request.token_ids[: request.n_computed]
@@ -100,22 +128,33 @@ class Scheduler:
 
     def _admit(self) -> None:
         for request in list(self.waiting):
-            if len(self.running) >= self.max_num_seqs:
-                return
             if not request.ready:  # its grammar still compiles: the requests behind it go first
                 continue
-            # The cached prefix first: its cells are lent, not taken, and are not evicted to make room. Then room
-            # for the rest of the prompt and one token more, so admission rarely ends in preemption.
-            request.seq_id = self.free_seq_ids[-1]
-            self._reuse_cached_prefix(request)
-            if not self.has_room(request.n_pending + 1) and self.running:
-                self.memory.seq_rm(request.seq_id, -1, -1)  # the lent cells back: it waits as it was
-                request.seq_id, request.n_computed, request.n_cached_tokens = None, 0, 0
-                return
-            self.waiting.remove(request)
-            self.free_seq_ids.pop()
-            request.state = RequestState.RUNNING
-            self.running.append(request)
+            while not self._admitted(request):
+                if not self._outranks_a_running(request):
+                    return
+                self.preempt(self._victim())
+
+    def _admitted(self, request: Request) -> bool:
+        """Admit it if a sequence and its cells are free."""
+        if len(self.running) >= self.max_num_seqs:
+            return False
+        # The cached prefix first: its cells are lent, not taken, and are not evicted to make room. Then room
+        # for the rest of the prompt and one token more, so admission rarely ends in preemption.
+        request.seq_id = self.free_seq_ids[-1]
+        self._reuse_cached_prefix(request)
+        if not self.has_room(request.n_pending + 1) and self.running:
+            self.memory.seq_rm(request.seq_id, -1, -1)  # the lent cells back: it waits as it was
+            request.seq_id, request.n_computed, request.n_cached_tokens = None, 0, 0
+            return False
+        self.waiting.remove(request)
+        self.free_seq_ids.pop()
+        request.state = RequestState.RUNNING
+        self.running.append(request)
+        return True
+
+    def _outranks_a_running(self, request: Request) -> bool:
+        return self.policy == "priority" and bool(self.running) and rank(self._victim()) > rank(request)
 
     def _reuse_cached_prefix(self, request: Request) -> None:
         if request.pooler is not None and not request.pooler.reuses_prefix:

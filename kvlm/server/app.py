@@ -78,11 +78,12 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, pool
         prompts = [served.token_ids(p, "prompt") for p in body.prompts()]
         constraint = body.constraint()
         await compiled(engine.grammars, constraint, constraint_field(body))
-        n, choices = body.n_choices(), []
+        n, choices, priority = body.n_choices(), [], served.priority_checked(body.priority)
         for p, ids in enumerate(prompts):
             max_tokens = checked_max_tokens(body.max_tokens, len(ids), engine.n_ctx, "max_tokens")
             choices += [Choice(p * n + i, ids, served.sampling_checked(body.sampling_params(max_tokens, body.logprobs,
-                                                                                            i, constraint)))
+                                                                                            i, constraint)),
+                               priority=priority)
                         for i in range(n)]
         reply = Reply("text_completion", model_name)
         return await respond(reply, body, choices, sum(map(len, prompts)), request)

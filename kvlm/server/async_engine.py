@@ -73,15 +73,16 @@ class AsyncEngine:
 
     # --- what handlers call ---
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       reasoning_ended: Callable[[str], int | None] | None = None, pooling: str | None = None
-                       ) -> AsyncIterator[StepEvent | Finished]:
-        """The request's events as they come, then `Finished`. Leaving early (a disconnect) aborts it. `pooling`:
-        an embedding request (Engine.add_request)."""
+                       reasoning_ended: Callable[[str], int | None] | None = None, pooling: str | None = None,
+                       priority: int = 0) -> AsyncIterator[StepEvent | Finished]:
+        """The request's events as they come, then `Finished`. Leaving early (a disconnect) aborts it. `pooling`
+        and `priority`: as Engine.add_request takes them."""
         self._check_running()
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, events)
-        self._commands.put(lambda: self._add(request_id, prompt_token_ids, params, reasoning_ended, pooling))
+        self._commands.put(lambda: self._add(request_id, prompt_token_ids, params, reasoning_ended, pooling,
+                                             priority))
         finished = False
         try:
             while True:
@@ -164,14 +165,14 @@ class AsyncEngine:
                 self._finish(event.request_id)
 
     def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-             reasoning_ended: Callable[[str], int | None] | None, pooling: str | None) -> None:
+             reasoning_ended: Callable[[str], int | None] | None, pooling: str | None, priority: int) -> None:
         if request_id not in self._streams:  # the client left before its request reached the engine
             return
         if self._stopping.is_set():
             self._fail(request_id, EngineFailure("the server is shutting down"))
             return
         try:
-            self.engine.add_request(prompt_token_ids, params, request_id, reasoning_ended, pooling)
+            self.engine.add_request(prompt_token_ids, params, request_id, reasoning_ended, pooling, priority)
         except Exception as exc:  # noqa: BLE001 - reported to its client
             self._fail(request_id, EngineFailure(f"the request could not start: {type(exc).__name__}: {exc}"))
             return

@@ -100,6 +100,7 @@ class SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    priority: StrictInt = 0  # vLLM's: with --scheduling-policy priority, lower runs first
 
     def constraints(self) -> dict[str, StructuredOutputsParams]:
         """Each field that constrains the output, as the params it asks for (400 when one is malformed)."""

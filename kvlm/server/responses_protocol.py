@@ -5,7 +5,7 @@ Input is a string or a list of items: messages (roles user, system, developer, a
 reaches the template as the next assistant message's reasoning_content). `instructions` is a system message before
 them (not carried over to a response that continues this one, as OpenAI's). Function tools, tool_choice,
 parallel_tool_calls, text.format (json_schema, json_object), reasoning.effort (to the chat template, as chat's
-reasoning_effort), max_output_tokens, temperature, top_p and vLLM's top_k and seed are honoured.
+reasoning_effort), max_output_tokens, temperature, top_p and vLLM's top_k, seed and priority are honoured.
 
 Refused by name (400): items other than those (images, files, built-in tool calls, item references), tools other
 than functions, tool_choice of allowed_tools or a built-in tool, `background`, `conversation`, `prompt`,
@@ -77,6 +77,7 @@ class ResponsesRequest(BaseModel):
     # vLLM's extras
     top_k: StrictInt | None = None
     seed: StrictInt | None = None
+    priority: StrictInt = 0
     # accepted so that SDKs work; they change nothing here
     metadata: dict[str, str] | None = None
     user: str | None = None
@@ -137,7 +138,7 @@ class ResponsesRequest(BaseModel):
             "messages": system + history + input_messages(self.input), "max_tokens": self.max_output_tokens,
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
             "tools": self.function_tools() or None, "tool_choice": self.chat_tool_choice(),
-            "reasoning_effort": self.reasoning.effort if self.reasoning else None}
+            "reasoning_effort": self.reasoning.effort if self.reasoning else None, "priority": self.priority}
         if self.parallel_tool_calls is not None:
             fields["parallel_tool_calls"] = self.parallel_tool_calls
         if self.text is not None and self.text.format is not None:

@@ -23,6 +23,7 @@ class Choice:
     prompt_token_ids: list[int]
     params: SamplingParams
     reasoning_ended: Callable[[str], int | None] | None = None  # see Engine.add_request
+    priority: int = 0  # under the priority scheduling policy
 
 
 class ServedModel:
@@ -48,6 +49,13 @@ class ServedModel:
         self.in_vocabulary(ids, field)
         return ids
 
+    def priority_checked(self, priority: int) -> int:
+        try:
+            self.engine.check_priority(priority)
+        except ValueError as exc:
+            raise BadRequest(str(exc), "priority") from None
+        return priority
+
     def sampling_checked(self, params: SamplingParams) -> SamplingParams:
         self.in_vocabulary((params.logit_bias or {}).keys(), "logit_bias")
         return params
@@ -64,17 +72,18 @@ class ServedModel:
         ids = turn.prompt_token_ids
         max_tokens = checked_max_tokens(body.requested_max_tokens(), len(ids), self.engine.n_ctx, max_tokens_field,
                                         prompt_field)
-        logprobs = body.logprobs_count()
+        logprobs, priority = body.logprobs_count(), self.priority_checked(body.priority)
         skip_special_tokens = not turn.output.keeps_special_tokens
         return [Choice(i, ids, self.sampling_checked(body.sampling_params(max_tokens, logprobs, i, turn.constraint,
                                                                           skip_special_tokens)),
-                       turn.reasoning_ended)
+                       turn.reasoning_ended, priority)
                 for i in range(body.n_choices())]
 
     # --- generation ---
     def events(self, request_id: str, choice: Choice) -> AsyncIterator[StepEvent | Finished]:
         """The choice's engine events, then `Finished`; leaving early aborts it."""
-        return self.runner.generate(request_id, choice.prompt_token_ids, choice.params, choice.reasoning_ended)
+        return self.runner.generate(request_id, choice.prompt_token_ids, choice.params, choice.reasoning_ended,
+                                    priority=choice.priority)
 
     async def embed(self, request_id: str, prompt_token_ids: list[int]) -> RequestOutput:
         """The prompt's embedding (`embedding` of the output), computed beside the generating requests."""
