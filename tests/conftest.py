@@ -39,7 +39,7 @@ REFERENCE_FIXTURES = {"hf_smollm2", "hf_smollm2_tokenizer", "hf_qwen", "hf_qwen_
 SLOW_MODULES = {"test_qwen2_vs_transformers", "test_gemma3", "test_tensor_parallel_engine", "test_batch_invariance",
                 "test_graphs", "test_engine", "test_server_api", "test_gemma_chat", "test_speculative_real",
                 "test_agents_server", "test_batch_invariance_kinds", "test_tensor_parallel_qwen",
-                "test_batch_invariance_engine", "test_context", "test_decode_layer"}
+                "test_batch_invariance_engine", "test_context", "test_decode_layer", "test_agent_apis"}
 
 
 @cache

@@ -12,12 +12,13 @@ from kvlm.engine.chat_session import ChatSession
 from kvlm.engine.engine import DEFAULT_DISK_TIER, memory_request
 from kvlm.engine.llm import LLM
 from kvlm.engine.request import RequestOutput
+from kvlm.engine.scheduler import POLICIES
 from kvlm.sampling.params import SamplingParams
 from kvlm.core.errors import KvlmError
 from kvlm.core.family import RECURRENT_KINDS
 from kvlm.runtime.generate import GenerationSettings, generate
 from kvlm.kernels import native_kernels
-from kvlm.core.config import ModelConfig
+from kvlm.core.config import POOLINGS, ModelConfig
 from kvlm.loader.fetch import DEFAULT_MODEL, KNOWN_MODELS, pull_model, resolve_model
 from kvlm.loader.load import load_model, open_model
 from kvlm.loader.memory_plan import parse_size, plan_memory
@@ -71,8 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     _speculative_argument(chat)
     chat.set_defaults(handler=_chat)
 
-    srv = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    _model_arguments(srv)
+    srv = commands.add_parser("serve", help="serve a model (or several) over OpenAI's and Anthropic's HTTP APIs")
+    _model_arguments(srv, several=True)
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--max-num-seqs", type=int, default=32, help="requests running at once")
@@ -82,7 +83,19 @@ def _parser() -> argparse.ArgumentParser:
                           "weights, f32 in the reference mode)")
     _swa_full_argument(srv)
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: no key)")
-    srv.add_argument("--served-model-name", default=None, help="the name clients use (default: from --model)")
+    srv.add_argument("--served-model-name", action="append", default=None,
+                     help="the name clients use (default: from --model); once per --model, in the same order")
+    srv.add_argument("--pooling", choices=POOLINGS, default=None,
+                     help="how /v1/embeddings pools a text's states (default: the model's own; last for decoder models)")
+    srv.add_argument("--scheduling-policy", choices=POLICIES, default="fcfs",
+                     help="priority: requests' `priority` field orders them, lower first, preempting lower ones "
+                          "(as vLLM's)")
+    srv.add_argument("--preload", action="store_true",
+                     help="with several --model: load them all at start (default: each at its first request)")
+    srv.add_argument("--idle-unload", type=float, default=None, metavar="SECONDS",
+                     help="unload a model no request used for SECONDS (it loads again when asked for)")
+    srv.add_argument("--max-loaded-models", type=int, default=None, metavar="N",
+                     help="keep at most N models loaded; loading another unloads the least recently used idle one")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds in-flight requests get to finish after SIGINT/SIGTERM")
     _speculative_argument(srv)
@@ -153,8 +166,13 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="known name, .gguf path or Hugging Face folder")
+def _model_arguments(parser: argparse.ArgumentParser, several: bool = False) -> None:
+    if several:
+        parser.add_argument("--model", action="append", default=None,
+                            help=f"known name, .gguf path or Hugging Face folder; repeat it to serve several models "
+                                 f"(default: {DEFAULT_MODEL})")
+    else:
+        parser.add_argument("--model", default=DEFAULT_MODEL, help="known name, .gguf path or Hugging Face folder")
     parser.add_argument("--dtype", choices=(AUTO, *DTYPES), default=AUTO,
                         help="activations; auto: bfloat16 where the CPU has bf16 instructions, else float32 "
                              "(float32 is the reference mode)")
@@ -369,14 +387,16 @@ def _serve(args: argparse.Namespace) -> int:
     )
 
     return serve(ServeSettings(
-        model=args.model, host=args.host, port=args.port, dtype=args.dtype, quant=args.quant, n_ctx=args.n_ctx,
+        model=args.model or [DEFAULT_MODEL], host=args.host, port=args.port, dtype=args.dtype, quant=args.quant,
+        n_ctx=args.n_ctx,
         batch_invariant=args.batch_invariant, compile=args.compile, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, memory_budget=args.memory_budget,
         kv_dtype=args.kv_dtype, swa_full=args.swa_full, api_key=args.api_key, served_model_name=args.served_model_name,
         shutdown_timeout=args.shutdown_timeout, tensor_parallel_size=args.tensor_parallel_size, device=args.device,
         speculative_config=args.speculative_config, enforce_eager=args.enforce_eager,
         prefix_cache_ram=args.prefix_cache_ram, prefix_cache_dir=args.prefix_cache_dir,
-        prefix_cache_disk=args.prefix_cache_disk))
+        prefix_cache_disk=args.prefix_cache_disk, pooling=args.pooling, scheduling_policy=args.scheduling_policy,
+        preload=args.preload, idle_unload=args.idle_unload, max_loaded_models=args.max_loaded_models))
 
 
 def _pull(args: argparse.Namespace) -> int:

@@ -64,6 +64,11 @@ class AsyncEngine:
         self._thread.join()
 
     @property
+    def busy(self) -> bool:
+        """Whether a request is in flight (added, and not yet finished or aborted)."""
+        return bool(self._streams)
+
+    @property
     def running(self) -> bool:
         return self._thread.is_alive() and not self._stopping.is_set()
 

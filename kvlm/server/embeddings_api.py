@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, StrictInt
 
 from kvlm.engine.pooling import checked_dimensions, truncated
 from kvlm.server.protocol import BadRequest
-from kvlm.server.served import ServedModel
+from kvlm.server.model_set import ModelSet
 from kvlm.server.transport import CLIENT_CLOSED_REQUEST, until_disconnected
 
 MAX_INPUTS = 2048  # OpenAI's limit of inputs per request
@@ -51,10 +51,10 @@ def encoded(embedding: list[float], encoding_format: str) -> list[float] | str:
     return base64.b64encode(np.asarray(embedding, dtype="<f4").tobytes()).decode("ascii")
 
 
-def add_embeddings_routes(app: FastAPI, served_for: Callable[[str | None], ServedModel], authorized: Callable) -> None:
+def add_embeddings_routes(app: FastAPI, models: ModelSet, authorized: Callable) -> None:
     @app.post("/v1/embeddings", dependencies=[Depends(authorized)])
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
-        served = served_for(body.model)
+        served = await models.get(body.model)
         try:
             checked_dimensions(body.dimensions, served.engine.model.config.n_embd)
         except ValueError as exc:

@@ -22,6 +22,7 @@ from kvlm.server.messages_protocol import MESSAGES_PARAMS, CountTokensRequest, M
 from kvlm.server.output_blocks import REASONING, TEXT, Block, BlockDelta, BlockEvent, BlockStart, BlockStream, \
     blocks_of
 from kvlm.server.protocol import BadRequest, params_renamed
+from kvlm.server.model_set import ModelSet
 from kvlm.server.served import Choice, ServedModel
 from kvlm.server.transport import CLIENT_CLOSED_REQUEST, sse, until_disconnected
 from kvlm.tool_calls.chat_output import ChoiceStream
@@ -74,10 +75,10 @@ def block_event(change: BlockEvent) -> str:
     return event("content_block_stop", index=change.index)
 
 
-def add_messages_routes(app: FastAPI, served_for: Callable[[str | None], ServedModel], authorized: Callable) -> None:
+def add_messages_routes(app: FastAPI, models: ModelSet, authorized: Callable) -> None:
     @app.post("/v1/messages", dependencies=[Depends(authorized)])
     async def create_message(body: MessagesRequest, request: Request) -> Response:
-        served = served_for(body.model)
+        served = await models.get(body.model)
         with params_renamed(MESSAGES_PARAMS):
             chat = body.chat_request()
             turn = await served.chat_turn(chat)
@@ -97,7 +98,7 @@ def add_messages_routes(app: FastAPI, served_for: Callable[[str | None], ServedM
 
     @app.post("/v1/messages/count_tokens", dependencies=[Depends(authorized)])
     async def count_tokens(body: CountTokensRequest) -> dict:
-        served = served_for(body.model)
+        served = await models.get(body.model)
         with params_renamed(MESSAGES_PARAMS):
             chat = body.chat_request()
             prompt = chat_prompt(served.tokenizer, chat, chat.tool_dicts())

@@ -77,8 +77,9 @@ class CountTokensRequest(BaseModel):
             if getattr(self, name):
                 raise BadRequest(f"{name} is not supported by this server", name)
         if self.messages[-1].get("role") == "assistant":
-            raise BadRequest("the last message is the assistant's: continuing a prefilled reply is not supported "
-                             "by this server; end with a user message", f"messages[{len(self.messages) - 1}].role")
+            last = f"messages[{len(self.messages) - 1}]"
+            raise BadRequest(f"{last} is the assistant's: continuing a prefilled reply is not supported by this "
+                             "server; end with a user message", f"{last}.role")
         system = [{"role": "system", "content": system_text(self.system)}] if self.system else []
         fields: dict[str, Any] = {"messages": system + chat_messages(self.messages), "tools": self.chat_tools()}
         fields |= self.chat_tool_choice() | (self.output_config.chat_fields() if self.output_config else {})

@@ -29,6 +29,7 @@ from kvlm.server.output_blocks import REASONING, TEXT, TOOL_CALL, Block, BlockDe
     blocks_of
 from kvlm.server.protocol import BadRequest, params_renamed
 from kvlm.server.responses_protocol import RESPONSES_PARAMS, ResponsesRequest, input_messages
+from kvlm.server.model_set import ModelSet
 from kvlm.server.served import Choice, ServedModel
 from kvlm.server.transport import CLIENT_CLOSED_REQUEST, sse, until_disconnected
 from kvlm.tool_calls.chat_output import ChoiceStream
@@ -181,13 +182,13 @@ def assistant_message(blocks: list[Block]) -> dict[str, Any]:
     return message
 
 
-def add_responses_routes(app: FastAPI, served_for: Callable[[str | None], ServedModel],
+def add_responses_routes(app: FastAPI, models: ModelSet,
                          authorized: Callable) -> ResponseStore:
     store = ResponseStore()
 
     @app.post("/v1/responses", dependencies=[Depends(authorized)])
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
-        served = served_for(body.model)
+        served = await models.get(body.model)
         history = store.get(body.previous_response_id, "previous_response_id").conversation \
             if body.previous_response_id else []
         messages = history + input_messages(body.input)

@@ -129,13 +129,13 @@ class ResponsesRequest(BaseModel):
         raise BadRequest(f"tool_choice {choice!r} is not supported: give none, auto, required or "
                          "{\"type\": \"function\", \"name\": ...}", "tool_choice")
 
-    def chat_request(self, history: list[dict[str, Any]]) -> ChatCompletionRequest:
-        """The chat request this response runs: `history` (a stored conversation this one continues) then
-        instructions and input as chat messages."""
+    def chat_request(self, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
+        """The chat request this response runs: instructions as a system message, then `messages` (a stored
+        conversation this one continues, then the input, as input_messages reads it)."""
         self.check_supported()
         system = [{"role": "system", "content": self.instructions}] if self.instructions else []
         fields: dict[str, Any] = {
-            "messages": system + history + input_messages(self.input), "max_tokens": self.max_output_tokens,
+            "messages": system + messages, "max_tokens": self.max_output_tokens,
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
             "tools": self.function_tools() or None, "tool_choice": self.chat_tool_choice(),
             "reasoning_effort": self.reasoning.effort if self.reasoning else None, "priority": self.priority}

@@ -1,4 +1,5 @@
-"""`kvlm serve`: load the model, build the engine and the app, and run uvicorn until SIGINT or SIGTERM."""
+"""`kvlm serve`: load the model (or models: kvlm.server.model_set), build the engines and the app, and run uvicorn
+until SIGINT or SIGTERM."""
 from __future__ import annotations
 
 import logging
@@ -14,6 +15,7 @@ from kvlm.loader.load import load_model
 from kvlm.memory.kv_store import AUTO
 from kvlm.server.app import create_app
 from kvlm.server.kv_report import recurrent_part
+from kvlm.server.model_set import ModelSet
 from kvlm.speculative.config import SpeculativeConfig
 from kvlm.startup import in_passing_thread
 
@@ -22,7 +24,7 @@ log = logging.getLogger("kvlm")
 
 @dataclass
 class ServeSettings:
-    model: str
+    model: str | list[str]  # one model, or several served side by side
     host: str = "127.0.0.1"
     port: int = 8000
     dtype: str = AUTO
@@ -36,7 +38,7 @@ class ServeSettings:
     kv_dtype: str = AUTO  # bf16 for a bfloat16 model; f16 (quantized weights) or f32 (dense) for a float32 one
     swa_full: bool = False  # keep every cell of sliding-window layers (one unified pool, llama.cpp's --swa-full)
     api_key: str | None = None
-    served_model_name: str | None = None
+    served_model_name: str | list[str] | None = None  # one per model, in order
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGINT/SIGTERM
     tensor_parallel_size: int = 1  # processes the model's heads and MLP are split over (kvlm.parallel)
     memory_budget: int | None = None  # bytes for weights, KV cache and buffers (None: the machine's)
@@ -45,6 +47,23 @@ class ServeSettings:
     prefix_cache_ram: int = 0  # bytes of finished sequences' states kept in RAM (kvlm.engine.prefix_tiers)
     prefix_cache_dir: str | None = None  # and on disk, across restarts
     prefix_cache_disk: int = DEFAULT_DISK_TIER
+    pooling: str | None = None  # embeddings: last, mean or cls (None: each model's own)
+    scheduling_policy: str = "fcfs"  # or "priority" (vLLM's)
+    # several models: load all at start (one model always is), unload after that many idle seconds, keep at most
+    # that many loaded
+    preload: bool = False
+    idle_unload: float | None = None
+    max_loaded_models: int | None = None
+
+    def named_models(self) -> list[tuple[str, str]]:
+        """(served name, source) of each model; ValueError when the names given do not match the models."""
+        sources = [self.model] if isinstance(self.model, str) else list(self.model)
+        names = self.served_model_name
+        names = [None] * len(sources) if names is None else [names] if isinstance(names, str) else list(names)
+        if len(names) != len(sources):
+            raise ValueError(f"--served-model-name was given {len(names)} times for {len(sources)} models: give it "
+                             "once per --model, in the same order")
+        return [(name or served_name(source), source) for name, source in zip(names, sources)]
 
 
 def served_name(model: str) -> str:
@@ -107,51 +126,66 @@ def serve(settings: ServeSettings) -> int:
     request = memory_request(settings.n_ctx, settings.max_num_seqs, settings.max_num_batched_tokens, settings.kv_dtype,
                              swa_full=settings.swa_full,
                              speculative_tokens=speculative.num_speculative_tokens if speculative else 0)
+    named = settings.named_models()
+    if len(named) > 1 and settings.tensor_parallel_size != 1:
+        raise ValueError("tensor parallelism serves one model: give one --model with --tensor-parallel-size")
 
-    def build() -> Engine:
-        model = load_model(settings.model, settings.dtype, quant=settings.quant,
+    def build(name: str, source: str, budget: int | None) -> Engine:
+        model = load_model(source, settings.dtype, quant=settings.quant,
                            batch_invariant=settings.batch_invariant, compile=settings.compile,
                            tensor_parallel_size=settings.tensor_parallel_size, memory=request,
-                           memory_budget=settings.memory_budget, device=settings.device)
-        return Engine(model, n_ctx=settings.n_ctx or model.plan.n_ctx, max_num_seqs=settings.max_num_seqs,
-                      max_num_batched_tokens=settings.max_num_batched_tokens, kv_dtype=settings.kv_dtype,
-                      swa_full=settings.swa_full, memory_budget=settings.memory_budget,
-                      speculative_config=speculative, enforce_eager=settings.enforce_eager,
-                      prefix_cache_ram=settings.prefix_cache_ram, prefix_cache_dir=settings.prefix_cache_dir,
-                      prefix_cache_disk=settings.prefix_cache_disk)
+                           memory_budget=budget, device=settings.device)
+        engine = Engine(model, n_ctx=settings.n_ctx or model.plan.n_ctx, max_num_seqs=settings.max_num_seqs,
+                        max_num_batched_tokens=settings.max_num_batched_tokens, kv_dtype=settings.kv_dtype,
+                        swa_full=settings.swa_full, memory_budget=budget,
+                        speculative_config=speculative, enforce_eager=settings.enforce_eager,
+                        prefix_cache_ram=settings.prefix_cache_ram, prefix_cache_dir=settings.prefix_cache_dir,
+                        prefix_cache_disk=settings.prefix_cache_disk, scheduling_policy=settings.scheduling_policy)
+        _log_setup(engine, name, speculative)
+        return engine
 
     # The engine steps on a thread of its own (kvlm.server.async_engine): no other thread may keep OpenMP workers.
     # (Tensor parallelism pins this thread to rank 0's cores, which the engine thread inherits: it builds here.)
-    engine = in_passing_thread(build) if settings.tensor_parallel_size == 1 else build()
-    model = engine.model
-    name = settings.served_model_name or served_name(settings.model)
-    memory = engine.context.memory
-    log.info("model %s (%s) from %s", name, model.config.architecture, model.source)
-    log.info("compute: %s", model.decoder.describe())
-    log.info("memory: %s", "; ".join(f"{label} {text}" for label, text in engine.plan.lines()))
-    _log_memory(memory, engine.context.kv_dtype, settings.max_num_seqs)
-    if engine.tiers is not None:
-        log.info("prefix cache tiers: %s", "; ".join(_tier(tier) for tier in engine.tiers.tiers) or "none")
-    if speculative is not None:
-        log.info("speculative decoding: %s, up to %d guessed tokens per step%s", speculative.method,
-                 speculative.num_speculative_tokens, ", as many as pay (measured)" if speculative.adaptive else "")
-    app = create_app(engine, name, settings.api_key)
+    def built(name: str, source: str, budget: int | None) -> Engine:
+        return in_passing_thread(lambda: build(name, source, budget)) if settings.tensor_parallel_size == 1 else \
+            build(name, source, budget)
+
+    models = ModelSet(named, built, settings.pooling, settings.max_loaded_models, settings.memory_budget,
+                      settings.idle_unload)
+    for name, _ in named if len(named) == 1 or settings.preload else ():
+        models.load_now(name)
+    log.info("serving %s", ", ".join(f"{entry.name} ({entry.state})" for entry in models.entries.values()))
+    app = create_app(models, api_key=settings.api_key)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
                             timeout_graceful_shutdown=settings.shutdown_timeout)
     server = uvicorn.Server(config)
-    log.info("serving %s at http://%s:%d/v1 (KV view: http://%s:%d/kv/view)", name, settings.host, settings.port,
+    log.info("serving at http://%s:%d/v1 (KV view: http://%s:%d/kv/view)", settings.host, settings.port,
              settings.host, settings.port)
     # uvicorn re-raises the signal that stopped it once it has shut down; with these handlers in place
     # the re-raised signal is only logged, and the process exits 0.
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda s, _: log.info("stopped by %s", signal.Signals(s).name))
-    if model.tensor_parallel is not None:  # a rank that dies or hangs stops the server: it cannot compute again
-        model.tensor_parallel.on_failure.append(lambda _: setattr(server, "should_exit", True))
+    parallel = models.loaded[0].served.engine.model.tensor_parallel if models.loaded else None
+    if parallel is not None:  # a rank that dies or hangs stops the server: it cannot compute again
+        parallel.on_failure.append(lambda _: setattr(server, "should_exit", True))
     server.run()
-    if model.tensor_parallel is not None:
-        failure = model.tensor_parallel.failure
-        model.tensor_parallel.stop()
+    if parallel is not None:
+        failure = parallel.failure
+        parallel.stop()
         if failure is not None:
             log.error("the server stopped: %s", failure)
             return 1
     return 0
+
+
+def _log_setup(engine: Engine, name: str, speculative: SpeculativeConfig | None) -> None:
+    model, memory = engine.model, engine.context.memory
+    log.info("model %s (%s) from %s", name, model.config.architecture, model.source)
+    log.info("compute: %s", model.decoder.describe())
+    log.info("memory: %s", "; ".join(f"{label} {text}" for label, text in engine.plan.lines()))
+    _log_memory(memory, engine.context.kv_dtype, engine.scheduler.max_num_seqs)
+    if engine.tiers is not None:
+        log.info("prefix cache tiers: %s", "; ".join(_tier(tier) for tier in engine.tiers.tiers) or "none")
+    if speculative is not None:
+        log.info("speculative decoding: %s, up to %d guessed tokens per step%s", speculative.method,
+                 speculative.num_speculative_tokens, ", as many as pay (measured)" if speculative.adaptive else "")

@@ -305,7 +305,8 @@ def test_serve_logs_the_recurrent_state(recurrent_model, monkeypatch, caplog):
     name, hf_config, model = recurrent_model
     built = []
     monkeypatch.setattr("kvlm.server.serve.load_model", lambda *args, **kwargs: model)
-    monkeypatch.setattr("kvlm.server.serve.create_app", lambda engine, *args: built.append(engine))
+    monkeypatch.setattr("kvlm.server.serve.create_app",
+                        lambda models, **kwargs: built.extend(e.served.engine for e in models.loaded))
     monkeypatch.setattr("kvlm.server.serve.uvicorn.Config", lambda *args, **kwargs: None)
     monkeypatch.setattr("kvlm.server.serve.uvicorn.Server", lambda config: type("S", (), {"run": lambda s: None})())
     monkeypatch.setattr("kvlm.server.serve.signal.signal", lambda *args: None)

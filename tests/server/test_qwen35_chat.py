@@ -529,3 +529,167 @@ def test_enable_thinking_false_reaches_the_template(client, model, script):
     assert model.tokenizer.decode(script["prompts"][-1]).endswith(CLOSED_THINK)
     assert (choice.message.model_extra.get("reasoning_content"), choice.message.content, choice.finish_reason) == (
         None, "It is sunny.", "stop")
+
+
+# --- the same turns through the Responses and Messages APIs ------------------------------------------------------
+# A reasoning item / thinking block, then the call, from the scripted turn above; the prompt is transformers'
+# rendering of the chat messages the request is equivalent to; the call sent back renders as chat's second turn.
+
+SYSTEM = "Use tools."
+RESPONSES_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]
+ANTHROPIC_TOOLS = [{"name": tool["function"]["name"], "description": tool["function"]["description"],
+                    "input_schema": tool["function"]["parameters"]} for tool in TOOLS]
+SCRIPTED_ARGUMENTS = {"city": "Paris", "days": 3}
+SCRIPTED_ANSWER = "The tool says sunny.\n</think>\n\nIt will be sunny.<|im_end|>"
+# the scripted call as chat sends it back (as in test_a_chat_completion_with_tools_whole_and_streamed)
+SENT_BACK = {"role": "assistant", "content": None, "reasoning_content": "Need the weather.", "tool_calls": [
+    {"type": "function", "function": {"name": "get_weather", "arguments": SCRIPTED_ARGUMENTS}}]}
+
+
+@pytest.fixture(scope="module")
+def claude(client):
+    """An `anthropic` client of the same server."""
+    import anthropic
+
+    return anthropic.Anthropic(base_url=str(client.base_url).rstrip("/").removesuffix("/v1"), api_key="none",
+                               max_retries=0, timeout=300)
+
+
+def output_items(response) -> list[tuple]:
+    shapes = []
+    for item in response.output:
+        if item.type == "reasoning":
+            shapes.append(("reasoning", [(part.type, part.text) for part in item.content or []]))
+        elif item.type == "message":
+            shapes.append(("message", [(part.type, part.text) for part in item.content]))
+        else:
+            shapes.append((item.type, item.name, item.arguments))
+    return shapes
+
+
+def content_blocks(message) -> list[tuple]:
+    shapes = []
+    for block in message.content:
+        if block.type == "thinking":
+            shapes.append(("thinking", block.thinking))
+        elif block.type == "text":
+            shapes.append(("text", block.text))
+        else:
+            shapes.append((block.type, block.name, block.input))
+    return shapes
+
+
+REASONED_CALL_ITEMS = [("reasoning", [("reasoning_text", "Need the weather.")]),
+                       ("function_call", "get_weather", '{"city": "Paris", "days": 3}')]
+REASONED_CALL_BLOCKS = [("thinking", "Need the weather."), ("tool_use", "get_weather", SCRIPTED_ARGUMENTS)]
+
+
+def test_a_response_with_reasoning_and_a_call_whole_and_streamed(client, model, script, reference_tokenizer):
+    write(script, model, SCRIPTED_CALL)
+    kwargs = dict(model=MODEL, instructions=SYSTEM, input=[{"role": "user", "content": ASK["content"]}],
+                  tools=RESPONSES_TOOLS, temperature=0, max_output_tokens=100)
+    response = client.responses.create(**kwargs)
+    assert model.tokenizer.decode(script["prompts"][-1]) == reference(
+        reference_tokenizer, TEMPLATE, [{"role": "system", "content": SYSTEM}, ASK], True, TOOLS)
+    assert output_items(response) == REASONED_CALL_ITEMS and response.status == "completed"
+    call = response.output[1]
+    assert call.call_id.startswith("call_") and response.output[0].id.startswith("rs_")
+    assert response.usage.output_tokens == len(script["ids"])
+    assert response.usage.output_tokens_details.reasoning_tokens > 0
+
+    with client.responses.stream(**kwargs) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert output_items(final) == REASONED_CALL_ITEMS and final.status == "completed"
+    kinds = [event.type for event in events]
+    n_reasoning = kinds.count("response.reasoning_text.delta")
+    n_arguments = kinds.count("response.function_call_arguments.delta")
+    assert n_reasoning >= 1 and n_arguments >= 1
+    assert kinds == (["response.created", "response.in_progress", "response.output_item.added",
+                      "response.content_part.added"] + ["response.reasoning_text.delta"] * n_reasoning
+                     + ["response.reasoning_text.done", "response.content_part.done", "response.output_item.done",
+                        "response.output_item.added"] + ["response.function_call_arguments.delta"] * n_arguments
+                     + ["response.function_call_arguments.done", "response.output_item.done", "response.completed"])
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "Need the weather."
+    arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert arguments == '{"city": "Paris", "days": 3}'
+    assert [e.output_index for e in events if e.type == "response.output_item.added"] == [0, 1]
+
+
+def test_a_responses_call_sent_back_renders_as_chats_second_turn(client, model, script, reference_tokenizer):
+    write(script, model, SCRIPTED_CALL)
+    kwargs = dict(model=MODEL, tools=RESPONSES_TOOLS, temperature=0, max_output_tokens=100)
+    first = client.responses.create(input=ASK["content"], **kwargs)
+    assert model.tokenizer.decode(script["prompts"][-1]) == reference(reference_tokenizer, TEMPLATE, [ASK], True,
+                                                                      TOOLS)
+    assert output_items(first) == REASONED_CALL_ITEMS
+    call_id = first.output[1].call_id
+    result = {"type": "function_call_output", "call_id": call_id, "output": "sunny"}
+    expected = reference(reference_tokenizer, TEMPLATE,
+                         [ASK, SENT_BACK, {"role": "tool", "tool_call_id": call_id, "content": "sunny"}], True, TOOLS)
+    answer = [("reasoning", [("reasoning_text", "The tool says sunny.")]),
+              ("message", [("output_text", "It will be sunny.")])]
+
+    write(script, model, SCRIPTED_ANSWER)
+    by_id = client.responses.create(previous_response_id=first.id, input=[result], **kwargs)
+    assert model.tokenizer.decode(script["prompts"][-1]) == expected
+    assert output_items(by_id) == answer and by_id.output_text == "It will be sunny."
+    # the same turns as input items (the SDK's own output items sent back), without previous_response_id
+    whole = client.responses.create(input=[{"role": "user", "content": ASK["content"]},
+                                           *[item.model_dump(exclude_none=True) for item in first.output], result],
+                                    **kwargs)
+    assert model.tokenizer.decode(script["prompts"][-1]) == expected
+    assert output_items(whole) == answer
+
+
+def test_a_message_with_thinking_and_a_tool_use_whole_and_streamed(claude, model, script, reference_tokenizer):
+    write(script, model, SCRIPTED_CALL)
+    kwargs = dict(model=MODEL, system=SYSTEM, messages=[ASK], tools=ANTHROPIC_TOOLS, max_tokens=100,
+                  extra_body={"temperature": 0})
+    message = claude.messages.create(**kwargs)
+    assert model.tokenizer.decode(script["prompts"][-1]) == reference(
+        reference_tokenizer, TEMPLATE, [{"role": "system", "content": SYSTEM}, ASK], True, TOOLS)
+    assert content_blocks(message) == REASONED_CALL_BLOCKS
+    assert (message.stop_reason, message.stop_sequence) == ("tool_use", None)
+    assert message.usage.output_tokens == len(script["ids"])
+
+    with claude.messages.stream(**kwargs) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    assert content_blocks(final) == REASONED_CALL_BLOCKS and final.stop_reason == "tool_use"
+    deltas = [(e.index, e.delta) for e in events if e.type == "content_block_delta"]
+    assert {d.type for _, d in deltas} == {"thinking_delta", "input_json_delta"}
+    assert "".join(d.thinking for i, d in deltas if d.type == "thinking_delta" and i == 0) == "Need the weather."
+    partial = "".join(d.partial_json for i, d in deltas if d.type == "input_json_delta" and i == 1)
+    assert json.loads(partial) == SCRIPTED_ARGUMENTS
+    starts = [e.content_block.type for e in events if e.type == "content_block_start"]
+    assert starts == ["thinking", "tool_use"]
+    assert [e.type for e in events if e.type in ("message_start", "message_delta", "message_stop")] == [
+        "message_start", "message_delta", "message_stop"]
+
+
+def test_a_tool_use_sent_back_renders_as_chats_second_turn(claude, model, script, reference_tokenizer):
+    write(script, model, SCRIPTED_CALL)
+    kwargs = dict(model=MODEL, tools=ANTHROPIC_TOOLS, max_tokens=100, extra_body={"temperature": 0})
+    first = claude.messages.create(messages=[ASK], **kwargs)
+    assert content_blocks(first) == REASONED_CALL_BLOCKS
+    use = first.content[1]
+    history = [ASK, {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}]}]
+    write(script, model, SCRIPTED_ANSWER)
+    second = claude.messages.create(messages=history, **kwargs)
+    assert model.tokenizer.decode(script["prompts"][-1]) == reference(
+        reference_tokenizer, TEMPLATE, [ASK, SENT_BACK, {"role": "tool", "tool_call_id": use.id, "content": "sunny"}],
+        True, TOOLS)
+    assert content_blocks(second) == [("thinking", "The tool says sunny."), ("text", "It will be sunny.")]
+    assert (second.stop_reason, second.stop_sequence) == ("end_turn", None)
+
+
+def test_thinking_disabled_reaches_the_template_as_enable_thinking_false(claude, model, script, reference_tokenizer):
+    write(script, model, "It is sunny.<|im_end|>")
+    message = claude.messages.create(model=MODEL, messages=[ASK], max_tokens=20, thinking={"type": "disabled"},
+                                     extra_body={"temperature": 0})
+    prompt = model.tokenizer.decode(script["prompts"][-1])
+    assert prompt.endswith(CLOSED_THINK)
+    assert prompt == reference(reference_tokenizer, TEMPLATE, [ASK], True, enable_thinking=False)
+    assert content_blocks(message) == [("text", "It is sunny.")] and message.stop_reason == "end_turn"
