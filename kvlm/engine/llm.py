@@ -137,8 +137,8 @@ class LLM:
                                 tuple(tools or ()), named_tool=plan.named, parallel=parallel_tool_calls)
                  for text in texts]
         params = _per_prompt(params, len(texts))
-        if plan.forcing_grammar is not None:
-            params = [_forcing(p, plan.forcing_grammar) for p in params]
+        if plan.grammar is not None:  # a call forced, or kept right once the model opens one (tool_choice auto)
+            params = [_forcing(p, plan.grammar) for p in params]
         # the readers' markers are special tokens (harmony): the output text keeps them, so output.text shows them
         params = [dataclasses.replace(p, skip_special_tokens=False) if spec.keeps_special_tokens else p
                   for p, spec in zip(params, specs)]
@@ -216,7 +216,8 @@ def _tool_choice_name(tools: list[dict] | None, tool_choice: str | dict | None) 
 
 def _forcing(params: SamplingParams, grammar: str) -> SamplingParams:
     if params.structured_outputs is not None:
-        raise ValueError("a structured_outputs constraint cannot be combined with a forced tool call")
+        raise ValueError("a structured_outputs constraint cannot be combined with tools, whose calls a grammar keeps "
+                         "right; pass tool_choice \"none\" or drop one of them")
     return dataclasses.replace(params, structured_outputs=StructuredOutputsParams(grammar=grammar))
 
 

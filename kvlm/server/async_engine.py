@@ -52,6 +52,7 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}  # see _flush
         self._thread = threading.Thread(target=self._run, name="kvlm-engine", daemon=True)
+        self._last_finished = 0.0
 
     # --- lifecycle ---
     def start(self) -> None:
@@ -67,6 +68,11 @@ class AsyncEngine:
     def busy(self) -> bool:
         """Whether a request is in flight (added, and not yet finished or aborted)."""
         return bool(self._streams)
+
+    @property
+    def last_finished(self) -> float:
+        """time.monotonic() when the last request in flight ended (0 before any)."""
+        return self._last_finished
 
     @property
     def running(self) -> bool:
@@ -188,13 +194,13 @@ class AsyncEngine:
         if request_id in self.engine.requests:
             self.engine.abort(request_id)
             self._finish(request_id)
-        self._streams.pop(request_id, None)
+        self._forget(request_id)
 
     def _finish(self, request_id: str) -> None:
         output = self.engine.release(request_id)
         self.observer.on_finished(output)
         self._send(request_id, Finished(output))
-        self._streams.pop(request_id, None)
+        self._forget(request_id)
 
     def _fail(self, request_id: str, error: Exception) -> None:
         if request_id in self.engine.requests:
@@ -203,7 +209,12 @@ class AsyncEngine:
             output.finish_reason = "error"
             self.observer.on_finished(output)
         self._send(request_id, error)
+        self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        """The request is no longer in flight."""
         self._streams.pop(request_id, None)
+        self._last_finished = time.monotonic()
 
     def _send(self, request_id: str, item: object) -> None:
         """Queue an item for its request's stream; `_flush` hands them over."""

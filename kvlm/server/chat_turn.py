@@ -18,6 +18,7 @@ from kvlm.tool_calls.chat_output import ChatOutputSpec
 from kvlm.server.protocol import BadRequest, ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from kvlm.structured.compiler import GrammarCompiler, GrammarError
 from kvlm.structured.params import StructuredOutputsParams
+from kvlm.structured.request_grammar import Triggered
 from kvlm.text.tokenizer import Tokenizer
 from kvlm.tool_calls.reasoning import reasoning_for_template
 from kvlm.tool_calls.tool_choice import plan_tools
@@ -28,8 +29,8 @@ class ChatTurn:
     prompt_token_ids: list[int]
     constraint: StructuredOutputsParams | None
     output: ChatOutputSpec
-    # for the engine: where the constraint starts, when it must wait for the reasoning to end (ToolPlan)
-    reasoning_ended: Callable[[str], int | None] | None = None
+    # for the engine: where the constraint starts, when it must wait for the reasoning to end or for a call (ToolPlan)
+    reasoning_ended: Callable[[str], int | None] | Triggered | None = None
 
 
 def chat_prompt(tokenizer: Tokenizer, body: ChatCompletionRequest | TokenizeRequest,
@@ -55,8 +56,8 @@ async def chat_turn(tokenizer: Tokenizer, grammars: GrammarCompiler, body: ChatC
                                        body.parallel_tool_calls, grammars.special_tokens)
     except ValueError as exc:
         raise BadRequest(str(exc), "tools") from None
-    if plan.forcing_grammar is not None:
-        constraint = StructuredOutputsParams(grammar=plan.forcing_grammar)
+    if plan.grammar is not None:  # a call forced, or kept right once the model opens one (tool_choice auto)
+        constraint = StructuredOutputsParams(grammar=plan.grammar)
     await compiled(grammars, constraint, "tools" if calling else constraint_field(body))
     prompt = chat_prompt(tokenizer, body, tools)
     output = ChatOutputSpec(reasoning_for_template(tokenizer.chat_template, prompt), plan.format, tuple(tools),

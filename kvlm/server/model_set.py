@@ -10,8 +10,9 @@ for (or at start) and unloaded when idle or when another needs the room, as llam
   the plan's sizes named.
 - `idle_unload` (seconds): a model with no request in flight for that long is unloaded.
 
-A model is idle when its engine has no request in flight and it was not asked for in the last IDLE_GRACE_S
-seconds (a request between choosing its model and reaching the engine).
+A model is idle when its engine has no request in flight and it was neither asked for nor ended a request in the
+last IDLE_GRACE_S seconds (a request between choosing its model and reaching the engine); its idle time counts from
+the later of the two. `preload` loads the first `max_loaded` models (all without that bound).
 """
 from __future__ import annotations
 
@@ -45,8 +46,13 @@ class ModelEntry:
     def state(self) -> str:
         return LOADED if self.served is not None else LOADING if self.loading else UNLOADED
 
+    @property
+    def last_active(self) -> float:
+        """When it was last asked for, or last ended a request, whichever is later (time.monotonic())."""
+        return max(self.last_used, self.served.runner.last_finished if self.served is not None else 0.0)
+
     def idle(self, now: float) -> bool:
-        return self.served is not None and not self.served.runner.busy and now - self.last_used >= IDLE_GRACE_S
+        return self.served is not None and not self.served.runner.busy and now - self.last_active >= IDLE_GRACE_S
 
 
 class ModelSet:
@@ -136,7 +142,7 @@ class ModelSet:
     async def _unload_one(self, why: str) -> bool:
         """Unload the least recently used idle model; False when none is idle."""
         now = time.monotonic()
-        idle = sorted((e for e in self.loaded if e.idle(now)), key=lambda e: e.last_used)
+        idle = sorted((e for e in self.loaded if e.idle(now)), key=lambda e: e.last_active)
         if not idle:
             return False
         await self.unload(idle[0], why)
@@ -154,15 +160,20 @@ class ModelSet:
         entry = self.entries[name]
         entry.served = ServedModel(self._build(name, entry.source, self._budget_left()), name, self.pooling)
 
+    @property
+    def preloaded(self) -> list[str]:
+        """What preloading loads: the first max_loaded models, or all of them."""
+        return self.names[:self.max_loaded]
+
     async def preload(self) -> None:
-        for name in self.names:
+        for name in self.preloaded:
             await self.get(name)
 
     async def unload_idle(self) -> None:
         """Unload every model idle for idle_unload seconds."""
         now = time.monotonic()
         for entry in self.loaded:
-            if entry.idle(now) and now - entry.last_used >= self.idle_unload:
+            if entry.idle(now) and now - entry.last_active >= self.idle_unload:
                 async with self._lock:
                     if entry.idle(time.monotonic()):
                         await self.unload(entry, f"after {self.idle_unload:g} s idle (--idle-unload)")

@@ -152,7 +152,7 @@ def serve(settings: ServeSettings) -> int:
 
     models = ModelSet(named, built, settings.pooling, settings.max_loaded_models, settings.memory_budget,
                       settings.idle_unload)
-    for name, _ in named if len(named) == 1 or settings.preload else ():
+    for name in models.preloaded if len(named) == 1 or settings.preload else ():
         models.load_now(name)
     log.info("serving %s", ", ".join(f"{entry.name} ({entry.state})" for entry in models.entries.values()))
     app = create_app(models, api_key=settings.api_key)

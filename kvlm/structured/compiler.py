@@ -124,6 +124,10 @@ class GrammarCompiler:
                 found.add(text)
         return found
 
+    def token_ids(self, text: str) -> list[int]:
+        """`text` as the model's tokenizer encodes it (special tokens written in it read as those tokens)."""
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
     def matcher(self, grammar: str) -> llguidance.LLMatcher:
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():

@@ -51,6 +51,17 @@ class ToolCallFormat(ABC):
         constrains the output from the first token."""
         return False
 
+    def lazy_start(self, text: str) -> int | None:
+        """Where a call begins in `text` (the content; the whole output for a format that reads channels), from which
+        the forcing grammar constrains the rest under tool_choice auto (llama.cpp's lazy grammars); None while no
+        call has begun, and always for a format without a sure sign of one."""
+        return None
+
+    @property
+    def lazy(self) -> bool:
+        """Whether calls can be constrained from where they begin (`lazy_start`)."""
+        return False
+
     def parse(self, text: str, tools: Tools = ()) -> ParsedOutput:
         """Content and calls (with new ids) of a finished output."""
         return self.parse_partial(text, tools, final=True).finished()
@@ -83,6 +94,15 @@ class BlockFormat(ToolCallFormat):
     @property
     def markers(self) -> tuple[str, ...]:
         return self.start, self.end
+
+    @property
+    def lazy(self) -> bool:
+        return True
+
+    def lazy_start(self, text: str) -> int | None:
+        """The first block's start marker."""
+        start = text.find(self.start)
+        return start if start >= 0 else None
 
     def parse_partial(self, text: str, tools: Tools = (), final: bool = False) -> PartialOutput:
         """Segments between calls are content unless all whitespace; a block's text is content when it cannot
@@ -125,6 +145,16 @@ class BlockFormat(ToolCallFormat):
 
 @dataclass(frozen=True)
 class WholeOutputFormat(ToolCallFormat):
+    opening: str = ""  # the text calls start with ("{", "["): an output that starts so is calls, constrained as such
+
+    @property
+    def lazy(self) -> bool:
+        return bool(self.opening)
+
+    def lazy_start(self, text: str) -> int | None:
+        start = len(text) - len(text.lstrip())
+        return start if self.opening and text.startswith(self.opening, start) else None
+
     def parse_partial(self, text: str, tools: Tools = (), final: bool = False) -> PartialOutput:
         """Calls when the whole output (leading whitespace aside) is calls; while streaming, nothing is sent
         until the text is clearly prose (then all of it is content) or calls begin."""

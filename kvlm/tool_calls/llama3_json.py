@@ -33,4 +33,4 @@ def grammar(functions: list[tuple[str, dict[str, Any]]], parallel: bool,
                       *call_object_rules(functions, "parameters")]) + "\n"
 
 
-FORMAT = WholeOutputFormat("llama3_json", read, grammar)
+FORMAT = WholeOutputFormat("llama3_json", read, grammar, opening="{")
