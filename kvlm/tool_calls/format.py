@@ -62,6 +62,11 @@ class ToolCallFormat(ABC):
         """Whether calls can be constrained from where they begin (`lazy_start`)."""
         return False
 
+    def lazy_grammar(self, tools: Tools, parallel: bool = True, special_tokens: Collection[str] | None = None) -> str:
+        """Lark grammar of the output from `lazy_start` on: the forcing grammar's calls, for formats whose calls
+        begin where their grammar does."""
+        return self.forcing_grammar(tools, None, parallel, special_tokens)
+
     def parse(self, text: str, tools: Tools = ()) -> ParsedOutput:
         """Content and calls (with new ids) of a finished output."""
         return self.parse_partial(text, tools, final=True).finished()

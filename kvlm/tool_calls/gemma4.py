@@ -182,6 +182,9 @@ def grammar(functions: list[tuple[str, dict[str, Any]]], parallel: bool,
                       *writer.rules]) + "\n"
 
 
+NUMBER_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+
+
 class _GrammarWriter:
     """Lark rules for values of schemas, named value_1, value_2, ... as they are written; `quote`: the string
     quote as a special token, or as text (then a string's text ends at the first quote: a lazy match)."""
@@ -222,6 +225,9 @@ class _GrammarWriter:
         if kind == "array":
             item = self.value(schema.get("items") or {})
             return f'"[" ({item} ("," {item})*)? "]"'
+        bounds = {key: schema[key] for key in NUMBER_BOUNDS if key in schema}
+        if kind in ("integer", "number") and bounds:  # bare numbers are JSON's: llguidance keeps them in bounds
+            return "%json" + json.dumps({"type": kind, **bounds, "x-guidance": {"whitespace_flexible": False}})
         return {"string": "string", "integer": "integer", "number": "number", "boolean": "boolean",
                 "null": "null"}.get(kind, "any") if isinstance(kind, str) or kind is None else "any"
 

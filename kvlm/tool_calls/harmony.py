@@ -30,7 +30,7 @@ from typing import Any
 
 from kvlm.tool_calls.calls import Malformed, PartialCall, PartialOutput
 from kvlm.tool_calls.format import ToolCallFormat, Tools, held_back
-from kvlm.tool_calls.grammar import alternatives, json_rule, literal, marker
+from kvlm.tool_calls.grammar import alternatives, functions, json_rule, literal, marker
 from kvlm.tool_calls.partial_json import read_value, skip_whitespace
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
@@ -219,6 +219,34 @@ def grammar(functions: list[tuple[str, dict[str, Any]]], parallel: bool,
     return "\n".join(rules) + "\n"
 
 
+def call_header_grammar(functions: list[tuple[str, dict[str, Any]]], special_tokens: Collection[str] | None) -> str:
+    """A call message from its header's start (after `<|start|>`, or the output's start for the first message, whose
+    role the prompt wrote): the recipient `to=functions.NAME` of an offered function after the commentary channel or
+    before it (both are harmony's), an optional content type (`<|constrain|>json` or `json`), then arguments its
+    schema allows and `<|call|>`."""
+    def token(text: str) -> str:
+        return marker(text, special_tokens)
+
+    channel = f"{token(CHANNEL)} {literal('commentary')}"
+    content_type = f"(({literal(' ')} {token(CONSTRAIN)}? | {token(CONSTRAIN)}) {literal('json')})?"
+    after, before = [], []
+    rules = []
+    for i, (name, parameters) in enumerate(functions):
+        recipient, body = literal("to=" + FUNCTIONS + name), f"{token(MESSAGE)} {json_rule(parameters, an_object=True)}"
+        after.append(f"after_{i}")
+        before.append(f"before_{i}")
+        rules += [f"after_{i}: {recipient} {content_type} {body} {token(CALL)}",
+                  f"before_{i}: {recipient} {channel} {content_type} {body} {token(CALL)}"]
+    return "\n".join([f"start: {literal(ROLE)}? ({channel} {literal(' ')} ({alternatives(after)}) | "
+                      f"{literal(' ')}? ({alternatives(before)}))", *rules]) + "\n"
+
+
+def in_header(text: str, at: int) -> bool:
+    """Whether `at` is inside a message's header: no `<|message|>` since the output's start or the header's."""
+    last_body = text.rfind(MESSAGE, 0, at)
+    return last_body < 0 or max(text.rfind(START, 0, at), text.rfind(CHANNEL, 0, at)) > last_body
+
+
 @dataclass(frozen=True)
 class HarmonyFormat(ToolCallFormat):
     """Calls as harmony messages; `read` reads one call message's body (its arguments)."""
@@ -226,6 +254,23 @@ class HarmonyFormat(ToolCallFormat):
     @property
     def markers(self) -> tuple[str, ...]:
         return START, CHANNEL, MESSAGE, CONSTRAIN, END, CALL
+
+    @property
+    def lazy(self) -> bool:
+        return True
+
+    def lazy_start(self, text: str) -> int | None:
+        """The start of the header that names a recipient `to=functions.` (never one in a message's text)."""
+        at = text.find("to=" + FUNCTIONS)
+        while at >= 0 and not in_header(text, at):
+            at = text.find("to=" + FUNCTIONS, at + 1)
+        if at < 0:
+            return None
+        start = text.rfind(START, 0, at)
+        return 0 if start < 0 else start + len(START)
+
+    def lazy_grammar(self, tools: Tools, parallel: bool = True, special_tokens: Collection[str] | None = None) -> str:
+        return call_header_grammar(functions(tools), special_tokens)
 
     @property
     def reads_channels(self) -> bool:

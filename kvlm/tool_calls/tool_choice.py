@@ -64,7 +64,7 @@ def plan_tools(chat_template: str | None, tools: list[dict[str, Any]], tool_choi
                          "send tool_choice \"required\" or a named function to force a call")
     fmt = fmt or JSON_FALLBACK
     if not forced:
-        lazy = fmt.forcing_grammar(tools, None, parallel, special_tokens(fmt.markers)) if fmt.lazy else None
+        lazy = fmt.lazy_grammar(tools, parallel, special_tokens(fmt.markers)) if fmt.lazy else None
         return ToolPlan(fmt, None, False, lazy)
     name = None if tool_choice == "required" else tool_choice
     return ToolPlan(fmt, fmt.forcing_grammar(tools, name, parallel, special_tokens(fmt.markers)), name is not None)
