@@ -262,9 +262,13 @@ def test_the_gpt_oss_template_picks_harmony():
 def test_a_response_format_starts_at_the_final_body_and_a_forced_call_at_the_first_token():
     assert answer_start(ANSWER) == ANSWER.index("2 + 2 = 4.")
     assert answer_start(ANSWER[:ANSWER.index("2 + 2 = 4.") - 3]) is None and answer_start(CALL) is None
+    untooled = plan_tools(TEMPLATE, [], "none", True, set)
+    assert untooled.constraint_start(HarmonyReasoning())(ANSWER) == answer_start(ANSWER)  # a response format's start
     auto = plan_tools(TEMPLATE, TOOLS, "auto", True, set)
-    assert auto.format is HARMONY and auto.forcing_grammar is None
-    assert auto.constraint_start(HarmonyReasoning())(ANSWER) == answer_start(ANSWER)  # a response format's start
+    assert auto.format is HARMONY and auto.forcing_grammar is None and auto.lazy_grammar is not None
+    # under auto, the tools' grammar waits for a header that names a function: from that header's start
+    assert auto.constraint_start(HarmonyReasoning()).find(ANSWER) is None
+    assert auto.constraint_start(HarmonyReasoning()).find(CALL) == CALL.index("<|start|>") + len("<|start|>")
     forced = plan_tools(TEMPLATE, TOOLS, "required", False, set)
     assert forced.forcing_grammar is not None and forced.constraint_start(HarmonyReasoning()) is None
 
