@@ -95,3 +95,48 @@ def test_llm_generate_takes_a_priority_per_prompt(model):
         llm.generate(prompts, GREEDY, use_tqdm=False, priority=[0, 1])
     with pytest.raises(ValueError, match="needs the priority scheduling policy"):
         LLM(model, n_ctx=256).generate(prompts, GREEDY, use_tqdm=False, priority=[0, 1, 2])
+
+
+@pytest.mark.server
+def test_the_servers_priority_field_orders_requests_under_load(model, monkeypatch):
+    """Through the HTTP API: with one sequence, a high-priority request sent while a low one decodes finishes
+    first; under first come, first served a priority is a 400 naming the field."""
+    import threading
+    import time
+
+    step = Engine.step
+    monkeypatch.setattr(Engine, "step", lambda self: time.sleep(0.01) or step(self))  # the low one decodes >= 0.6 s
+
+    import openai
+
+    from helpers.server import serving
+    from kvlm.server.app import create_app
+
+    long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    ids = token_ids(model.config.vocab_size, 6, seed=9)
+    with serving(create_app(Engine(model, n_ctx=256, max_num_seqs=1, scheduling_policy="priority"), "m")) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        finished: list[str] = []
+        low = client.completions.create(model="m", prompt=ids, max_tokens=long.max_tokens, temperature=0,
+                                        stream=True, extra_body={"ignore_eos": True, "priority": 10})
+        chunks = iter(low)
+        next(chunks)  # the low-priority request is decoding
+
+        def high() -> None:
+            client.completions.create(model="m", prompt=ids, max_tokens=4, temperature=0,
+                                      extra_body={"ignore_eos": True, "priority": -5})
+            finished.append("high")
+
+        thread = threading.Thread(target=high)
+        thread.start()
+        for _ in chunks:
+            pass
+        finished.append("low")
+        thread.join()
+        assert finished == ["high", "low"]
+    with serving(create_app(Engine(model, n_ctx=256, max_num_seqs=1), "m")) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model="m", prompt=ids, max_tokens=2, extra_body={"priority": 1})
+        assert caught.value.body["param"] == "priority" and "priority scheduling policy" in caught.value.body["message"]
+        assert client.completions.create(model="m", prompt=ids, max_tokens=2).choices[0].text is not None
