@@ -42,6 +42,10 @@ class Pooler:
             return [start == 0] + [False] * (n_tokens - 1)
         return [False] * (n_tokens - 1) + [ends_prompt]
 
+    def reset(self) -> None:
+        """Forget what was added: the request's prompt is computed again (it was preempted)."""
+        self._sum, self._n = None, 0
+
     def add(self, states: torch.Tensor) -> None:
         """The chunk's states at its output rows [n, n_embd]."""
         if len(states):

@@ -111,6 +111,8 @@ class Scheduler:
         self.running.remove(request)
         self._release(request, keep_in_cache=False)
         request.state, request.n_computed = RequestState.WAITING, 0
+        if request.pooler is not None:  # its prompt's states are computed again, from the start
+            request.pooler.reset()
         request.n_preemptions += 1
         self.n_preemptions += 1
         self._wait(request, front=True)

@@ -194,3 +194,19 @@ def test_the_embeddings_endpoint_answers_as_transformers(zoo):
             client.embeddings.create(model="another", input="x")
         assert_close(client.embeddings.create(model="embedder", input=batch[0]).data[0].embedding,
                      reference_embedding(reference, batch[0], "last"))
+
+
+def test_a_preempted_embedding_request_pools_its_prompt_once(zoo):
+    """Preempted mid-prompt (a request of higher priority takes its sequence), it is computed again from the start;
+    its mean is still over its prompt's tokens once."""
+    model, name = zoo.ours("qwen2", "gguf"), "qwen2"
+    engine = Engine(model, n_ctx=256, max_num_seqs=1, max_num_batched_tokens=16, scheduling_policy="priority")
+    prompt = token_ids(model.config.vocab_size, 60, seed=11)
+    embedding = engine.add_request(prompt, SamplingParams(max_tokens=1), pooling="mean", priority=5)
+    engine.step(), engine.step()  # 32 of its 60 tokens computed
+    assert engine.requests[embedding].n_computed == 32
+    engine.add_request(prompt[:5], SamplingParams(temperature=0, max_tokens=4), priority=0)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.requests[embedding].n_preemptions == 1
+    assert_close(engine.release(embedding).embedding, reference_embedding(zoo.reference(name), prompt, "mean"))
