@@ -17,6 +17,7 @@ from kvlm.loader.load import Model, load_model
 from kvlm.loader.memory_plan import parse_size
 from kvlm.memory.kv_store import AUTO
 from kvlm.speculative.config import SpeculativeConfig
+from kvlm.structured.compiler import GrammarError
 from kvlm.structured.params import StructuredOutputsParams
 from kvlm.text.tokenizer import checked_template_kwargs
 from kvlm.tool_calls.chat_output import ChatOutputSpec
@@ -137,6 +138,9 @@ class LLM:
                                 tuple(tools or ()), named_tool=plan.named, parallel=parallel_tool_calls)
                  for text in texts]
         params = _per_prompt(params, len(texts))
+        if plan.lazy_grammar is not None and (any(p.structured_outputs is not None for p in params)
+                                              or not self._compiles(plan.lazy_grammar)):
+            plan = dataclasses.replace(plan, lazy_grammar=None)  # the request's own constraint, or calls as written
         if plan.grammar is not None:  # a call forced, or kept right once the model opens one (tool_choice auto)
             params = [_forcing(p, plan.grammar) for p in params]
         # the readers' markers are special tokens (harmony): the output text keeps them, so output.text shows them
@@ -165,6 +169,14 @@ class LLM:
             if request_id in self.engine.requests:
                 self.engine.abort(request_id)
                 self.engine.release(request_id)
+
+    def _compiles(self, grammar: str) -> bool:
+        """Whether the tools' lazy grammar compiles (where it does not, calls are read as written)."""
+        try:
+            self.engine.grammars.compile(StructuredOutputsParams(grammar=grammar))
+        except GrammarError:
+            return False
+        return True
 
     def _check_constraints(self, params: list[SamplingParams]) -> None:
         """A constraint that cannot compile is refused (GrammarError) before any request starts."""
@@ -216,8 +228,7 @@ def _tool_choice_name(tools: list[dict] | None, tool_choice: str | dict | None) 
 
 def _forcing(params: SamplingParams, grammar: str) -> SamplingParams:
     if params.structured_outputs is not None:
-        raise ValueError("a structured_outputs constraint cannot be combined with tools, whose calls a grammar keeps "
-                         "right; pass tool_choice \"none\" or drop one of them")
+        raise ValueError("a structured_outputs constraint cannot be combined with a forced tool call")
     return dataclasses.replace(params, structured_outputs=StructuredOutputsParams(grammar=grammar))
 
 

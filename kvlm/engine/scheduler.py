@@ -238,8 +238,9 @@ class Scheduler:
     def _plan(self) -> list[Scheduled]:
         budget = self.max_num_batched_tokens
         plan = []
-        decoding = [r for r in self.running if r.n_pending == 1]
-        prefilling = [r for r in self.running if r.n_pending > 1]
+        running = sorted(self.running, key=rank) if self.policy == "priority" else self.running  # the budget too
+        decoding = [r for r in running if r.n_pending == 1]
+        prefilling = [r for r in running if r.n_pending > 1]
         for request in decoding + prefilling:
             n_tokens = min(request.n_pending, budget)
             if n_tokens == 0:
@@ -259,7 +260,8 @@ class Scheduler:
     def _release(self, request: Request, keep_in_cache: bool) -> None:
         if keep_in_cache:
             self.cache_computed_prefix(request)
-            self._save_to_tiers(request)
+            if request.pooler is None:  # (an embedding's prompt is no conversation to come back to)
+                self._save_to_tiers(request)
         if self.checkpoints is not None:
             self.checkpoints.forget(request.seq_id)
         if self.on_release is not None:

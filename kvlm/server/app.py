@@ -90,9 +90,11 @@ def create_app(models: ModelSet | Engine, model_name: str | None = None, api_key
 
     @app.get("/kv")
     async def kv(model: str | None = None) -> dict:
-        """The named (or first) model's KV cache, loading it if it is not."""
-        served = await models.get(model)
-        return await served.runner.call(kv_report)
+        """The named (or first) model's KV cache, while it is loaded (this open route loads nothing)."""
+        entry = models.entry(model)
+        if entry.served is None:
+            raise BadRequest(f"the model '{entry.name}' is not loaded: it has no KV cache now", "model", status=409)
+        return await entry.served.runner.call(kv_report)
 
     @app.get("/kv/view")
     async def kv_view() -> HTMLResponse:

@@ -8,6 +8,7 @@ tool_choice forces a call, which then uses a plain JSON form) are 400s.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,6 +23,8 @@ from kvlm.structured.request_grammar import Triggered
 from kvlm.text.tokenizer import Tokenizer
 from kvlm.tool_calls.reasoning import reasoning_for_template
 from kvlm.tool_calls.tool_choice import plan_tools
+
+log = logging.getLogger("kvlm")
 
 
 @dataclass(frozen=True)
@@ -56,15 +59,30 @@ async def chat_turn(tokenizer: Tokenizer, grammars: GrammarCompiler, body: ChatC
                                        body.parallel_tool_calls, grammars.special_tokens)
     except ValueError as exc:
         raise BadRequest(str(exc), "tools") from None
-    if plan.grammar is not None:  # a call forced, or kept right once the model opens one (tool_choice auto)
-        constraint = StructuredOutputsParams(grammar=plan.grammar)
+    if plan.forcing_grammar is not None:
+        constraint = StructuredOutputsParams(grammar=plan.forcing_grammar)
     await compiled(grammars, constraint, "tools" if calling else constraint_field(body))
+    if plan.lazy_grammar is not None:  # calls kept right once the model opens one (tool_choice auto)
+        constraint = await lazy_constraint(grammars, plan.lazy_grammar)
     prompt = chat_prompt(tokenizer, body, tools)
     output = ChatOutputSpec(reasoning_for_template(tokenizer.chat_template, prompt), plan.format, tuple(tools),
                             named_tool=plan.named, include_reasoning=body.include_reasoning,
                             parallel=body.parallel_tool_calls)
     return ChatTurn(tokenizer.encode(prompt, add_special_tokens=False), constraint, output,
                     plan.constraint_start(output.reasoning) if constraint is not None else None)
+
+
+async def lazy_constraint(grammars: GrammarCompiler, grammar: str) -> StructuredOutputsParams | None:
+    """The lazy grammar of tool_choice auto, compiled; None (calls read as written, as before such grammars) where the
+    tools' schemas use what the grammar engine cannot follow: a request the model may answer without a call is not
+    refused for it."""
+    constraint = StructuredOutputsParams(grammar=grammar)
+    try:
+        await asyncio.to_thread(grammars.compile, constraint)
+    except GrammarError as exc:
+        log.warning("tool calls under tool_choice auto run unconstrained: the tools' grammar cannot compile (%s)", exc)
+        return None
+    return constraint
 
 
 async def compiled(grammars: GrammarCompiler, constraint: StructuredOutputsParams | None, field: str) -> None:

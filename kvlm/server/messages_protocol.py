@@ -4,8 +4,8 @@ kvlm already serves.
 Honoured: system (a string or text blocks), messages of text / tool_use / tool_result / thinking blocks (a
 user message's tool results become tool messages before its text, as the results answer the calls before it),
 tools with input_schema, tool_choice auto / any / tool / none with disable_parallel_tool_use, thinking enabled /
-adaptive / between_tools / disabled (the template's `enable_thinking`; budget_tokens is not enforced, as in
-llama.cpp's server; display "omitted" leaves the thinking out), output_config.format (a JSON schema) and
+adaptive / between_tools / disabled (the template's `enable_thinking`, false without `thinking`, Anthropic's default;
+budget_tokens is not enforced, as in llama.cpp's server; display "omitted" leaves the thinking out), output_config.format (a JSON schema) and
 output_config.effort (low / medium / high, to the template as chat's reasoning_effort), stop_sequences, max_tokens,
 and temperature, top_p, top_k (which today's SDK sends through extra_body). Accepted and changing nothing: metadata,
 service_tier, speed, inference_geo, user_profile_id, workspace_id, cache_control (kvlm caches every prefix by
@@ -83,7 +83,9 @@ class CountTokensRequest(BaseModel):
         system = [{"role": "system", "content": system_text(self.system)}] if self.system else []
         fields: dict[str, Any] = {"messages": system + chat_messages(self.messages), "tools": self.chat_tools()}
         fields |= self.chat_tool_choice() | (self.output_config.chat_fields() if self.output_config else {})
-        if self.thinking is not None:
+        if self.thinking is None:  # Anthropic's default: no thinking (for a template that lets it be turned off)
+            fields["chat_template_kwargs"] = {"enable_thinking": False}
+        else:
             kind = self.thinking.get("type")
             if kind not in THINKING_TYPES:
                 raise BadRequest(f"thinking.type must be one of {', '.join(THINKING_TYPES)}, got {kind!r}",
@@ -194,7 +196,10 @@ def assistant_message(blocks: list[Any], i: int) -> list[dict[str, Any]]:
             calls.append({"id": block.get("id"), "type": "function",
                           "function": {"name": block.get("name"), "arguments": block.get("input") or {}}})
         elif kind == "thinking":
-            reasoning.append(block.get("thinking", ""))
+            if not isinstance(block.get("thinking"), str):
+                raise BadRequest(f"messages[{i}].content[{j}].thinking must be a string",
+                                 f"messages[{i}].content[{j}].thinking")
+            reasoning.append(block["thinking"])
         elif kind != "redacted_thinking":
             texts.append(text_of(block, f"messages[{i}].content[{j}]"))
     message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts or not calls else None}

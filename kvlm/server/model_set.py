@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvlm.core.errors import KvlmError
 from kvlm.engine.engine import Engine
 from kvlm.loader.memory_plan import MemoryPlanError
 from kvlm.server.protocol import BadRequest
@@ -67,6 +68,8 @@ class ModelSet:
             raise ValueError(f"two models are served as {duplicate!r}: give each its own --served-model-name")
         if max_loaded is not None and max_loaded < 1:
             raise ValueError(f"max_loaded_models must be at least 1, got {max_loaded}")
+        if idle_unload is not None and idle_unload <= 0:
+            raise ValueError(f"idle_unload must be a positive number of seconds, got {idle_unload}")
         self.entries = {name: ModelEntry(name, source) for name, source in models}
         self._build, self.pooling = build, pooling
         self.max_loaded, self.memory_budget, self.idle_unload = max_loaded, memory_budget, idle_unload
@@ -124,6 +127,10 @@ class ModelSet:
                         raise BadRequest(f"the model '{entry.name}' does not fit in memory beside the loaded ones "
                                          f"({', '.join(e.name for e in self.loaded) or 'none'}): {exc}", "model",
                                          status=503) from None
+                except (KvlmError, OSError, ValueError) as exc:  # a file that is missing, unreadable or not a model
+                    log.error("model %s could not be loaded: %s", entry.name, exc)
+                    raise BadRequest(f"the model '{entry.name}' could not be loaded: {exc}", "model",
+                                     status=503) from None
             served = ServedModel(engine, entry.name, self.pooling)
             served.runner.start()
             entry.served = served

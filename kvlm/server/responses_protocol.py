@@ -181,7 +181,11 @@ def input_messages(input: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             content = output if isinstance(output, str) else item_text(output, f"input[{i}].output")
             messages.append({"role": "tool", "tool_call_id": required(item, "call_id", i), "content": content})
         elif kind == "reasoning":
-            reasoning.append("".join(part.get("text", "") for part in item.get("content") or item.get("summary") or []))
+            key = "content" if item.get("content") else "summary"
+            parts = item.get(key) or []
+            if not isinstance(parts, list):
+                raise BadRequest(f"input[{i}].{key} must be a list of text parts", f"input[{i}].{key}")
+            reasoning.append("".join(part_text(part, f"input[{i}].{key}[{j}]") for j, part in enumerate(parts)))
         else:
             raise BadRequest(f"input[{i}] is an item of type {kind!r}, which this server does not take (it takes "
                              "message, function_call, function_call_output and reasoning items)", f"input[{i}].type")
@@ -200,8 +204,16 @@ def item_text(content: Any, param: str) -> str:
         if kind not in TEXT_PARTS:
             raise BadRequest(f"{param}[{j}] has type {kind!r}: this server reads text parts only (no image, audio "
                              "or file input)", f"{param}[{j}].type")
-        texts.append(part.get("text", ""))
+        texts.append(part_text(part, f"{param}[{j}]"))
     return "\n".join(texts)
+
+
+def part_text(part: Any, param: str) -> str:
+    """A part's `text`, which must be a string."""
+    text = part.get("text") if isinstance(part, dict) else None
+    if not isinstance(text, str):
+        raise BadRequest(f"{param} must be an object whose text is a string, got {part!r}", f"{param}.text")
+    return text
 
 
 def required(item: dict[str, Any], key: str, i: int) -> str:

@@ -127,8 +127,9 @@ def serve(settings: ServeSettings) -> int:
                              swa_full=settings.swa_full,
                              speculative_tokens=speculative.num_speculative_tokens if speculative else 0)
     named = settings.named_models()
-    if len(named) > 1 and settings.tensor_parallel_size != 1:
-        raise ValueError("tensor parallelism serves one model: give one --model with --tensor-parallel-size")
+    if settings.tensor_parallel_size != 1 and (len(named) > 1 or settings.idle_unload or settings.max_loaded_models):
+        raise ValueError("tensor parallelism serves one model, loaded for the server's life: give one --model, "
+                         "without --idle-unload or --max-loaded-models")
 
     def build(name: str, source: str, budget: int | None) -> Engine:
         model = load_model(source, settings.dtype, quant=settings.quant,

@@ -12,6 +12,7 @@ far (content held back while it may still become a call, arguments as a prefix o
 """
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -150,15 +151,17 @@ class BlockFormat(ToolCallFormat):
 
 @dataclass(frozen=True)
 class WholeOutputFormat(ToolCallFormat):
-    opening: str = ""  # the text calls start with ("{", "["): an output that starts so is calls, constrained as such
+    # how calls open, where nothing but a call could (`{"name":`, `[get_weather(`): an output that starts so is calls,
+    # constrained as such from its start (JSON or a list that is not a call stays free, and content)
+    opening: re.Pattern | None = None
 
     @property
     def lazy(self) -> bool:
-        return bool(self.opening)
+        return self.opening is not None
 
     def lazy_start(self, text: str) -> int | None:
         start = len(text) - len(text.lstrip())
-        return start if self.opening and text.startswith(self.opening, start) else None
+        return start if self.opening is not None and self.opening.match(text, start) else None
 
     def parse_partial(self, text: str, tools: Tools = (), final: bool = False) -> PartialOutput:
         """Calls when the whole output (leading whitespace aside) is calls; while streaming, nothing is sent

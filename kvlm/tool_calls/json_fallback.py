@@ -34,4 +34,4 @@ def grammar(functions: list[tuple[str, dict[str, Any]]], parallel: bool,
     return "\n".join([f"start: {start}", *call_object_rules(functions, "arguments")]) + "\n"
 
 
-FORMAT = WholeOutputFormat("json_fallback", read, grammar, opening="{")
+FORMAT = WholeOutputFormat("json_fallback", read, grammar)

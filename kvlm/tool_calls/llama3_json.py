@@ -6,6 +6,7 @@ or prose after a call, makes the whole output content.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Collection
 from typing import Any
 
@@ -33,4 +34,4 @@ def grammar(functions: list[tuple[str, dict[str, Any]]], parallel: bool,
                       *call_object_rules(functions, "parameters")]) + "\n"
 
 
-FORMAT = WholeOutputFormat("llama3_json", read, grammar, opening="{")
+FORMAT = WholeOutputFormat("llama3_json", read, grammar, opening=re.compile(r'\{\s*"name"\s*:'))

@@ -205,5 +205,5 @@ def _value_rule(schema: dict[str, Any], parameters: dict[str, Any]) -> str:
     return json_rule({**schema, **definitions})
 
 
-PYTHONIC = WholeOutputFormat("pythonic", read_whole, grammar, opening="[")
+PYTHONIC = WholeOutputFormat("pythonic", read_whole, grammar, opening=re.compile(r"\[\s*[A-Za-z_][\w.]*\("))
 LFM2 = BlockFormat("lfm2", read_whole, lfm2_grammar, start=LFM2_START, end=LFM2_END)

@@ -210,3 +210,14 @@ def test_a_preempted_embedding_request_pools_its_prompt_once(zoo):
         engine.step()
     assert engine.requests[embedding].n_preemptions == 1
     assert_close(engine.release(embedding).embedding, reference_embedding(zoo.reference(name), prompt, "mean"))
+
+
+def test_embedding_requests_leave_nothing_in_the_prefix_tiers(zoo):
+    """An embedded text is no conversation to come back to: the RAM tier keeps generating requests' states only."""
+    model = zoo.ours("qwen2", "gguf")
+    llm = LLM(model, n_ctx=256, max_num_seqs=2, prefix_cache_ram="16MiB")
+    ids = token_ids(model.config.vocab_size, 40, seed=4)
+    llm.embed([ids], use_tqdm=False)
+    assert [len(tier.entries) for tier in llm.engine.tiers.tiers] == [0]
+    llm.generate([ids], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert [len(tier.entries) for tier in llm.engine.tiers.tiers] == [1]

@@ -48,6 +48,7 @@ class Case:
     token_type: int  # user-defined (kept in the output text) or control (special)
     opening: str  # the scripted output, up to and including where the call opens
     keeps_special_tokens: bool = False
+    not_a_call: str = "Sunny."  # an answer that opens no call (for whole-output formats: one that looks close)
 
 
 CASES = {
@@ -57,8 +58,8 @@ CASES = {
                       "Let me check that.\n<tool_call>"),
     "lfm2": Case("{{ '<|tool_call_start|>' }}", (pythonic.LFM2_START, pythonic.LFM2_END), _USER_DEFINED,
                  "Let me check that.<|tool_call_start|>"),
-    "pythonic": Case("{{ '[func_name1(' }}", (), _NORMAL, "["),
-    "llama3_json": Case("{{ '<|python_tag|>' }}", (), _NORMAL, "{"),
+    "pythonic": Case("{{ '[func_name1(' }}", (), _NORMAL, "[get_weather(", not_a_call="[docs](x) and [1, 2]"),
+    "llama3_json": Case("{{ '<|python_tag|>' }}", (), _NORMAL, '{"name":', not_a_call='{"answer": 1}'),
     "gemma4": Case(f"{{{{ '{gemma4.START}' }}}}", (gemma4.START, gemma4.END, gemma4.QUOTE), _CONTROL,
                    f"Let me check that.{gemma4.START}", keeps_special_tokens=True),
     # (gpt-oss's reasoning reader keeps the special tokens in the text: kvlm.tool_calls.reasoning)
@@ -162,12 +163,14 @@ def test_without_the_grammar_the_same_runs_write_broken_calls(engine, case, scri
 
 
 def test_a_free_answer_stays_free(engine, case, scripted_opening):
-    """No call opened: no token is masked, the answer is the model's as without tools."""
+    """No call opened: no token is masked, the answer is the model's as without tools (for JSON or a list that
+    does not open a call too)."""
     name, spec = case
-    scripted_opening[:] = engine.model.tokenizer.encode("Sunny.", add_special_tokens=False)
+    scripted_opening[:] = engine.model.tokenizer.encode(spec.not_a_call, add_special_tokens=False)
     constrained = run(engine, spec, lazy=True)
     free = run(engine, spec, lazy=False)
     for (text, message, _), (free_text, _, _) in zip(constrained, free):
+        assert text.startswith(spec.not_a_call)
         if spec.opening not in text and not message.get("tool_calls"):
             assert text == free_text
     assert any(spec.opening not in text for text, _, _ in constrained)

@@ -140,3 +140,15 @@ def test_the_servers_priority_field_orders_requests_under_load(model, monkeypatc
             client.completions.create(model="m", prompt=ids, max_tokens=2, extra_body={"priority": 1})
         assert caught.value.body["param"] == "priority" and "priority scheduling policy" in caught.value.body["message"]
         assert client.completions.create(model="m", prompt=ids, max_tokens=2).choices[0].text is not None
+
+
+def test_the_token_budget_goes_to_the_higher_priority_prompt_first(model):
+    """Both running: a later, higher-priority prompt is chunked before an earlier, lower one."""
+    engine = Engine(model, n_ctx=256, max_num_seqs=2, max_num_batched_tokens=16, scheduling_policy="priority")
+    engine.add_request(token_ids(model.config.vocab_size, 100, seed=1), GREEDY, "low", priority=3)
+    engine.step()
+    engine.add_request(token_ids(model.config.vocab_size, 40, seed=2), GREEDY, "high", priority=1)
+    engine.step()
+    assert (engine.requests["high"].n_computed, engine.requests["low"].n_computed) == (16, 16)
+    engine.step()
+    assert (engine.requests["high"].n_computed, engine.requests["low"].n_computed) == (32, 16)

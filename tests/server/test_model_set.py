@@ -517,3 +517,29 @@ def test_kvlm_serve_preload_keeps_to_max_loaded_models(paths, fake_uvicorn, caps
         return
     loaded = [name for name, state in fake_uvicorn[0].states.items() if state == "loaded"]
     assert len(loaded) <= 1, f"--preload --max-loaded-models 1 loaded {loaded}"
+
+
+def test_a_model_that_cannot_be_loaded_is_a_503_and_the_others_serve_on(paths, alone, tmp_path):
+    missing = str(tmp_path / "missing.gguf")
+    build = Build()
+    with live(ModelSet([("a", paths["a"]), ("gone", missing)], build)) as (client, http):
+        with pytest.raises(openai.InternalServerError) as caught:
+            complete(client, "gone")
+        assert caught.value.status_code == 503 and "'gone' could not be loaded" in caught.value.body["message"]
+        assert complete(client, "a") == alone("a")
+        assert states(http) == {"a": "loaded", "gone": "unloaded"}
+        # /kv shows a loaded model's cache, and loads nothing (it is open without the API key)
+        assert http.get("/kv", params={"model": "a"}).status_code == 200
+        assert http.get("/kv", params={"model": "gone"}).status_code == 409
+
+
+def test_idle_unload_must_be_positive_and_tensor_parallelism_serves_one_model_for_good(paths):
+    for bad in (0, -1.0):
+        with pytest.raises(ValueError, match=f"idle_unload must be a positive number of seconds, got {bad}"):
+            ModelSet([("a", paths["a"])], Build(), idle_unload=bad)
+    from kvlm.server.serve import ServeSettings, serve
+
+    for extra in ({"model": [paths["a"], paths["b"]]}, {"model": paths["a"], "idle_unload": 5.0},
+                  {"model": paths["a"], "max_loaded_models": 1}):
+        with pytest.raises(ValueError, match="tensor parallelism serves one model"):
+            serve(ServeSettings(tensor_parallel_size=2, **extra))

@@ -645,10 +645,10 @@ def test_a_responses_call_sent_back_renders_as_chats_second_turn(client, model, 
 def test_a_message_with_thinking_and_a_tool_use_whole_and_streamed(claude, model, script, reference_tokenizer):
     write(script, model, SCRIPTED_CALL)
     kwargs = dict(model=MODEL, system=SYSTEM, messages=[ASK], tools=ANTHROPIC_TOOLS, max_tokens=100,
-                  extra_body={"temperature": 0})
+                  thinking={"type": "enabled", "budget_tokens": 1024}, extra_body={"temperature": 0})
     message = claude.messages.create(**kwargs)
     assert model.tokenizer.decode(script["prompts"][-1]) == reference(
-        reference_tokenizer, TEMPLATE, [{"role": "system", "content": SYSTEM}, ASK], True, TOOLS)
+        reference_tokenizer, TEMPLATE, [{"role": "system", "content": SYSTEM}, ASK], True, TOOLS, enable_thinking=True)
     assert content_blocks(message) == REASONED_CALL_BLOCKS
     assert (message.stop_reason, message.stop_sequence) == ("tool_use", None)
     assert message.usage.output_tokens == len(script["ids"])
@@ -685,10 +685,13 @@ def test_a_tool_use_sent_back_renders_as_chats_second_turn(claude, model, script
     assert (second.stop_reason, second.stop_sequence) == ("end_turn", None)
 
 
-def test_thinking_disabled_reaches_the_template_as_enable_thinking_false(claude, model, script, reference_tokenizer):
+@pytest.mark.parametrize("thinking", [{"thinking": {"type": "disabled"}}, {}], ids=["disabled", "absent"])
+def test_thinking_disabled_reaches_the_template_as_enable_thinking_false(claude, model, script, reference_tokenizer,
+                                                                          thinking):
+    """Disabled, or not asked for (Anthropic's default is no thinking)."""
     write(script, model, "It is sunny.<|im_end|>")
-    message = claude.messages.create(model=MODEL, messages=[ASK], max_tokens=20, thinking={"type": "disabled"},
-                                     extra_body={"temperature": 0})
+    message = claude.messages.create(model=MODEL, messages=[ASK], max_tokens=20, extra_body={"temperature": 0},
+                                     **thinking)
     prompt = model.tokenizer.decode(script["prompts"][-1])
     assert prompt.endswith(CLOSED_THINK)
     assert prompt == reference(reference_tokenizer, TEMPLATE, [ASK], True, enable_thinking=False)
