@@ -202,7 +202,7 @@ class Engine:
         token budget and the free cells."""
         # (one pending token: a recurrent sequence that went back to before rejected guesses first catches up)
         wants = [(item, item.request) for item in plan if item.n_tokens == 1 and item.outputs
-                 and item.request.output_token_ids and item.request.grammar is None]
+                 and item.request.output_token_ids and self._unmasked(item.request)]
         if not wants:
             return
         base_rows = sum(item.n_tokens for item in plan)
@@ -330,6 +330,8 @@ class Engine:
             logprobs.append(sampled)
             if request.finished or i == len(guesses) or sampled.token_id != guesses[i]:
                 break
+            if not self._unmasked(request):
+                break  # a lazy constraint's trigger: its mask applies from the next token, which no guess may take
             request.n_computed += 1  # the guess was right: its row in the memory is the sequence's
         if not request.finished:
             self._remove_rejected(item)
@@ -343,6 +345,11 @@ class Engine:
         if not memory.seq_rm(request.seq_id, request.n_computed, -1):  # a recurrent state: back to before the step
             memory.restore(item.checkpoint)
             request.n_computed = memory.seq_pos_max(request.seq_id) + 1  # the tokens since run again next step
+
+    def _unmasked(self, request: Request) -> bool:
+        """Whether no grammar masks the request's next token (none, or a lazy one whose trigger its output so far
+        does not hold): guessed tokens may be taken."""
+        return request.grammar is None or (not self._constrained(request) and request.grammar.untriggered)
 
     def _constrained(self, request: Request) -> bool:
         """Whether the request's grammar masks this step's token; a grammar its output broke fails it."""

@@ -74,6 +74,11 @@ class RequestGrammar:
                     self.accept(token_id)
         return not self.matcher.is_stopped()
 
+    @property
+    def untriggered(self) -> bool:
+        """A Triggered constraint that masks nothing (yet, or ever: its text did not fit): guessed tokens may pass."""
+        return isinstance(self._reasoning_ended, Triggered) and self.matcher is None
+
     def _triggered(self, output_text: str) -> bool:
         if self._dropped:
             return False

@@ -77,9 +77,7 @@ def case(request) -> tuple[str, Case]:
     return request.param, CASES[request.param]
 
 
-@pytest.fixture(scope="module")
-def engine(case, tmp_path_factory) -> Engine:
-    name, spec = case
+def _engine(spec: Case, folder, **options) -> Engine:
     tokens, merges = byte_level_vocab(BYTE_LEVEL_SIZE)
     tokens = [*tokens, *spec.tokens, EOS]
     config = llama_config(vocab_size=len(tokens))
@@ -87,8 +85,14 @@ def engine(case, tmp_path_factory) -> Engine:
     metadata = {**gguf_metadata(config), "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": merges,
                 "tokenizer.ggml.token_type": types, "tokenizer.ggml.eos_token_id": tokens.index(EOS),
                 "tokenizer.chat_template": spec.template}
-    path = write_gguf(tmp_path_factory.mktemp(name) / "tiny.gguf", metadata, gguf_tensors(random_llama(config)))
-    return Engine(load_model(str(path), "float32", progress=False), n_ctx=256, max_num_seqs=N_RUNS)
+    path = write_gguf(folder / "tiny.gguf", metadata, gguf_tensors(random_llama(config)))
+    return Engine(load_model(str(path), "float32", progress=False), n_ctx=256, max_num_seqs=N_RUNS, **options)
+
+
+@pytest.fixture(scope="module")
+def engine(case, tmp_path_factory) -> Engine:
+    name, spec = case
+    return _engine(spec, tmp_path_factory.mktemp(name))
 
 
 @pytest.fixture
@@ -113,14 +117,14 @@ def scripted_opening(monkeypatch):
     return opening
 
 
-def run(engine: Engine, case: Case, lazy: bool) -> list[tuple[str, dict, str]]:
+def run(engine: Engine, case: Case, lazy: bool, prompt: str = "What is the weather?") -> list[tuple[str, dict, str]]:
     """N_RUNS sampled outputs (a seed each) of an auto-mode turn: (text, message, finish_reason)."""
     plan = plan_tools(case.template, TOOLS, "auto", False, engine.grammars.special_tokens)
     assert plan.format is not None and plan.lazy_grammar is not None and plan.forcing_grammar is None
     spec = ChatOutputSpec(None, plan.format, tuple(TOOLS), parallel=False)
     constraint = StructuredOutputsParams(grammar=plan.lazy_grammar) if lazy else None
-    prompt = engine.model.tokenizer.encode("What is the weather?", add_special_tokens=False)
-    ids = [engine.add_request(prompt, SamplingParams(temperature=1.0, seed=seed, max_tokens=160,
+    prompt_ids = engine.model.tokenizer.encode(prompt, add_special_tokens=False)
+    ids = [engine.add_request(prompt_ids, SamplingParams(temperature=1.0, seed=seed, max_tokens=160,
                                                      structured_outputs=constraint,
                                                      skip_special_tokens=not case.keeps_special_tokens),
                               reasoning_ended=plan.constraint_start(None) if lazy else None)
@@ -174,3 +178,21 @@ def test_a_free_answer_stays_free(engine, case, scripted_opening):
         if spec.opening not in text and not message.get("tool_calls"):
             assert text == free_text
     assert any(spec.opening not in text for text, _, _ in constrained)
+
+
+def test_speculative_guesses_stop_where_a_call_opens(case, tmp_path_factory, scripted_opening):
+    """With prompt-lookup guesses (always verified), an auto-mode request guesses while its output is free, takes no
+    guessed token after a call opens, and writes what it writes without guesses (seeded sampling included)."""
+    name, spec = case
+    if name != "hermes":
+        pytest.skip("one format is enough: the engine's rule does not depend on it")
+    engine = _engine(spec, tmp_path_factory.mktemp("speculative"),
+                     speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": False})
+    plain = _engine(spec, tmp_path_factory.mktemp("plain"))
+    scripted_opening[:] = engine.model.tokenizer.encode(spec.opening, add_special_tokens=False)
+    # the prompt holds the opening and a call, so lookup guesses them
+    prompt = "Last time: " + spec.opening + '\n{"name": "get_weather", "arguments": {"unit": "celsius", "days": 3}}'
+    guessed = run(engine, spec, lazy=True, prompt=prompt)
+    assert [output[0] for output in guessed] == [output[0] for output in run(plain, spec, lazy=True, prompt=prompt)]
+    assert all(valid_call(message) for _, message, _ in guessed)
+    assert engine.speculator is not None and engine.speculator.stats.num_drafts > 0
