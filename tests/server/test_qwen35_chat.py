@@ -670,7 +670,8 @@ def test_a_message_with_thinking_and_a_tool_use_whole_and_streamed(claude, model
 
 def test_a_tool_use_sent_back_renders_as_chats_second_turn(claude, model, script, reference_tokenizer):
     write(script, model, SCRIPTED_CALL)
-    kwargs = dict(model=MODEL, tools=ANTHROPIC_TOOLS, max_tokens=100, extra_body={"temperature": 0})
+    kwargs = dict(model=MODEL, tools=ANTHROPIC_TOOLS, max_tokens=100, extra_body={"temperature": 0},
+                  thinking={"type": "enabled", "budget_tokens": 1024})
     first = claude.messages.create(messages=[ASK], **kwargs)
     assert content_blocks(first) == REASONED_CALL_BLOCKS
     use = first.content[1]
@@ -680,7 +681,7 @@ def test_a_tool_use_sent_back_renders_as_chats_second_turn(claude, model, script
     second = claude.messages.create(messages=history, **kwargs)
     assert model.tokenizer.decode(script["prompts"][-1]) == reference(
         reference_tokenizer, TEMPLATE, [ASK, SENT_BACK, {"role": "tool", "tool_call_id": use.id, "content": "sunny"}],
-        True, TOOLS)
+        True, TOOLS, enable_thinking=True)
     assert content_blocks(second) == [("thinking", "The tool says sunny."), ("text", "It will be sunny.")]
     assert (second.stop_reason, second.stop_sequence) == ("end_turn", None)
 
