@@ -226,7 +226,8 @@ class _GrammarWriter:
             item = self.value(schema.get("items") or {})
             return f'"[" ({item} ("," {item})*)? "]"'
         bounds = {key: schema[key] for key in NUMBER_BOUNDS if key in schema}
-        if kind in ("integer", "number") and bounds:  # bare numbers are JSON's: llguidance keeps them in bounds
+        if kind == "integer" and bounds:  # bare integers are JSON's: llguidance keeps them in bounds
+            # (not numbers: JSON may write one with an exponent, which Gemma's notation reads back as text)
             return "%json" + json.dumps({"type": kind, **bounds, "x-guidance": {"whitespace_flexible": False}})
         return {"string": "string", "integer": "integer", "number": "number", "boolean": "boolean",
                 "null": "null"}.get(kind, "any") if isinstance(kind, str) or kind is None else "any"
