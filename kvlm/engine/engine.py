@@ -244,6 +244,7 @@ class Engine:
 
     def _batch(self, plan: list[Scheduled]) -> Batch:
         tokens, positions, seq_ids, outputs = [], [], [], []
+        n_outputs = 0
         for item in plan:
             request = item.request
             start = request.n_computed
@@ -251,11 +252,12 @@ class Engine:
             tokens += request.token_ids[start : start + item.n_tokens] + item.guesses
             positions += range(start, start + n_rows)
             seq_ids += [request.seq_id] * n_rows
-            item.first_output = sum(outputs)
             if request.pooler is not None:
-                outputs += request.pooler.output_rows(start, item.n_tokens, item.outputs)
+                rows = request.pooler.output_rows(start, item.n_tokens, item.outputs)
             else:
-                outputs += [False] * (item.n_tokens - 1) + [item.outputs] + [True] * len(item.guesses)
+                rows = [False] * (item.n_tokens - 1) + [item.outputs] + [True] * len(item.guesses)
+            item.first_output, n_outputs = n_outputs, n_outputs + sum(rows)
+            outputs += rows
         return Batch(tokens=tokens, pos=positions, seq_ids=seq_ids, logits=outputs)
 
     def _advance(self, plan: list[Scheduled]) -> list[StepEvent]:

@@ -87,15 +87,17 @@ class ServedModel:
 
     async def embed(self, request_id: str, prompt_token_ids: list[int]) -> RequestOutput:
         """The prompt's embedding (`embedding` of the output), computed beside the generating requests."""
-        async for item in self.runner.generate(request_id, prompt_token_ids, SamplingParams(max_tokens=1),
-                                               pooling=self.pooling):
-            if isinstance(item, Finished):
-                return item.output
-        raise EngineFailure("the engine stopped before the request finished")
+        return await finished(self.runner.generate(request_id, prompt_token_ids, SamplingParams(max_tokens=1),
+                                                   pooling=self.pooling))
 
     async def run(self, request_id: str, choice: Choice) -> RequestOutput:
         """The choice's whole output (with `error` set where the engine refused it, e.g. too long)."""
-        async for item in self.events(request_id, choice):
-            if isinstance(item, Finished):
-                return item.output
-        raise EngineFailure("the engine stopped before the request finished")
+        return await finished(self.events(request_id, choice))
+
+
+async def finished(events: AsyncIterator[StepEvent | Finished]) -> RequestOutput:
+    """A request's last event's output."""
+    async for item in events:
+        if isinstance(item, Finished):
+            return item.output
+    raise EngineFailure("the engine stopped before the request finished")
