@@ -183,6 +183,7 @@ def compare(args: argparse.Namespace) -> dict:
     lib = None if args.no_llama else llama.import_llama_cpp()
     extra_bufts = llama.resolve_extra_bufts(args.llama_extra_bufts, path) if lib is not None else False
     labels = [KVLM] + ([LLAMA] if lib is not None else [])
+    limits = machine_limits(args.threads)  # before the engines, on the quiet machine
     runs: dict[tuple[str, bool], list[dict]] = {(label, cold): [] for label in labels for cold in (True, False)}
     parallel = f"{args.sequences} seqs tok/s"
     measures = MEASURES + ((parallel,) if args.sequences else ())
@@ -215,7 +216,34 @@ def compare(args: argparse.Namespace) -> dict:
               f"{median[KVLM, True]['start s'] / median[LLAMA, True]['start s']:.2f}x (time), peak memory "
               f"{ours['peak GiB'] / theirs['peak GiB']:.2f}x"
               + (f", {args.sequences} sequences {ours[parallel] / theirs[parallel]:.2f}x" if args.sequences else ""))
+    print_limits(path, limits, {label: median[label, False] for label in labels})
     return median
+
+
+def machine_limits(threads: int) -> dict[str, float]:
+    """The int8 multiply-add peak (bench.arith_peak) and the memory read bandwidth (bench.memory_bandwidth) on
+    `threads` threads: the ceilings under prefill and batch-1 decode."""
+    from bench.arith_peak import INT8, peaks
+    from bench.memory_bandwidth import read_gb_per_s
+
+    torch.set_num_threads(threads)
+    return {"int8": peaks(threads).get(INT8, float("nan")), "GB/s": read_gb_per_s(2.0, 5)}
+
+
+def print_limits(path: Path, limits: dict[str, float], warm: dict[str, dict]) -> None:
+    """Each engine's prefill as multiply-adds per second and a share of the int8 peak, and its decode as bytes
+    read per second and a share of the measured bandwidth."""
+    from bench.arith_peak import token_costs
+
+    multiply_adds, read = token_costs(path)
+    print(f"\nmachine: int8 peak {limits['int8'] / 1e9:.1f} G multiply-adds/s (vpmaddubsw+vpmaddwd), read bandwidth "
+          f"{limits['GB/s']:.1f} GB/s; a token: {multiply_adds / 1e9:.2f} G multiply-adds in a prompt, "
+          f"{read / 1e9:.2f} GB read in decode")
+    for label, result in warm.items():
+        achieved = result["prefill tok/s"] * multiply_adds
+        streamed = result["decode tok/s"] * read / 1e9
+        print(f"{label}: prefill {achieved / 1e9:.1f} G multiply-adds/s = {achieved / limits['int8']:.0%} of the peak; "
+              f"decode {streamed:.1f} GB/s = {streamed / limits['GB/s']:.0%} of the bandwidth")
 
 
 if __name__ == "__main__":
