@@ -36,6 +36,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #include "formats.h"
 #include "low_bit_formats.h"
@@ -247,45 +248,27 @@ template <> inline void set_file_levels<Q6_K>(uint8_t* block, const uint8_t* w) 
 
 // --- one section of a block column, for the 8 rows' levels w[r] (each a block's worth) ---
 
-inline void put_levels(const Section& s, const uint8_t* const w[TILE_ROWS], uint8_t* column) {
-    uint8_t* out = column + s.at;
+// Everything but the levels is known when the section is: its kind, width and offsets are template arguments, so
+// every loop below has fixed bounds and offsets (the rearrangement at load runs at memory speed, not a switch per
+// byte).
+template <SectionKind KIND, int N, int AT, int FIRST>
+inline void put_levels(const uint8_t* const w[TILE_ROWS], uint8_t* column) {
+    uint8_t* out = column + AT;
     for (int r = 0; r < TILE_ROWS; ++r) {
-        const uint8_t* v = w[r] + s.first;
+        const uint8_t* v = w[r] + FIRST;
         for (int i = 0; i < 4; ++i) {
             const int at = 4 * r + i;
-            switch (s.kind) {
-                case NIBBLES:
-                    for (int p = 0; p < s.n / 8; ++p) out[32 * p + at] = uint8_t((v[8 * p + i] & 15) | (v[8 * p + 4 + i] & 15) << 4);
-                    break;
-                case FIFTH: {
-                    uint8_t bits = 0;
-                    for (int g = 0; g < 8; ++g) bits |= uint8_t(((v[4 * g + i] >> 4) & 1) << g);
-                    out[at] = bits;
-                    break;
-                }
-                case HIGH2: {
-                    uint8_t bits = 0;
-                    for (int g = 0; g < 4; ++g) bits |= uint8_t(((v[4 * g + i] >> 4) & 3) << (2 * g));
-                    out[at] = bits;
-                    break;
-                }
-                case BYTES:
-                    for (int g = 0; g < 8; ++g) out[32 * g + at] = v[4 * g + i];
-                    break;
-                case PAIRS: {
-                    uint8_t bits = 0;
-                    for (int q = 0; q < 4; ++q) bits |= uint8_t((v[4 * q + i] & 3) << (2 * q));
-                    out[at] = bits;
-                    break;
-                }
-                case THIRD: {
-                    uint8_t bits = 0;
-                    for (int g = 0; g < 8; ++g) bits |= uint8_t(((v[4 * g + i] >> 2) & 1) << g);
-                    out[at] = bits;
-                    break;
-                }
-                case SIDE:
-                    break;
+            if constexpr (KIND == NIBBLES) {
+                for (int p = 0; p < N / 8; ++p) out[32 * p + at] = uint8_t((v[8 * p + i] & 15) | (v[8 * p + 4 + i] & 15) << 4);
+            } else if constexpr (KIND == BYTES) {
+                for (int g = 0; g < 8; ++g) out[32 * g + at] = v[4 * g + i];
+            } else {  // bit fields: (bits taken from each level, their shift, levels per byte)
+                constexpr int shift = KIND == FIFTH || KIND == HIGH2 ? 4 : KIND == THIRD ? 2 : 0;
+                constexpr int width = KIND == HIGH2 || KIND == PAIRS ? 2 : 1;
+                constexpr int count = width == 2 ? 4 : 8;
+                uint8_t bits = 0;
+                for (int g = 0; g < count; ++g) bits |= uint8_t(((v[4 * g + i] >> shift) & ((1 << width) - 1)) << (width * g));
+                out[at] = bits;
             }
         }
     }
@@ -332,6 +315,25 @@ template <int TYPE> constexpr bool levels_in_tiles() {
     return false;
 }
 
+// Section I of a block column of a tile from the 8 rows' blocks (and their levels w).
+template <int TYPE, size_t I>
+inline void pack_section(const uint8_t* const blocks[TILE_ROWS], const uint8_t* const w[TILE_ROWS], uint8_t* column) {
+    constexpr Section s = TileLayout<TYPE>::sections[I];
+    if constexpr (s.kind != SIDE) {
+        put_levels<s.kind, s.n, s.at, s.first>(w, column);
+    } else {
+        for (int k = 0; k < s.n; ++k)
+            for (int r = 0; r < TILE_ROWS; ++r)
+                std::memcpy(column + s.at + (8 * k + r) * s.size, blocks[r] + s.file + k * s.size, s.size);
+    }
+}
+
+template <int TYPE, size_t... I>
+inline void pack_sections(const uint8_t* const blocks[TILE_ROWS], const uint8_t* const w[TILE_ROWS], uint8_t* column,
+                          std::index_sequence<I...>) {
+    (pack_section<TYPE, I>(blocks, w, column), ...);
+}
+
 // One block column of a tile from the 8 rows' blocks in the file's layout.
 template <int TYPE> void pack_column(const uint8_t* const blocks[TILE_ROWS], uint8_t* column) {
     uint8_t levels[TILE_ROWS][256];
@@ -340,15 +342,8 @@ template <int TYPE> void pack_column(const uint8_t* const blocks[TILE_ROWS], uin
         if constexpr (levels_in_tiles<TYPE>()) file_levels<TYPE>(blocks[r], levels[r]);
         w[r] = levels[r];
     }
-    for (const Section& s : TileLayout<TYPE>::sections) {
-        if (s.kind != SIDE) {
-            put_levels(s, w, column);
-            continue;
-        }
-        for (int k = 0; k < s.n; ++k)
-            for (int r = 0; r < TILE_ROWS; ++r)
-                std::memcpy(column + s.at + (8 * k + r) * s.size, blocks[r] + s.file + k * s.size, s.size);
-    }
+    constexpr size_t n_sections = sizeof(TileLayout<TYPE>::sections) / sizeof(Section);
+    pack_sections<TYPE>(blocks, w, column, std::make_index_sequence<n_sections>{});
 }
 
 // Row r's block of a tile's block column, in the file's layout.
