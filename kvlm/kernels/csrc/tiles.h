@@ -38,6 +38,10 @@
 #include <cstring>
 #include <utility>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include "formats.h"
 #include "low_bit_formats.h"
 
@@ -248,12 +252,46 @@ template <> inline void set_file_levels<Q6_K>(uint8_t* block, const uint8_t* w) 
 
 // --- one section of a block column, for the 8 rows' levels w[r] (each a block's worth) ---
 
+#if defined(__AVX2__)
+// A row's nibble bytes of n levels v (n = 16 or 32): dword p (p < n / 8) = the bytes (v[8p+i] & 15) | (v[8p+4+i] & 15)
+// << 4 for i = 0..3, which the tile puts at byte 4r of register p.
+template <int N> inline __m128i row_nibble_words(const uint8_t* v) {
+    const __m256i levels = N == 32 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v))
+                                   : _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v)));
+    const __m256i low = _mm256_and_si256(levels, _mm256_set1_epi8(15));
+    // each 8 levels' second four moved onto their first four (a qword's high dword to its low one), a nibble up
+    const __m256i bytes = _mm256_or_si256(low, _mm256_slli_epi16(_mm256_srli_epi64(low, 32), 4));
+    return _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7)));
+}
+
+// put_levels for a NIBBLES section: rows' dwords (row_nibble_words) transposed into registers of 8 rows.
+template <int N> inline void put_nibbles(const uint8_t* const w[TILE_ROWS], int first, uint8_t* out) {
+    __m128i rows[TILE_ROWS];
+    for (int r = 0; r < TILE_ROWS; ++r) rows[r] = row_nibble_words<N>(w[r] + first);
+    // rows r and r + 4 side by side: a 4 x 4 dword transpose in each 128-bit half gives register p
+    __m256i x[4];
+    for (int r = 0; r < 4; ++r) x[r] = _mm256_set_m128i(rows[r + 4], rows[r]);
+    const __m256i t0 = _mm256_unpacklo_epi32(x[0], x[1]), t1 = _mm256_unpacklo_epi32(x[2], x[3]);
+    const __m256i t2 = _mm256_unpackhi_epi32(x[0], x[1]), t3 = _mm256_unpackhi_epi32(x[2], x[3]);
+    const __m256i registers[4] = {_mm256_unpacklo_epi64(t0, t1), _mm256_unpackhi_epi64(t0, t1),
+                                  _mm256_unpacklo_epi64(t2, t3), _mm256_unpackhi_epi64(t2, t3)};
+    for (int p = 0; p < N / 8; ++p) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * p), registers[p]);
+}
+#endif
+
 // Everything but the levels is known when the section is: its kind, width and offsets are template arguments, so
 // every loop below has fixed bounds and offsets (the rearrangement at load runs at memory speed, not a switch per
 // byte).
 template <SectionKind KIND, int N, int AT, int FIRST>
 inline void put_levels(const uint8_t* const w[TILE_ROWS], uint8_t* column) {
     uint8_t* out = column + AT;
+#if defined(__AVX2__)
+    if constexpr (KIND == NIBBLES) {  // the same bytes as below, a register at a time
+        static_assert(N == 16 || N == 32, "nibble sections are 16 or 32 weights");
+        put_nibbles<N>(w, FIRST, out);
+        return;
+    }
+#endif
     for (int r = 0; r < TILE_ROWS; ++r) {
         const uint8_t* v = w[r] + FIRST;
         for (int i = 0; i < 4; ++i) {
