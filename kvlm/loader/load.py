@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,15 +114,22 @@ def load_rank(spec: str, rank: int = 0, size: int = 1, settings: ComputeSettings
         weights.config = config = weights.shard.config
     plan = None if planned else plan_memory(config, weights, settings, memory or MemoryRequest(), budget,
                                             native_kernels() is not None, where=source.name)
-    with _progress_bar(source, weights, settings, plan, progress) as bar:
-        weights.on_read = lambda name, nbytes: bar.update(nbytes)
-        decoder = Decoder(config, weights, settings)
-    weights.source.close()
-    if rank > 0:
-        return Model(config, decoder, None, source)
-    tokenizer = (Tokenizer.from_hf_folder(tokenizer_source) if isinstance(tokenizer_source, Path)
-                 else Tokenizer.from_gguf_metadata(tokenizer_source))
-    return Model(config, decoder, tokenizer, source, plan)
+    # Rank 0's tokenizer is built beside the weights: Python work, which runs while the loading thread waits on
+    # the kernel (reads, fresh pages) and on the native rearrangement, both outside the GIL (-0.5 s of a 7B's start).
+    with ThreadPoolExecutor(1, thread_name_prefix="kvlm-tokenizer") as pool:
+        tokenizer = pool.submit(_tokenizer, tokenizer_source) if rank == 0 else None
+        with _progress_bar(source, weights, settings, plan, progress) as bar:
+            weights.on_read = lambda name, nbytes: bar.update(nbytes)
+            decoder = Decoder(config, weights, settings)
+        weights.source.close()
+        if tokenizer is None:
+            return Model(config, decoder, None, source)
+        return Model(config, decoder, tokenizer.result(), source, plan)
+
+
+def _tokenizer(source: Path | dict[str, Any]) -> Tokenizer:
+    """The tokenizer of a Hugging Face folder, or of a GGUF file's metadata."""
+    return Tokenizer.from_hf_folder(source) if isinstance(source, Path) else Tokenizer.from_gguf_metadata(source)
 
 
 def _progress_bar(source: Path, weights: ModelWeights, settings: ComputeSettings, plan: MemoryPlan | None,
