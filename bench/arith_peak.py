@@ -36,8 +36,10 @@ def program() -> Path:
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_suffix(f".{os.getpid()}.partial")
-        subprocess.run([cxx, "-O2", "-march=native", "-fopenmp", "-o", str(partial), str(SOURCE)], check=True,
-                       capture_output=True, text=True)
+        done = subprocess.run([cxx, "-O2", "-march=native", "-fopenmp", "-o", str(partial), str(SOURCE)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"building {SOURCE.name} failed: {done.stderr.strip()[-2000:]}")
         os.replace(partial, target)
     return target
 
@@ -74,13 +76,6 @@ def token_costs(path: str | Path) -> tuple[int, int]:
         return multiply_adds, read
     finally:
         gguf.close()
-
-
-def peak_line(threads: int) -> tuple[str, dict[str, float]]:
-    """A line naming the peaks on `threads` threads, and the peaks."""
-    measured = peaks(threads)
-    text = ", ".join(f"{name} {value / 1e9:.1f} G multiply-adds/s" for name, value in measured.items())
-    return f"arithmetic peaks on {threads} threads (bench.arith_peak): {text}", measured
 
 
 def main() -> None:
