@@ -24,6 +24,7 @@ from kvlm.loader.load import load_model, open_model
 from kvlm.loader.memory_plan import parse_size, plan_memory
 from kvlm.memory.kv_store import KV_DTYPES, kv_bytes_for
 from kvlm.memory.layout import ISWA, memory_layout, recurrent_state_shapes
+from kvlm.memory.recurrent import BANKS
 from kvlm.model.settings import AUTO, DEVICES, DTYPES, QUANTS, resolve_settings
 from kvlm.speculative.config import SpeculativeConfig
 from kvlm.structured.params import StructuredOutputsParams
@@ -552,8 +553,8 @@ def _inspect_experts(config: ModelConfig, weights) -> None:
 
 def _inspect_recurrent(config: ModelConfig, n_ctx: int) -> None:
     """A model with recurrent layers: the memory kind; KV bytes for its attention layers only (hybrid; none for a
-    model of recurrent layers alone); the recurrent state of one sequence (n_seq_max 1), float32 whatever the KV
-    dtype."""
+    model of recurrent layers alone); the recurrent state of one sequence (n_seq_max 1) in both banks, float32
+    whatever the KV dtype."""
     memory = memory_layout(config, n_ctx)
     n_attention, state = sum(len(pool.layers) for pool in memory.pools), memory.state_bytes
     recurrent = Counter(kind for kind in config.layer_kinds if kind in RECURRENT_KINDS)
@@ -570,8 +571,8 @@ def _inspect_recurrent(config: ModelConfig, n_ctx: int) -> None:
                  for kind in recurrent}
     shapes = ", ".join(f"{n} {kind} layer{'' if n == 1 else 's'} x [{per_layer[kind]}]"
                        for kind, n in recurrent.items())
-    print(f"{'recurrent state':20} {_bytes(state * INSPECT_N_SEQ_MAX)} for n_seq_max {INSPECT_N_SEQ_MAX}, "
-          f"f32: {shapes} per sequence")
+    print(f"{'recurrent state':20} {_bytes(state * BANKS * INSPECT_N_SEQ_MAX)} for n_seq_max {INSPECT_N_SEQ_MAX} in "
+          f"{BANKS} banks (committed, being written), f32: {shapes} per sequence")
 
 
 # What `kvlm inspect` sizes the sliding pool for: one sequence, micro-batches of 512 (llama.cpp's defaults).

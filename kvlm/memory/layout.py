@@ -17,7 +17,7 @@ from kvlm.memory.iswa import ISWAMemory, sliding_pool_cells
 from kvlm.memory.kv_store import kv_bytes_for
 from kvlm.memory.memory import KVMemory
 from kvlm.memory.protocol import Memory
-from kvlm.memory.recurrent import RecurrentMemory
+from kvlm.memory.recurrent import BANKS, RecurrentMemory
 
 UNIFIED, ISWA, RECURRENT, HYBRID = "unified", "iswa", "recurrent", "hybrid"
 RECURRENT_STATE_BYTES = 4  # a recurrent state is float32 (kvlm.memory.recurrent)
@@ -51,9 +51,10 @@ class MemoryLayout:
         return sum(pool.nbytes(config, kv_dtype) for pool in self.pools)
 
     def nbytes(self, config: ModelConfig, kv_dtype: str, n_seq_max: int, state_copies: int = 0) -> int:
-        """Everything the memory allocates: the pools' K/V rows and a recurrent state per sequence, and
-        `state_copies` more states (the engine's prefix caching keeps copies of them)."""
-        return self.kv_bytes(config, kv_dtype) + self.state_bytes * (n_seq_max + state_copies)
+        """Everything the memory allocates: the pools' K/V rows and two banks of recurrent state per sequence (the
+        committed state and the one a batch writes, kvlm.memory.recurrent), and `state_copies` more states (the
+        engine's prefix caching keeps copies of them)."""
+        return self.kv_bytes(config, kv_dtype) + self.state_bytes * (BANKS * n_seq_max + state_copies)
 
 
 def memory_layout(config: ModelConfig, n_ctx: int, n_seq_max: int = 1, n_ubatch: int = 512, swa_full: bool = False,

@@ -99,7 +99,7 @@ def _layout(pools: tuple[KVMemory, ...], recurrent: RecurrentMemory | None) -> d
     config = pools[0].config if pools else recurrent.config
     return {"model": model_identity(config), "kv_dtype": pools[0].kv_dtype if pools else None,
             "n_layer": config.n_layer, "pools": [[pool.name, pool.store.n_layer] for pool in pools],
-            "recurrent_layers": len(recurrent.states) if recurrent is not None else 0}
+            "recurrent_layers": recurrent.n_layer if recurrent is not None else 0}
 
 
 def _free_cells_for(pool: KVMemory, n_cells: int) -> np.ndarray | None:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 
 from kvlm.core.family import ATTENTION, CONV, GATED_DELTA, MAMBA, SLIDING
+from kvlm.memory.recurrent import LayerState
 from kvlm.memory.view import MemoryView
 from kvlm.model.attention import attend_layer
 from kvlm.model.layers import (
@@ -91,7 +92,7 @@ class Blocks:
         eps = self.config.rms_norm_eps
         state = kv.recurrent(index)
         h = self.ops.norm(x, layer.attn_norm, eps).view(*state.shape, -1)
-        y, conv_state = short_conv(layer.conv, h, *state.read(), stepped=self._recurrent)
+        y, conv_state = short_conv(layer.conv, h, *self._states(state), stepped=self._recurrent)
         state.write([conv_state])
         normed, x = self.ops.add_norm(x, y.reshape(x.shape), layer.ffn_norm, eps)
         return x + self.ops.gated_mlp(normed, layer.gate_up, layer.down, self.activation)
@@ -102,7 +103,8 @@ class Blocks:
         eps, state = self.config.rms_norm_eps, kv.recurrent(index)
         projected = layer.in_proj(self.ops.norm(x, layer.attn_norm, eps)).view(*state.shape, -1)
         y, conv_state, delta_state = gated_delta_net(layer.mixer, *projected.split(layer.in_sizes, dim=-1),
-                                                     *state.read(), step=self.ops.delta_step, stepped=self._recurrent)
+                                                     *self._states(state), step=self.ops.delta_step,
+                                                     stepped=self._recurrent)
         state.write([conv_state, delta_state])
         normed, x = self.ops.add_norm(x, layer.out_proj(y.reshape(x.shape[0], -1)), layer.ffn_norm, eps)
         return x + self._mlp(layer, normed)
@@ -110,9 +112,15 @@ class Blocks:
     def _mamba_block(self, index: int, layer: MambaLayerWeights, x, cos, sin, kv) -> torch.Tensor:
         state = kv.recurrent(index)
         h = self.ops.norm(x, layer.attn_norm, self.config.rms_norm_eps).view(*state.shape, -1)
-        y, conv_state, ssm_state = mamba2_mixer(layer.mixer, h, *state.read(), stepped=self._recurrent)
+        y, conv_state, ssm_state = mamba2_mixer(layer.mixer, h, *self._states(state), stepped=self._recurrent)
         state.write([conv_state, ssm_state])
         return x + y.reshape(x.shape)
+
+    def _states(self, state: LayerState) -> list:
+        """A recurrent layer's states as its ops take them: where the memory keeps them for ops that step them in
+        place (the native kernels: nothing gathered or copied back), else gathered into tensors."""
+        in_place = self._recurrent is not None and self._recurrent.steps_in_place
+        return state.in_place() if in_place else state.read()
 
     def _attention(self, index: int, layer: LayerWeights, h, cos, sin, kv: MemoryView) -> torch.Tensor:
         spec, eps = layer.spec, self.config.rms_norm_eps

@@ -28,6 +28,7 @@ PRECISE = torch.float64
 
 
 class SteppedRecurrentOps:
+    steps_in_place = False  # takes gathered state tensors
     def causal_conv(self, x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     silu: bool = False, out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """NativeRecurrentOps.causal_conv: x [n_seq, T, channels] after state [n_seq, channels, K-1]; returns

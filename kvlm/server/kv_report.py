@@ -110,9 +110,9 @@ def _recurrent(slots: RecurrentMemory, request_of: dict[int, str]) -> dict:
     return {
         "n_slots": slots.n_seq_max,
         "n_used": int(used.size),
-        "n_layer": len(slots.states),
+        "n_layer": slots.n_layer,
         "state_bytes": slots.kv_bytes,                         # every slot's, allocated whether in use or not
-        "bytes_per_slot": slots.kv_bytes // slots.n_seq_max,
+        "bytes_per_slot": slots.kv_bytes // slots.n_seq_max,  # both banks
         "slots": [{"seq_id": int(s), "request_id": request_of.get(int(s)), "role": _role(int(s)),
                    "pos_min": int(slots.first[s]), "pos_max": int(slots.last[s])} for s in used],
     }

@@ -13,6 +13,7 @@ from kvlm.engine.engine import DEFAULT_DISK_TIER, Engine, memory_request
 from kvlm.loader.gguf_split import split_prefix
 from kvlm.loader.load import load_model
 from kvlm.memory.kv_store import AUTO
+from kvlm.memory.recurrent import BANKS
 from kvlm.server.app import create_app
 from kvlm.server.kv_report import recurrent_part
 from kvlm.server.model_set import ModelSet
@@ -89,15 +90,17 @@ def _pools(memory) -> str:
 
 
 def _recurrent_state(memory) -> str | None:
-    """'recurrent state: 33 slots x 31488 bytes (3 layers, float32): 1039104 bytes (1.0 MiB)' for a memory with
-    recurrent layers (one state slot per sequence id, each the same size); None for the KV-only kinds."""
+    """'recurrent state: 33 slots x 2 banks x 31488 bytes (3 layers, float32): 2078208 bytes (2.0 MiB)' for a memory
+    with recurrent layers (one state slot per sequence id, each the same size, in two banks: the committed state and
+    the one a batch writes); None for the KV-only kinds."""
     slots = recurrent_part(memory)
     if slots is None:
         return None
-    n_layer, per_slot = len(slots.states), slots.kv_bytes // slots.n_seq_max
-    dtypes = sorted({str(s.dtype).removeprefix("torch.") for layer in slots.states for s in layer})
-    return (f"recurrent state: {slots.n_seq_max} slots x {per_slot} bytes ({n_layer} layer{'' if n_layer == 1 else 's'}"
-            f", {'/'.join(dtypes)}): {slots.kv_bytes} bytes ({slots.kv_bytes / 2**20:.1f} MiB)")
+    n_layer, per_bank = slots.n_layer, slots.kv_bytes // (slots.n_seq_max * BANKS)
+    dtypes = sorted({str(s.dtype).removeprefix("torch.") for layer in slots.banks for s in layer})
+    return (f"recurrent state: {slots.n_seq_max} slots x {BANKS} banks x {per_bank} bytes ({n_layer} "
+            f"layer{'' if n_layer == 1 else 's'}, {'/'.join(dtypes)}): {slots.kv_bytes} bytes "
+            f"({slots.kv_bytes / 2**20:.1f} MiB)")
 
 
 def _tier(tier) -> str:

@@ -135,7 +135,8 @@ def test_inspect_of_recurrent_layers(recurrent_folder, capsys):
     rows = inspect_rows(capsys, [str(folder), "--ctx", "4096"])
     n_attention, state, kv = expected_sizes(name, c, 4096)
     assert "swa_full" not in rows and "sliding pool cells" not in rows
-    assert rows["recurrent state"].startswith(f"{state} ({state / MiB:.2f} MiB) for n_seq_max 1, f32: ")
+    assert rows["recurrent state"].startswith(f"{2 * state} ({2 * state / MiB:.2f} MiB) for n_seq_max 1 in 2 banks "
+                                              "(committed, being written), f32: ")
     kv_rows = {key: value for key, value in rows.items() if key.startswith("kv_bytes")}
     if name == "mamba2":
         assert state == 3 * ((128 + 2 * 2 * 16) * 3 + 8 * 16 * 16) * 4 == 31488
@@ -162,12 +163,13 @@ def test_inspect_recurrent_sizes_are_what_the_memory_allocates(recurrent_folder,
     assert (sum(len(pool.layers) for pool in layout.pools), layout.state_bytes) == (n_attention, state)
     memory = Context(model, n_ctx=300, n_batch=512, n_ubatch=512, n_seq_max=1, kv_dtype=dtype).memory
     slots = memory.recurrent if name == "lfm2" else memory
-    assert slots.kv_bytes == state
+    assert slots.kv_bytes == 2 * state  # two banks: the committed state and the one a batch writes
+    assert memory.kv_bytes == layout.nbytes(model.config, dtype, n_seq_max=1)
     if name == "lfm2":
         assert memory.attention.kv_bytes == kv[dtype] == kv_bytes_for(model.config, 300, dtype, n_attention)
-        assert memory.kv_bytes == kv[dtype] + state
+        assert memory.kv_bytes == kv[dtype] + 2 * state
     else:
-        assert memory.pools == () and memory.kv_bytes == state
+        assert memory.pools == () and memory.kv_bytes == 2 * state
 
 
 # --- --swa-full reaches the engine ---

@@ -12,6 +12,7 @@ from helpers.recurrent_layers import (
     DTYPES, LAYERS, N_TOKENS, PIECES, assert_equal, assert_near, conv_state, delta_net_layer, generator, in_pieces,
     mamba2_layer, random, short_conv_layer,
 )
+from kvlm.core.states import StatesInPlace
 from kvlm.model.recurrent import causal_conv, gated_delta_rule
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # test_threads_leave_the_bits_alone sets two itself
@@ -108,6 +109,51 @@ def test_other_sequences_leave_the_bits_alone(kernels, name, dtype, n_tokens):
     for s in range(3):
         y, new_states = layer.run([t[s:s + 1] for t in inputs], [t[s:s + 1] for t in states], kernels.recurrent)
         assert_equal((together[0][s:s + 1], [t[s:s + 1] for t in together[1]]), (y, new_states))
+
+
+def in_banks(states: list[torch.Tensor], slots: list[int], banks: list[int], seed: int) -> list[torch.Tensor]:
+    """Each state tensor [n_seq, ...] put into a memory's two banks of 4 slots [2, 4, ...] filled with noise
+    elsewhere: sequence i at (banks[i], slots[i])."""
+    gen = generator(seed)
+    stored = [torch.randn(2, 4, *s.shape[1:], generator=gen).to(s.dtype) for s in states]
+    for bank, state in zip(stored, states):
+        bank[banks, slots] = state
+    return stored
+
+
+def in_place(stored: list[torch.Tensor], slots: list[int], sources: list[int], targets: list[int]) -> list:
+    """StatesInPlace over banks [2, n_slots, ...]: sequence i read from (sources[i], slots[i]), written to
+    (targets[i], slots[i])."""
+    def addresses(bank, which):
+        size = bank[0, 0].numel() * bank.element_size()
+        return torch.tensor([bank.data_ptr() + (b * bank.shape[1] + s) * size for b, s in zip(which, slots)])
+    return [StatesInPlace((len(slots), *bank.shape[2:]), bank.dtype, addresses(bank, sources),
+                          addresses(bank, targets)) for bank in stored]
+
+
+@pytest.mark.parametrize("own_bank", [False, True], ids=["other-bank", "in-place"])
+@pytest.mark.parametrize("n_tokens", [1, N_TOKENS])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", LAYERS)
+def test_states_where_the_memory_keeps_them_give_the_bits_of_tensors(kernels, name, dtype, n_tokens, own_bank):
+    """States read from and written to a memory's banks (slots out of order, each sequence in its own bank; new
+    states to the other bank, or over the state read) give the outputs and new states of the same states passed as
+    a tensor, and leave every other slot and bank as it was."""
+    layer = LAYERS[name](dtype)
+    inputs, states = layer.inputs(3, n_tokens, 9), layer.states(3, 10)
+    y, new_states = layer.run(inputs, states, kernels.recurrent)
+    slots, sources = [2, 0, 3], [1, 0, 1]
+    targets = sources if own_bank else [1 - b for b in sources]
+    stored = in_banks(states, slots, sources, seed=11)
+    untouched = [bank.clone() for bank in stored]
+    handed = in_place(stored, slots, sources, targets)
+    y_in_place, returned = layer.run(inputs, handed, kernels.recurrent)
+    assert all(r is h for r, h in zip(returned, handed))  # written where they were handed over, nothing new
+    assert torch.equal(y_in_place, y)
+    for bank, before, new in zip(stored, untouched, new_states):
+        assert torch.equal(bank[targets, slots], new)
+        before[targets, slots] = new
+        assert torch.equal(bank, before)  # the rest as it was
 
 
 THREADED_LAYERS = {  # large enough for the kernels to share the work out (kernels.cpp's for_rows)

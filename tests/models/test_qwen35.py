@@ -87,7 +87,7 @@ def test_the_memory_is_hybrid_and_sized_by_the_formula(ours):
     layout = memory_layout(ours.config, 64, n_seq_max=2)
     assert [len(pool.layers) for pool in layout.pools] == [2]
     assert layout.state_bytes == 6 * (128 * 3 + 4 * 16 * 16) * 4
-    assert [tuple(s.shape) for s in ctx.memory.recurrent.states[0]] == [(2, 128, 3), (2, 4, 16, 16)]
+    assert [tuple(s.shape) for s in ctx.memory.recurrent.banks[0]] == [(2, 2, 128, 3), (2, 2, 4, 16, 16)]  # 2 banks
 
 
 def test_greedy_generate_of_several_requests_equals_transformers(files, reference):

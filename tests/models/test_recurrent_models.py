@@ -116,10 +116,13 @@ def test_seq_cp_then_diverging_continuations(ours, reference):
 
 
 def memory_snapshot(ctx: Context) -> list:
-    """The recurrent slots' bookkeeping and states; for a hybrid memory also its cells and their K/V rows."""
+    """The recurrent slots' bookkeeping and committed states; for a hybrid memory also its cells and their K/V
+    rows."""
     memory = ctx.memory
     recurrent = memory.recurrent if isinstance(memory, HybridMemory) else memory
-    snapshot = [recurrent.first.copy(), recurrent.last.copy(), *[s.clone() for layer in recurrent.states for s in layer]]
+    committed = [s.clone() for slot in range(recurrent.n_seq_max) for layer in recurrent.committed(slot) for s in layer]
+    snapshot = [recurrent.first.copy(), recurrent.last.copy(), recurrent.current.copy(), recurrent.written.copy(),
+                *committed]
     for pool in memory.pools:
         used = torch.from_numpy(np.flatnonzero(pool.cells.pos >= 0))
         snapshot += [pool.cells.pos.copy(), pool.cells.seqs.copy(), pool.store.k.data[:, used].clone(),

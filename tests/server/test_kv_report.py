@@ -233,9 +233,9 @@ def test_report_of_recurrent_slots_after_a_few_steps(recurrent_engine):
     # one slot per sequence id: the engine's max_num_seqs (2) and the prefix cache's id (caching off here)
     n_layer, floats = state_floats_per_slot(hf_config)
     assert (recurrent["n_slots"], recurrent["n_layer"]) == (3, n_layer)
-    assert recurrent["bytes_per_slot"] == floats * 4  # float32
-    assert recurrent["state_bytes"] == 3 * floats * 4 == slots.kv_bytes
-    assert recurrent["state_bytes"] == sum(s.numel() * s.element_size() for layer in slots.states for s in layer)
+    assert recurrent["bytes_per_slot"] == 2 * floats * 4  # float32, in two banks
+    assert recurrent["state_bytes"] == 3 * 2 * floats * 4 == slots.kv_bytes
+    assert recurrent["state_bytes"] == sum(s.numel() * s.element_size() for layer in slots.banks for s in layer)
 
     requests = sorted((engine.requests[i] for i in ids), key=lambda r: r.seq_id)
     assert all(r.n_computed > len(r.prompt_token_ids) for r in requests)  # both past their prompts
@@ -292,7 +292,7 @@ def test_report_and_metrics_show_the_state_copies_kept_for_prefix_reuse(recurren
     assert copies.n_states == 2 and copies.capacity == 4
     report = json.loads(json.dumps(kv_report(engine)))
     assert report["recurrent"]["state_copies"] == {"n_states": 2, "capacity": 4, "bytes": copies.n_bytes}
-    assert copies.n_bytes == 2 * report["recurrent"]["bytes_per_slot"]
+    assert copies.n_bytes == report["recurrent"]["bytes_per_slot"]  # two copies of one state; a slot has two banks
     metrics = ServerMetrics()
     metrics.refresh(engine)
     samples = {s.name: s.value for family in text_string_to_metric_families(metrics.render().decode())
@@ -316,8 +316,8 @@ def test_serve_logs_the_recurrent_state(recurrent_model, monkeypatch, caplog):
     memory = engine.context.memory
     n_layer, floats = state_floats_per_slot(hf_config)
     messages = [r.getMessage() for r in caplog.records]
-    state = 3 * floats * 4
-    assert (f"recurrent state: 3 slots x {floats * 4} bytes ({n_layer} layers, float32): {state} bytes "
+    state = 3 * 2 * floats * 4  # two banks a slot
+    assert (f"recurrent state: 3 slots x 2 banks x {floats * 4} bytes ({n_layer} layers, float32): {state} bytes "
             f"({state / 2**20:.1f} MiB)") in messages
     if name == "mamba2":
         assert "no KV cache (recurrent memory: no attention layers); up to 2 sequences" in messages

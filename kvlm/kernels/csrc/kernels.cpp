@@ -248,14 +248,15 @@ int kvlm_delta_rule(const float* state, float* new_state, const float* q, const 
 
 // Depthwise causal convolution (recurrent.h) of x [n_seq][n_tokens][channels] (token rows x_stride values apart)
 // by weight [channels][taps] after each sequence's last taps - 1 inputs, state [n_seq][channels][taps - 1]; plus
-// bias [channels] (or null), then SiLU where `silu` says. out [n_seq][n_tokens][channels]; new_state as state.
-// x, out and the states float32 or bfloat16 as their flags say, weight and bias float32.
+// bias [channels] (or null), then SiLU where `silu` says. out [n_seq][n_tokens][channels]. states[s]: sequence s's
+// [channels][taps - 1]; new_states[s]: where its new state goes (may be states[s]). x, out and the states float32 or
+// bfloat16 as their flags say, weight and bias float32.
 int kvlm_causal_conv(const void* x, int x_bf16, int64_t x_stride, int64_t n_seq, int64_t n_tokens, int64_t channels,
-                     const void* state, int state_bf16, const float* weight, int taps, const float* bias, int silu,
-                     void* out, int out_bf16, void* new_state, int n_threads) {
+                     const void* const* states, int state_bf16, const float* weight, int taps, const float* bias,
+                     int silu, void* out, int out_bf16, void* const* new_states, int n_threads) {
     if (n_seq < 0 || n_tokens <= 0 || channels <= 0 || taps <= 0 || x_stride < channels) return BAD_SHAPE;
-    const CausalConv conv{{x, x_bf16 != 0, x_stride}, n_tokens, channels, state, state_bf16 != 0, weight, taps,
-                          bias, silu != 0, out, out_bf16 != 0, new_state};
+    const CausalConv conv{{x, x_bf16 != 0, x_stride}, n_tokens, channels, states, state_bf16 != 0, weight, taps,
+                          bias, silu != 0, out, out_bf16 != 0, new_states};
     const int64_t blocks = (channels + CONV_CHANNELS - 1) / CONV_CHANNELS;
     for_rows(n_seq * blocks, n_seq * n_tokens * channels * taps, n_threads, [&](int64_t i) {
         static thread_local std::vector<float> scratch;
@@ -266,17 +267,18 @@ int kvlm_causal_conv(const void* x, int x_bf16, int64_t x_stride, int64_t n_seq,
 
 // Mamba2's selective scan and gated RMS norm (recurrent.h) after the convolution: xbc [n_seq][n_tokens][H*P + 2*G*N]
 // float32 (x, B, C after the SiLU), z [..][H*P] and raw dt [..][H] (rows z_stride and dt_stride values apart, both
-// float32 or bfloat16 as `bf16` says), state and new_state [n_seq][H][P][N] float32; out [n_seq][n_tokens][H*P] in
-// z's dtype. dt_bias, A_log, D [H] and norm [H*P] float32; dt is clamped to [dt_min, dt_max].
+// float32 or bfloat16 as `bf16` says), states[s] and new_states[s] sequence s's [H][P][N] float32 (may be the same);
+// out [n_seq][n_tokens][H*P] in z's dtype. dt_bias, A_log, D [H] and norm [H*P] float32; dt is clamped to [dt_min, dt_max].
 int kvlm_mamba2_scan(const float* xbc, const void* z, int64_t z_stride, const void* dt, int64_t dt_stride, int bf16,
                      int64_t n_seq, int64_t n_tokens, int n_heads, int head_dim, int d_state, int n_groups,
                      const float* dt_bias, const float* A_log, const float* D, const float* norm, float dt_min,
-                     float dt_max, float eps, const float* state, float* new_state, void* out, int n_threads) {
+                     float dt_max, float eps, const float* const* states, float* const* new_states, void* out,
+                     int n_threads) {
     if (n_seq < 0 || n_tokens <= 0 || n_heads <= 0 || head_dim <= 0 || d_state <= 0 || n_groups <= 0 ||
         n_heads % n_groups || z_stride < int64_t(n_heads) * head_dim || dt_stride < n_heads)
         return BAD_SHAPE;
     const Mamba2Scan scan{xbc, {z, bf16 != 0, z_stride}, {dt, bf16 != 0, dt_stride}, n_tokens, n_heads, head_dim,
-                          d_state, n_groups, dt_bias, A_log, D, norm, dt_min, dt_max, eps, state, new_state};
+                          d_state, n_groups, dt_bias, A_log, D, norm, dt_min, dt_max, eps, states, new_states};
     const int64_t rows = n_seq * n_tokens, d_inner = scan.d_inner();
     static thread_local std::vector<float> scanned;
     scanned.resize(size_t(rows * d_inner));
@@ -292,18 +294,19 @@ int kvlm_mamba2_scan(const float* xbc, const void* z, int64_t z_stride, const vo
 
 // Qwen3.5's gated delta net between its projections, after the convolution (recurrent.h): mixed
 // [n_seq][n_tokens][2*Hk*Dk + Hv*Dv] float32 (q, k, v after the SiLU), z [..][Hv*Dv], b and a [..][Hv] (rows
-// z_stride, b_stride and a_stride values apart, all float32 or bfloat16 as `bf16` says), state and new_state
-// [n_seq][Hv][Dk][Dv] float32; out [n_seq][n_tokens][Hv*Dv] in z's dtype. dt_bias and A [Hv], norm [Dv] float32.
+// z_stride, b_stride and a_stride values apart, all float32 or bfloat16 as `bf16` says), states[s] and new_states[s]
+// sequence s's [Hv][Dk][Dv] float32 (may be the same); out [n_seq][n_tokens][Hv*Dv] in z's dtype. dt_bias and A [Hv], norm [Dv] float32.
 int kvlm_gated_delta_net(const float* mixed, const void* z, int64_t z_stride, const void* b, int64_t b_stride,
                          const void* a, int64_t a_stride, int bf16, int64_t n_seq, int64_t n_tokens, int n_k_heads,
                          int n_v_heads, int dk, int dv, int v_heads_tiled, const float* dt_bias, const float* A,
-                         const float* norm, float eps, const float* state, float* new_state, void* out,
-                         int n_threads) {
+                         const float* norm, float eps, const float* const* states, float* const* new_states,
+                         void* out, int n_threads) {
     if (n_seq < 0 || n_tokens <= 0 || n_k_heads <= 0 || n_v_heads <= 0 || n_v_heads % n_k_heads || dk <= 0 || dv <= 0 ||
         z_stride < int64_t(n_v_heads) * dv || b_stride < n_v_heads || a_stride < n_v_heads)
         return BAD_SHAPE;
     const DeltaNet net{mixed, {z, bf16 != 0, z_stride}, {b, bf16 != 0, b_stride}, {a, bf16 != 0, a_stride}, n_tokens,
-                       n_k_heads, n_v_heads, dk, dv, v_heads_tiled != 0, dt_bias, A, norm, eps, state, new_state, out};
+                       n_k_heads, n_v_heads, dk, dv, v_heads_tiled != 0, dt_bias, A, norm, eps, states, new_states,
+                       out};
     for_rows(n_seq * n_v_heads, n_seq * n_tokens * n_v_heads * dk * dv, n_threads, [&](int64_t i) {
         static thread_local DeltaNetScratch scratch;
         delta_net_head(net, i / n_v_heads, int(i % n_v_heads), scratch);

@@ -6,7 +6,10 @@
 // calls, which g++ never vectorizes without -ffast-math), so a token's result has the same bits whether its
 // sequence's earlier tokens came in the same call or an earlier one, whatever other sequences share the call and
 // whatever the thread count (work is shared out by sequence and head or channel, never within one's tokens).
-// Activations are float32 or bfloat16, rounded once where an output is stored; states are float32.
+// Activations are float32 or bfloat16, rounded once where an output is stored; states are float32. Each sequence's
+// state is read from its own address and its new state written to another (or the same: every value is read before
+// it is written), so a memory can hand over where it keeps them (kvlm/memory/recurrent.py's two banks per slot)
+// instead of gathering them into one tensor and scattering them back.
 #pragma once
 
 #include <algorithm>
@@ -50,7 +53,7 @@ struct TokenRows {
 struct CausalConv {
     TokenRows x;                // [n_seq][n_tokens][channels]
     int64_t n_tokens, channels;
-    const void* state;          // [n_seq][channels][taps - 1]: each sequence's last inputs, oldest first
+    const void* const* states;  // per sequence [channels][taps - 1]: its last inputs, oldest first
     bool state_bf16;
     const float* weight;        // [channels][taps]
     int taps;
@@ -58,7 +61,7 @@ struct CausalConv {
     bool silu;
     void* out;                  // [n_seq][n_tokens][channels]
     bool out_bf16;
-    void* new_state;            // as state
+    void* const* new_states;    // per sequence, as states
 };
 
 // Channels per unit of the convolution's work: each token's inputs are read as a run of a row (a channel's tokens
@@ -74,7 +77,7 @@ inline void conv_inputs(const CausalConv& c, int64_t s, int64_t first, int n, in
         return;
     }
     for (int i = 0; i < n; ++i)
-        out[i] = load_value(c.state, c.state_bf16, (s * c.channels + first + i) * history + history + p);
+        out[i] = load_value(c.states[s], c.state_bf16, (first + i) * history + history + p);
 }
 
 // Channels first .. first + CONV_CHANNELS - 1 (or to the last) of sequence s, token by token: each output is the
@@ -108,8 +111,8 @@ inline void causal_conv_channels(const CausalConv& c, int64_t s, int64_t first, 
     }
     for (int j = 0; j < history; ++j) {  // inputs T - history .. T - 1, still in the window
         const float* in = inputs(c.n_tokens - history + j);
-        const int64_t at = (s * c.channels + first) * history + j;
-        for (int i = 0; i < n; ++i) store_value(c.new_state, c.state_bf16, at + int64_t(i) * history, in[i]);
+        const int64_t at = first * history + j;
+        for (int i = 0; i < n; ++i) store_value(c.new_states[s], c.state_bf16, at + int64_t(i) * history, in[i]);
     }
 }
 
@@ -123,8 +126,8 @@ struct Mamba2Scan {
     const float *dt_bias, *A_log, *D;          // [H]: A = -exp(A_log)
     const float* norm;          // [H*P]
     float dt_min, dt_max, eps;
-    const float* state;         // [n_seq][H][P][N]
-    float* new_state;
+    const float* const* states;  // per sequence [H][P][N]
+    float* const* new_states;
 
     int64_t d_inner() const { return int64_t(n_heads) * head_dim; }
     int64_t width() const { return d_inner() + 2 * int64_t(n_groups) * d_state; }
@@ -137,8 +140,8 @@ inline void mamba2_scan_head(const Mamba2Scan& m, int64_t s, int h, float* y) {
     const int64_t head = int64_t(P) * N, d_inner = m.d_inner(), width = m.width();
     const int64_t b_at = d_inner + int64_t(h / (m.n_heads / m.n_groups)) * N;
     const float A = -std::exp(m.A_log[h]);
-    const float* before = m.state + (s * m.n_heads + h) * head;
-    float* after = m.new_state + (s * m.n_heads + h) * head;
+    const float* before = m.states[s] + h * head;
+    float* after = m.new_states[s] + h * head;
     for (int64_t t = 0; t < m.n_tokens; ++t) {
         const int64_t row = s * m.n_tokens + t;
         const float* x = m.xbc + row * width + int64_t(h) * P;
@@ -180,8 +183,8 @@ struct DeltaNet {
     const float *dt_bias, *A;   // [Hv]: g = A * softplus(a + dt_bias)
     const float* norm;          // [Dv]
     float eps;
-    const float* state;         // [n_seq][Hv][Dk][Dv]
-    float* new_state;
+    const float* const* states;  // per sequence [Hv][Dk][Dv]
+    float* const* new_states;
     void* out;                  // [n_seq][n_tokens][Hv*Dv], in z's dtype
 
     int64_t key_dim() const { return int64_t(n_k_heads) * dk; }
@@ -237,8 +240,8 @@ inline void delta_net_output(const DeltaNet& d, int64_t row, int j, const float*
 inline void delta_net_head(const DeltaNet& d, int64_t s, int j, DeltaNetScratch& scratch) {
     scratch.resize(d.dk, d.dv);
     const int64_t head = int64_t(d.dk) * d.dv, width = d.width();
-    const float* state = d.state + (s * d.n_v_heads + j) * head;
-    float* new_state = d.new_state + (s * d.n_v_heads + j) * head;
+    const float* state = d.states[s] + j * head;
+    float* new_state = d.new_states[s] + j * head;
     for (int64_t first = 0; first < d.n_tokens; first += DELTA_NET_TOKENS) {
         const int64_t count = std::min(DELTA_NET_TOKENS, d.n_tokens - first), row = s * d.n_tokens + first;
         for (int64_t i = 0; i < count; ++i) delta_net_inputs(d, row + i, j, scratch, i);
