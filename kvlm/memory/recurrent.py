@@ -69,16 +69,13 @@ class LayerState:
     def in_place(self) -> list[StatesInPlace]:
         """This layer's state tensors where they lie, for kernels that read each sequence's state and write its new
         one themselves; `write` then takes what they return."""
-        memory, seqs = self.view.memory, self.view.seqs
-        sources = self._reading() * memory.n_seq_max + seqs
-        targets = (1 - memory.current[self.layer, seqs]) * memory.n_seq_max + seqs
-        states = []
-        for bank in memory.banks[self.layer]:
-            size = bank[0, 0].numel() * bank.element_size()
-            states.append(StatesInPlace((len(seqs), *bank.shape[2:]), bank.dtype,
-                                        torch.from_numpy(bank.data_ptr() + sources * size),
-                                        torch.from_numpy(bank.data_ptr() + targets * size)))
-        return states
+        memory, seqs, layer = self.view.memory, self.view.seqs, self.layer
+        committed = memory.current[layer, seqs]
+        sources = (committed ^ memory.written[layer, seqs]) * memory.n_seq_max + seqs  # bank * slots + slot
+        targets = (1 - committed) * memory.n_seq_max + seqs
+        return [StatesInPlace((len(seqs), *shape), dtype, torch.from_numpy(base + sources * size),
+                              torch.from_numpy(base + targets * size))
+                for base, size, shape, dtype in memory.bank_addresses[layer]]
 
     def write(self, new: list) -> None:
         """The states after this micro-batch, into the banks the commit makes current: tensors [n_seqs, ...] are
@@ -108,6 +105,9 @@ class RecurrentMemory:
         self.n_seq_max = n_seq_max
         # banks[layer][i][b, slot]: the layer's i-th state tensor of a slot in bank b
         self.banks = [[torch.zeros(BANKS, n_seq_max, *shape) for shape in shapes] for shapes in state_shapes]
+        # per layer, per state tensor: (its address, a slot's bytes, a slot's shape, dtype), for in_place
+        self.bank_addresses = [[(bank.data_ptr(), bank[0, 0].numel() * bank.element_size(), tuple(bank.shape[2:]),
+                                 bank.dtype) for bank in banks] for banks in self.banks]
         self.current = np.zeros((len(state_shapes), n_seq_max), dtype=np.int64)  # the bank of the committed state
         self.written = np.zeros((len(state_shapes), n_seq_max), dtype=bool)  # this batch's new state in the other
         self.first = np.full(n_seq_max, EMPTY, dtype=np.int64)  # per slot (= sequence id): its first position
