@@ -116,6 +116,8 @@ class NativeKernels:
         self._set_grids()
         self.decode_layer_function = self._lib.kvlm_decode_layer
         self.decode_layer_function.argtypes = [ptr, ptr, ctypes.c_int, ptr, ptr, ctypes.c_int]
+        self.delta_layer_function = self._lib.kvlm_delta_layer
+        self.delta_layer_function.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
         self.layer_times_function = self._lib.kvlm_layer_times
         self.layer_times_function.argtypes = [ctypes.c_int, ptr]
         self.experts_function = self._lib.kvlm_experts

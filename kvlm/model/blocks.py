@@ -99,8 +99,13 @@ class Blocks:
 
     def _delta_block(self, index: int, layer: DeltaLayerWeights, x, cos, sin, kv) -> torch.Tensor:
         """Gated DeltaNet linear attention over each sequence's tokens (as [n_seqs, n_tokens], see _conv_block) from and
-        to its convolution and delta-rule states; then the MLP."""
+        to its convolution and delta-rule states; then the MLP. One native call for decode tokens where it can be."""
         eps, state = self.config.rms_norm_eps, kv.recurrent(index)
+        if self.decode_layers is not None and self.all_reduce is None:
+            done = self.decode_layers.run_delta(index, layer, x, state)
+            if done is not None:
+                x, experts_input = done
+                return x if experts_input is None else x + layer.moe(experts_input, self.ops, self.activation)
         projected = layer.in_proj(self.ops.norm(x, layer.attn_norm, eps)).view(*state.shape, -1)
         y, conv_state, delta_state = gated_delta_net(layer.mixer, *projected.split(layer.in_sizes, dim=-1),
                                                      *self._states(state), step=self.ops.delta_step,

@@ -1,15 +1,19 @@
 """For a micro-batch of decode tokens, `DecodeLayers` runs a whole attention layer as one native call
-(kvlm.kernels.decode_layer) where its matrices are read natively: what the native CPU backend (kvlm.model.backend)
-offers the decoder for its decode steps."""
+(kvlm.kernels.decode_layer), and a whole Gated DeltaNet layer as another (kvlm.kernels.delta_layer), where their
+matrices are read natively: what the native CPU backend (kvlm.model.backend) offers the decoder for its decode
+steps."""
 from __future__ import annotations
 
 import torch
 
 from kvlm.kernels.decode_layer import DecodeStep, LayerShape, NativeDecodeLayer
+from kvlm.kernels.delta_layer import NativeDeltaLayer
 from kvlm.kernels.layer_ops import HEAD_DIM_STEP
 from kvlm.kernels.native import NativeKernels
 from kvlm.core.config import ModelConfig
+from kvlm.memory.recurrent import LayerState
 from kvlm.memory.view import KVView
+from kvlm.model.layers import DeltaLayerWeights
 from kvlm.model.linear import QuantizedLinear
 
 
@@ -21,7 +25,10 @@ class DecodeLayers:
     faster; a compiled graph's view), and the decoder runs the layer op by op. Not for what the native call does not
     compute:
     a residual multiplier, a whole-projection QK-norm after Q/K/V biases, an attention output gate, RoPE over part
-    of each head, a V norm, a kind's own head size or KV heads, K/V read from another layer."""
+    of each head, a V norm, a kind's own head size or KV heads, K/V read from another layer.
+
+    Gated DeltaNet layers likewise (`run_delta`), for micro-batches of one token per sequence: a Python step of such a
+    layer is a dozen calls, each slower inside a step than alone (the products evict Python's working set)."""
 
     def __init__(self, kernels: NativeKernels, config: ModelConfig, layers: list, dtype: torch.dtype,
                  activation: str = "silu") -> None:
@@ -31,6 +38,10 @@ class DecodeLayers:
                                                            layer.spec.scale, gelu, layer.spec.whole_qk_norm),
                                        dtype, layer)
                        for i, layer in enumerate(layers) if self._computed(config, layer) and self._eligible(layer)}
+        self.delta_layers = {
+            i: NativeDeltaLayer(kernels, config.n_embd, 0 if layer.moe else config.ff_width(i), eps, gelu, dtype,
+                                (layer.attn_norm, layer.ffn_norm), layer.mixer, self._delta_products(layer))
+            for i, layer in enumerate(layers) if isinstance(layer, DeltaLayerWeights) and self._eligible(layer)}
         self._steps: list[tuple[KVView, torch.Tensor, DecodeStep]] = []  # of the forward pass under way
 
     @staticmethod
@@ -44,10 +55,18 @@ class DecodeLayers:
 
     @staticmethod
     def _matrices(layer) -> list:
-        """The layer's matrices the native call multiplies (the attention's alone in a layer of experts)."""
-        names = ("qkv", "attn_output") if getattr(layer, "moe", None) is not None else ("qkv", "attn_output",
-                                                                                      "gate_up", "down")
+        """The layer's matrices the native call multiplies (the attention's or mixer's alone in a layer of
+        experts)."""
+        mixing = ("in_proj", "out_proj") if isinstance(layer, DeltaLayerWeights) else ("qkv", "attn_output")
+        names = mixing if getattr(layer, "moe", None) is not None else (*mixing, "gate_up", "down")
         return [getattr(layer, name, None) for name in names]
+
+    @staticmethod
+    def _delta_products(layer: DeltaLayerWeights) -> dict:
+        products = {"in_proj": layer.in_proj.native, "out_proj": layer.out_proj.native}
+        if layer.moe is None:
+            products.update(gate_up=layer.gate_up.native, down=layer.down.native)
+        return products
 
     @classmethod
     def _eligible(cls, layer) -> bool:
@@ -75,6 +94,20 @@ class DecodeLayers:
             return None
         normed = torch.empty_like(x) if layer.moe is not None else None
         return native(x.contiguous(), self._step(view, cos, sin), local, normed), normed
+
+    def run_delta(self, index: int, layer: DeltaLayerWeights, x: torch.Tensor,
+                  state: LayerState) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Gated DeltaNet layer `index` for x [n_tokens, n_embd] natively, its states stepped in the memory's banks:
+        (x updated in place, None), or for a layer of experts (x after the mixer, its experts' input); None where it
+        must run op by op (prompt chunks: several tokens of a sequence)."""
+        native = self.delta_layers.get(index)
+        if native is None or torch.compiler.is_compiling() or x.dim() != 2 or state.shape[1] != 1:
+            return None
+        normed = torch.empty_like(x) if layer.moe is not None else None
+        states = state.in_place()
+        x = native(x.contiguous(), states, state.shape[1], normed)
+        state.write(states)
+        return x, normed
 
     def _step(self, view: KVView, cos: torch.Tensor, sin: torch.Tensor) -> DecodeStep:
         """The step's description for this view and RoPE, made once per forward pass (a few per pass: iSWA layers

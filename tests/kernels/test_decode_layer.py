@@ -3,7 +3,8 @@ op by op (the decoder with the native layer ops and products, kvlm.model.backend
 same order, so the logits and the bytes written to the KV cache are equal bit for bit. Real files (SmolLM2's Q4_1,
 Qwen2.5's Q5_0/Q8_0/Q4_K/Q6_K with Q/K/V biases, Gemma 3's QK-norm, sandwich norms, GeGLU and two KV pools) and a
 random Gemma 3 whose sliding window the steps run past; every KV dtype; float32 and bfloat16 activations; ragged
-sequences decoding together and a lone one; the build for this CPU and the plain C++ one."""
+sequences decoding together and a lone one; the build for this CPU and the plain C++ one. And Qwen3.5's Gated DeltaNet
+layers as one call each (kvlm/kernels/csrc/delta_layer.h), their recurrent states compared too."""
 from __future__ import annotations
 
 import os
@@ -47,6 +48,9 @@ def steps(model, kv_dtype: str, n_steps: int, prompts=PROMPTS) -> tuple[torch.Te
         logits.append(ctx.get_logits_ith(0).expand(len(prompts), -1))
     planes = [t.clone() for pool in ctx.memory.pools for plane in (pool.store.k, pool.store.v)
               for t in plane.stored() if t is not None]
+    recurrent = getattr(ctx.memory, "recurrent", None)  # a hybrid memory's states, as committed
+    if recurrent is not None:
+        planes += [s.clone() for slot in range(recurrent.n_seq_max) for layer in recurrent.committed(slot) for s in layer]
     return torch.stack(logits), planes
 
 
@@ -67,7 +71,7 @@ def fused_and_op_by_op(model, kv_dtype: str, monkeypatch, n_steps: int = 4, prom
 def assert_same(fused, op_by_op) -> None:
     (logits, planes), (expected_logits, expected_planes) = fused, op_by_op
     assert torch.equal(logits, expected_logits), f"logits differ by {(logits - expected_logits).abs().max():.3e}"
-    assert all(torch.equal(a, b) for a, b in zip(planes, expected_planes)), "the KV cache differs"
+    assert all(torch.equal(a, b) for a, b in zip(planes, expected_planes)), "the KV cache or the states differ"
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +138,31 @@ def test_layers_of_experts_run_their_attention_natively_as_op_by_op(tmp_path, mo
     fused, op_by_op, calls = fused_and_op_by_op(model, "f16", monkeypatch, n_steps=3, prompts=prompts)
     assert_same(fused, op_by_op)
     assert len(calls) == 6 * model.config.n_layer  # the short prompts' batch and 5 decode steps
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
+def test_gated_deltanet_layers_decode_natively_as_op_by_op(tmp_path, monkeypatch, dtype, moe):
+    """Random Qwen3.5 files (Q8_0): each Gated DeltaNet layer of a decode step as one native call (delta_layer.h),
+    its states stepped in the memory's banks; logits, KV cache and committed states equal to the layers run op by op.
+    The MoE model's delta-rule layers stop at their experts' input, the experts run after."""
+    from gguf import GGMLQuantizationType
+    from helpers.qwen35_factory import random_qwen35, random_qwen35_moe, write_qwen35_gguf, write_qwen35moe_gguf
+
+    from kvlm.core.family import GATED_DELTA
+    from kvlm.kernels.delta_layer import NativeDeltaLayer
+
+    reference = random_qwen35_moe() if moe else random_qwen35()
+    write = write_qwen35moe_gguf if moe else write_qwen35_gguf
+    model = load_model(str(write(reference, tmp_path / "q.gguf", GGMLQuantizationType.Q8_0)), dtype, progress=False)
+    calls, original = [], NativeDeltaLayer.__call__
+    monkeypatch.setattr(NativeDeltaLayer, "__call__", lambda self, x, states, n_tokens, normed=None:
+                        calls.append(x.shape[0]) or original(self, x, states, n_tokens, normed))
+    prompts = [[1, 5, 7, 9], [1, 30, 40, 50, 60, 70], [1, 99]]
+    fused, op_by_op, _ = fused_and_op_by_op(model, "f16", monkeypatch, n_steps=3, prompts=prompts)
+    assert_same(fused, op_by_op)
+    n_delta = model.config.layer_kinds.count(GATED_DELTA)
+    assert n_delta and calls[-5 * n_delta:] == [3] * 3 * n_delta + [1] * 2 * n_delta  # every decode step
 
 
 def test_the_plain_cpp_build_decodes_as_op_by_op(smollm2_gguf_path):

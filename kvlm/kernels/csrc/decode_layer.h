@@ -174,6 +174,56 @@ struct PhaseClock {
     }
 };
 
+// Buffers a layer's phases share, carved out of one block: the calling thread's, reused from call to call (named by
+// pointer before the team starts: inside it, a thread_local name is each thread's own); and the quantized
+// activations of its products.
+struct LayerBuffers {
+    std::vector<uint8_t> memory;
+    QuantizedRows quantized[2];
+
+    // out[i]: bytes[i] bytes, each buffer 64-byte aligned within the block.
+    template <size_t N> void carve(const int64_t (&bytes)[N], void* (&out)[N]) {
+        int64_t total = 0;
+        for (int64_t size : bytes) total += (size + 63) / 64 * 64;
+        memory.resize(size_t(total));
+        char* next = reinterpret_cast<char*>(memory.data());
+        for (size_t i = 0; i < N; ++i) {
+            out[i] = next;
+            next += (bytes[i] + 63) / 64 * 64;
+        }
+    }
+};
+
+// Inside the team, after the residual add that left the FFN norm's output in `normed`: gate_up, the gated
+// activation, down, the post-FFW norm where the layer has one, and x += the result (rounded to the activation dtype,
+// as torch's add). A layer of experts (gate_up of no parts) copies `normed` to normed_out instead: its experts run
+// after the call, on that.
+template <class Multiply>
+inline void mlp_in_team(const LayerSpec& L, int64_t T, void* x, const void* normed, void* gate_up, void* gated,
+                        void* h, void* normed_out, Multiply& multiply, PhaseClock& clock, std::vector<float>& values) {
+    const bool bf16 = L.bf16;
+    const int64_t element = bf16 ? 2 : 4;
+    if (L.gate_up.n_parts == 0) {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; ++t)
+            std::memcpy(static_cast<char*>(normed_out) + t * L.n_embd * element,
+                        static_cast<const char*>(normed) + t * L.n_embd * element, size_t(L.n_embd * element));
+    } else {
+        multiply(L.gate_up, normed, gate_up);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; ++t) gated_row(gate_up, bf16, t, L.n_ff, L.gelu, gated);
+        clock.lap(&LayerTimes::other);
+        multiply(L.down, gated, h);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; ++t) {
+            if (L.post_ffw_norm) rms_norm_row(h, nullptr, bf16, t, L.n_embd, L.post_ffw_norm, L.eps, h, nullptr, values);
+            for (int64_t i = 0; i < L.n_embd; ++i)
+                store_value(x, bf16, t * L.n_embd + i, load_value(x, bf16, t * L.n_embd + i) + load_value(h, bf16, t * L.n_embd + i));
+        }
+    }
+    clock.lap(&LayerTimes::other);
+}
+
 // The layer for S.n_tokens decode tokens, x [n_tokens][n_embd] (the residual stream, updated in place). A layer
 // without an MLP (gate_up of no parts: its experts run outside) stops after the attention's residual add and leaves
 // the next norm's output in normed_out [n_tokens][n_embd].
@@ -182,23 +232,12 @@ inline void decode_layer(const LayerSpec& L, const StepSpec& S, int layer, void*
     const int64_t T = S.n_tokens, element = bf16 ? 2 : 4;
     const int d = L.d, n_heads_all = L.n_head + 2 * L.n_kv;
     const int64_t q_width = int64_t(L.n_head) * d, qkv_width = int64_t(n_heads_all) * d;
-    // Buffers shared by the team: the calling thread's, reused from call to call (named by pointer before the
-    // team starts: inside it, a thread_local name is each thread's own).
-    static thread_local std::vector<uint8_t> memory;
-    static thread_local QuantizedRows quantized[2];
-    QuantizedRows* act = quantized;
-    const int64_t sizes[] = {T * L.n_embd, T * qkv_width, T * q_width, T * L.n_embd, T * 2 * L.n_ff, T * L.n_ff};
-    int64_t total = 0;
-    for (int64_t size : sizes) total += (size * element + 63) / 64 * 64;
-    memory.resize(size_t(total));
-    char* next = reinterpret_cast<char*>(memory.data());
-    void* buffers[6];
-    for (int i = 0; i < 6; ++i) {
-        buffers[i] = next;
-        next += (sizes[i] * element + 63) / 64 * 64;
-    }
-    void *normed = buffers[0], *qkv = buffers[1], *attended = buffers[2], *h = buffers[3], *gate_up = buffers[4],
-         *gated = buffers[5];
+    static thread_local LayerBuffers buffers;
+    QuantizedRows* act = buffers.quantized;
+    void* b[6];
+    buffers.carve({T * L.n_embd * element, T * qkv_width * element, T * q_width * element, T * L.n_embd * element,
+                   T * 2 * L.n_ff * element, T * L.n_ff * element}, b);
+    void *normed = b[0], *qkv = b[1], *attended = b[2], *h = b[3], *gate_up = b[4], *gated = b[5];
     const LayerPlanes planes(S, layer, int64_t(L.n_kv) * d);
     const AttentionWork attention{qkv, bf16, qkv_width, T, L.n_head, L.n_kv, d, L.attention_scale, S.cells,
                                   S.offsets, S.lengths, planes.read(0, L.n_kv, d), planes.read(1, L.n_kv, d),
@@ -246,25 +285,7 @@ inline void decode_layer(const LayerSpec& L, const StepSpec& S, int layer, void*
             rms_norm_row(x, h, bf16, t, L.n_embd, L.ffn_norm, L.eps, normed, x, values);  // x += h, then the norm
         }
         clock.lap(&T_::other);
-        if (L.gate_up.n_parts == 0) {  // a layer of experts: they run after this call, on what it leaves in normed_out
-#pragma omp for schedule(static)
-            for (int64_t t = 0; t < T; ++t)
-                std::memcpy(static_cast<char*>(normed_out) + t * L.n_embd * element,
-                            static_cast<const char*>(normed) + t * L.n_embd * element, size_t(L.n_embd * element));
-        } else {
-            multiply(L.gate_up, normed, gate_up);
-#pragma omp for schedule(static)
-            for (int64_t t = 0; t < T; ++t) gated_row(gate_up, bf16, t, L.n_ff, L.gelu, gated);
-            clock.lap(&T_::other);
-            multiply(L.down, gated, h);
-#pragma omp for schedule(static)
-            for (int64_t t = 0; t < T; ++t) {
-                if (L.post_ffw_norm) rms_norm_row(h, nullptr, bf16, t, L.n_embd, L.post_ffw_norm, L.eps, h, nullptr, values);
-                for (int64_t i = 0; i < L.n_embd; ++i)
-                    store_value(x, bf16, t * L.n_embd + i, load_value(x, bf16, t * L.n_embd + i) + load_value(h, bf16, t * L.n_embd + i));
-            }
-        }
-        clock.lap(&T_::other);
+        mlp_in_team(L, T, x, normed, gate_up, gated, h, normed_out, multiply, clock, values);
     }
 }
 

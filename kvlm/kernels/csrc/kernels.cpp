@@ -13,6 +13,7 @@
 
 #include "attention.h"
 #include "decode_layer.h"
+#include "delta_layer.h"
 #include "delta_rule.h"
 #include "dense.h"
 #include "experts.h"
@@ -355,6 +356,28 @@ int kvlm_dense_pack(const void* w, int type, int64_t n, int64_t k, void* packed,
 int kvlm_dense_matmul(const void* x, int x_bf16, int64_t m, int64_t k, const void* packed, int type, int64_t n,
                       void* y, int y_bf16, int n_threads) {
     return dense_product(x, x_bf16 != 0, m, k, packed, type, n, y, y_bf16 != 0, n_threads);
+}
+
+// One Gated DeltaNet layer for n_seq sequences of n_tokens tokens each (delta_layer.h): x [n_seq * n_tokens][n_embd]
+// updated in place; each sequence's convolution and delta-rule states read at conv_sources[s] and sources[s] and
+// their new values written at conv_targets[s] and targets[s] (float32 [conv_dim][taps - 1] and [Hv][Dk][Dv]). A layer
+// of experts (no MLP) leaves the input of its experts in normed_out.
+int kvlm_delta_layer(const LayerSpec* spec, const DeltaMixer* mixer, int64_t n_seq, int64_t n_tokens,
+                     const void* const* conv_sources, void* const* conv_targets, const float* const* sources,
+                     float* const* targets, void* x, void* normed_out, int n_threads) {
+    const LayerSpec& L = *spec;
+    const DeltaMixer& M = *mixer;
+    for (const Matrix* w : {&M.in_proj, &M.out_proj, &L.gate_up, &L.down}) {
+        const int status = check_matrix(*w);
+        if (status != OK) return status;
+    }
+    if (n_seq <= 0 || n_tokens <= 0 || M.taps <= 0 || M.n_k_heads <= 0 || M.n_v_heads <= 0 ||
+        M.n_v_heads % M.n_k_heads || M.dk <= 0 || M.dv <= 0 || M.in_proj.k != L.n_embd ||
+        M.in_proj.n_rows() != M.projected() || M.out_proj.k != M.value_dim() || M.out_proj.n_rows() != L.n_embd ||
+        (L.gate_up.n_parts == 0 && normed_out == nullptr))
+        return BAD_SHAPE;
+    delta_layer(L, M, n_seq, n_tokens, {conv_sources, conv_targets, sources, targets}, x, normed_out, n_threads);
+    return OK;
 }
 
 // The fused layers' time by phase (decode_layer.h): `on` starts (or stops) summing; out gets the sums so far, in
