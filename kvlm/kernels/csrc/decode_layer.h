@@ -194,14 +194,35 @@ struct LayerBuffers {
     }
 };
 
+// Each thread's part in a layer's team: its phase clock, and the products (every thread, then all wait).
+struct LayerTeam {
+    bool bf16;
+    int64_t T;            // token rows
+    QuantizedRows* act;   // the products' quantized activations, shared by the team
+    PhaseClock clock;
+
+    void multiply(const Matrix& w, const void* in, void* out) {
+        product_in_team(w, in, bf16, T, act, out, bf16);
+#pragma omp barrier
+        clock.lap(&LayerTimes::products);
+    }
+
+    // The layer's first op: each token's row of x RMS-normed by attn_norm into normed.
+    void first_norm(const LayerSpec& L, void* x, void* normed, std::vector<float>& values) {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; ++t) rms_norm_row(x, nullptr, bf16, t, L.n_embd, L.attn_norm, L.eps, normed, nullptr, values);
+        clock.lap(&LayerTimes::other);
+    }
+};
+
 // Inside the team, after the residual add that left the FFN norm's output in `normed`: gate_up, the gated
 // activation, down, the post-FFW norm where the layer has one, and x += the result (rounded to the activation dtype,
 // as torch's add). A layer of experts (gate_up of no parts) copies `normed` to normed_out instead: its experts run
 // after the call, on that.
-template <class Multiply>
-inline void mlp_in_team(const LayerSpec& L, int64_t T, void* x, const void* normed, void* gate_up, void* gated,
-                        void* h, void* normed_out, Multiply& multiply, PhaseClock& clock, std::vector<float>& values) {
+inline void mlp_in_team(const LayerSpec& L, LayerTeam& team, void* x, const void* normed, void* gate_up, void* gated,
+                        void* h, void* normed_out, std::vector<float>& values) {
     const bool bf16 = L.bf16;
+    const int64_t T = team.T;
     const int64_t element = bf16 ? 2 : 4;
     if (L.gate_up.n_parts == 0) {
 #pragma omp for schedule(static)
@@ -209,11 +230,11 @@ inline void mlp_in_team(const LayerSpec& L, int64_t T, void* x, const void* norm
             std::memcpy(static_cast<char*>(normed_out) + t * L.n_embd * element,
                         static_cast<const char*>(normed) + t * L.n_embd * element, size_t(L.n_embd * element));
     } else {
-        multiply(L.gate_up, normed, gate_up);
+        team.multiply(L.gate_up, normed, gate_up);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; ++t) gated_row(gate_up, bf16, t, L.n_ff, L.gelu, gated);
-        clock.lap(&LayerTimes::other);
-        multiply(L.down, gated, h);
+        team.clock.lap(&LayerTimes::other);
+        team.multiply(L.down, gated, h);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; ++t) {
             if (L.post_ffw_norm) rms_norm_row(h, nullptr, bf16, t, L.n_embd, L.post_ffw_norm, L.eps, h, nullptr, values);
@@ -221,7 +242,7 @@ inline void mlp_in_team(const LayerSpec& L, int64_t T, void* x, const void* norm
                 store_value(x, bf16, t * L.n_embd + i, load_value(x, bf16, t * L.n_embd + i) + load_value(h, bf16, t * L.n_embd + i));
         }
     }
-    clock.lap(&LayerTimes::other);
+    team.clock.lap(&LayerTimes::other);
 }
 
 // The layer for S.n_tokens decode tokens, x [n_tokens][n_embd] (the residual stream, updated in place). A layer
@@ -248,17 +269,11 @@ inline void decode_layer(const LayerSpec& L, const StepSpec& S, int layer, void*
 #pragma omp parallel num_threads(n_threads)
     {
         static thread_local std::vector<float> values;
-        PhaseClock clock;
+        LayerTeam team{bf16, T, act, {}};
+        PhaseClock& clock = team.clock;
         clock.start();
-        const auto multiply = [&](const Matrix& w, const void* in, void* out) {  // every thread, then all wait
-            product_in_team(w, in, bf16, T, act, out, bf16);
-#pragma omp barrier
-            clock.lap(&T_::products);
-        };
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; ++t) rms_norm_row(x, nullptr, bf16, t, L.n_embd, L.attn_norm, L.eps, normed, nullptr, values);
-        clock.lap(&T_::other);
-        multiply(L.qkv, normed, qkv);
+        team.first_norm(L, x, normed, values);
+        team.multiply(L.qkv, normed, qkv);
         if (L.qk_norm && L.qk_norm_whole) {  // token t's Q (part 0), then its K (part 1), each as one vector
 #pragma omp for schedule(static)
             for (int64_t task = 0; task < 2 * T; ++task) {
@@ -274,7 +289,7 @@ inline void decode_layer(const LayerSpec& L, const StepSpec& S, int layer, void*
         clock.lap(&T_::other);
         attention_in_team(attention, *shared_partials);
         clock.lap(&T_::attention);
-        multiply(L.output, attended, h);
+        team.multiply(L.output, attended, h);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; ++t) {
             if (L.output_bias)  // rounded to the activation dtype, as torch's add
@@ -285,7 +300,7 @@ inline void decode_layer(const LayerSpec& L, const StepSpec& S, int layer, void*
             rms_norm_row(x, h, bf16, t, L.n_embd, L.ffn_norm, L.eps, normed, x, values);  // x += h, then the norm
         }
         clock.lap(&T_::other);
-        mlp_in_team(L, T, x, normed, gate_up, gated, h, normed_out, multiply, clock, values);
+        mlp_in_team(L, team, x, normed, gate_up, gated, h, normed_out, values);
     }
 }
 

@@ -70,28 +70,22 @@ inline void delta_layer(const LayerSpec& L, const DeltaMixer& M, int64_t n_seq, 
     {
         static thread_local std::vector<float> values;
         static thread_local DeltaNetScratch scratch;
-        PhaseClock clock;
+        LayerTeam team{bf16, T, act, {}};
+        PhaseClock& clock = team.clock;
         clock.start();
-        const auto multiply = [&](const Matrix& w, const void* in, void* out) {  // every thread, then all wait
-            product_in_team(w, in, bf16, T, act, out, bf16);
-#pragma omp barrier
-            clock.lap(&T_::products);
-        };
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; ++t) rms_norm_row(x, nullptr, bf16, t, L.n_embd, L.attn_norm, L.eps, normed, nullptr, values);
-        clock.lap(&T_::other);
-        multiply(M.in_proj, normed, projected);
+        team.first_norm(L, x, normed, values);
+        team.multiply(M.in_proj, normed, projected);
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < n_seq * conv_blocks; ++i)
             causal_conv_channels(conv, i / conv_blocks, i % conv_blocks * CONV_CHANNELS, values);
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < n_seq * M.n_v_heads; ++i) delta_net_head(net, i / M.n_v_heads, int(i % M.n_v_heads), scratch);
         clock.lap(&T_::other);
-        multiply(M.out_proj, y, h);
+        team.multiply(M.out_proj, y, h);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; ++t) rms_norm_row(x, h, bf16, t, L.n_embd, L.ffn_norm, L.eps, normed, x, values);
         clock.lap(&T_::other);
-        mlp_in_team(L, T, x, normed, gate_up, gated, h, normed_out, multiply, clock, values);
+        mlp_in_team(L, team, x, normed, gate_up, gated, h, normed_out, values);
     }
 }
 
