@@ -11,7 +11,7 @@ Each slot has two banks per layer: the one holding its committed state and the o
 state (write-before-commit: a failed batch leaves the committed one as it was). A later micro-batch of the batch
 reads and steps the new state where it was written; the commit flips which bank is current, a roll back flips
 nothing. So no state is ever copied to be kept or put back, and the native kernels read and write the banks in
-place (`LayerState.in_place`): at 32 sequences of Qwen3.5-0.8B that is 1 GB a step not gathered and scattered.
+place (`LayerState.in_place`): at 32 sequences of Qwen3.5-0.8B, 1.7 GB a step not gathered, allocated and copied.
 """
 from __future__ import annotations
 
