@@ -49,14 +49,14 @@ class _StateArgs:
         if isinstance(state, StatesInPlace):
             if state.dtype not in dtypes:
                 raise ValueError(f"a state in place in {state.dtype}: the kernel takes {dtypes}")
-            self.shape, self.dtype, self.new = state.shape, state.dtype, state
+            self.dtype, self.new = state.dtype, state
             self.sources, self.targets = state.sources, state.targets
             return
         if state.dtype not in dtypes:
             state = state.to(dtypes[0])
         state = state.contiguous()
         new = torch.empty_like(state)
-        self.shape, self.dtype, self.new, self._state = tuple(state.shape), state.dtype, new, state
+        self.dtype, self.new, self._state = state.dtype, new, state  # _state: the copy read, kept to the call
         self.sources, self.targets = _sequence_addresses(state), _sequence_addresses(new)
 
     @property

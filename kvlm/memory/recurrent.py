@@ -69,13 +69,12 @@ class LayerState:
     def in_place(self) -> list[StatesInPlace]:
         """This layer's state tensors where they lie, for kernels that read each sequence's state and write its new
         one themselves; `write` then takes what they return."""
-        memory, seqs, layer = self.view.memory, self.view.seqs, self.layer
-        committed = memory.current[layer, seqs]
-        sources = (committed ^ memory.written[layer, seqs]) * memory.n_seq_max + seqs  # bank * slots + slot
-        targets = (1 - committed) * memory.n_seq_max + seqs
+        memory, seqs = self.view.memory, self.view.seqs
+        sources = self._reading() * memory.n_seq_max + seqs  # bank * slots + slot
+        targets = (1 - memory.current[self.layer, seqs]) * memory.n_seq_max + seqs
         return [StatesInPlace((len(seqs), *shape), dtype, torch.from_numpy(base + sources * size),
                               torch.from_numpy(base + targets * size))
-                for base, size, shape, dtype in memory.bank_addresses[layer]]
+                for base, size, shape, dtype in memory.bank_addresses[self.layer]]
 
     def write(self, new: list) -> None:
         """The states after this micro-batch, into the banks the commit makes current: tensors [n_seqs, ...] are

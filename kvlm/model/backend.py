@@ -5,8 +5,8 @@ never ask which kernels run it.
   mode, a machine without a compiler, a graph torch.compile traces (it cannot trace a ctypes call).
 - `NativeCpuBackend`: kvlm's C++ kernels (kvlm.kernels) for each op whose inputs they take (a layout, a dtype),
   TorchBackend's op for the others; products read straight from a GGUF's blocks (or requantized ones), experts as
-  one call over their blocks; decode steps as one native call per attention layer (kvlm.model.fused.DecodeLayers);
-  attention, the delta rule and the recurrent layers natively.
+  one call over their blocks; decode steps as one native call per attention or Gated DeltaNet layer
+  (kvlm.model.fused.DecodeLayers); attention, the delta rule and the recurrent layers natively.
 
 kvlm.model.backends picks one (`backend_for`). A new device is one more entry there: a class of this interface over
 its own kernels (the GPU's: kvlm.model.triton_backend), the models untouched.
