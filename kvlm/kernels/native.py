@@ -111,6 +111,8 @@ class NativeKernels:
         self._lib.kvlm_interleave.argtypes = [i32, ptr, i64, i64, ctypes.c_int]
         self.tiles = bool(self._lib.kvlm_tiles())  # whether the products read interleaved tiles of 8 rows
         self._lib.kvlm_tiled.argtypes = [i32]
+        self._lib.kvlm_tile_pass_rows.argtypes = [i32]
+        self._lib.kvlm_set_tile_pass_rows.argtypes = [i32, ctypes.c_int]
         self._lib.kvlm_set_grids.argtypes = [ptr, i64]
         self._lib.kvlm_grids_size.restype = i64
         self._set_grids()
@@ -139,6 +141,19 @@ class NativeKernels:
     def tiled(self, qtype) -> bool:
         """Whether the products read matrices of this type in interleaved tiles of 8 rows."""
         return bool(self._lib.kvlm_tiled(int(qtype)))
+
+    def tile_pass_rows(self, qtype) -> int:
+        """Activation rows one pass over a tile of this type multiplies (0 where the type is not read in tiles)."""
+        return int(self._lib.kvlm_tile_pass_rows(int(qtype)))
+
+    def set_tile_pass_rows(self, qtype, rows: int) -> None:
+        """Passes over tiles of this type multiply `rows` activation rows (1-4; 0: this build's default). A row's
+        bits do not depend on it; bench.tile_passes measures which is fastest. Not while products run."""
+        status = self._lib.kvlm_set_tile_pass_rows(int(qtype), rows)
+        if status == _UNSUPPORTED_TYPE:
+            raise ValueError(f"{getattr(qtype, 'name', qtype)} is not read in tiles by these kernels")
+        if status != _OK:
+            raise ValueError(f"activation rows per pass must be 0 (the default) to 4, not {rows}")
 
     def interleave(self, matrix: BlockMatrix) -> BlockMatrix:
         """The matrix in the layout the products read fastest: its rows rearranged in tiles of 8 (kernels/csrc/tiles.h)

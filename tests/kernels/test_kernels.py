@@ -153,6 +153,42 @@ def test_a_products_rows_do_not_depend_on_the_batch(kernels):
             assert torch.equal(kernels.product([matrix])(x[i:i + 1]), together[i:i + 1]), qtype.name
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_a_products_rows_do_not_depend_on_the_rows_a_pass_takes(kernels, qtype):
+    """1 to 4 activation rows per pass over a tile (each build's default per type, dot.h): every count is the
+    product's definition, bit for bit the same, tails of the batch included."""
+    if not kernels.tiled(qtype):
+        pytest.skip(f"the {kernels.isa} build reads {qtype.name} in the file's layout only")
+    cols = width_for(qtype)
+    raw = random_blocks(qtype, 16, cols, seed=5)
+    plain = BlockMatrix(torch.from_numpy(raw.copy()), qtype, cols)
+    product = kernels.product([laid_out(kernels, raw, qtype, cols, "tiles")])
+    x = torch.randn(11, cols, generator=torch.Generator().manual_seed(int(qtype)))
+    default = kernels.tile_pass_rows(qtype)
+    assert 1 <= default <= 4
+    expected = product(x)
+    assert_rounding_close(expected, x, [plain])
+    try:
+        for rows in (1, 2, 3, 4):
+            kernels.set_tile_pass_rows(qtype, rows)
+            assert kernels.tile_pass_rows(qtype) == rows
+            assert torch.equal(product(x), expected), rows
+    finally:
+        kernels.set_tile_pass_rows(qtype, 0)
+    assert kernels.tile_pass_rows(qtype) == default
+
+
+def test_rows_per_pass_out_of_range_are_refused(kernels):
+    if not kernels.tiles:
+        pytest.skip(f"the {kernels.isa} build reads no tiles")
+    default = kernels.tile_pass_rows(T.Q4_K)
+    with pytest.raises(ValueError, match="0 \\(the default\\) to 4, not 5"):
+        kernels.set_tile_pass_rows(T.Q4_K, 5)
+    with pytest.raises(ValueError, match="IQ2_XS is not read in tiles"):
+        kernels.set_tile_pass_rows(T.IQ2_XS, 2)
+    assert kernels.tile_pass_rows(T.Q4_K) == default and kernels.tile_pass_rows(T.IQ2_XS) == 0
+
+
 def test_interleaved_matrices_are_cut_only_between_tiles(kernels):
     matrix = laid_out(kernels, random_blocks(T.Q4_K, 24, 512), T.Q4_K, 512, "tiles")
     expected = kernels.dequantize(matrix)

@@ -37,6 +37,27 @@ template <int TYPE> constexpr bool is_k_quant() { return Traits<TYPE>::weights =
 
 constexpr int MAX_ACT_ROWS = 4;  // activation rows sharing one read of the weights
 
+// Activation rows a pass over a tile multiplies (tile_times' R), per format. More rows share each unpacked register
+// of levels, but with AVX2's 16 vector registers gcc spills some formats' partial sums of 4 rows to the stack, and
+// those products slow down by up to a third (`python -m bench.tile_passes` on a Zen 3, at 128 and 256 rows: Q4_K
+// 86 G multiply-adds/s at 2 rows a pass, 60 at 4; Q5_K and the 32-weight nibble formats fastest at 3; Q6_K, Q3_K,
+// Q8_0, MXFP4 and IQ3_S as fast or faster at 4). With AVX-512's 32 registers nothing spills. A test sets other
+// counts (kvlm_set_tile_pass_rows): the bits of a row never depend on them.
+inline int tile_pass_rows_set[64] = {};  // by type; 0: default_pass_rows
+
+constexpr int default_pass_rows([[maybe_unused]] int32_t type) {
+#if !defined(__AVX512VL__)
+    if (type == Q4_K || type == Q2_K || type == IQ4_XS) return 2;
+    if (type == Q5_K || type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1) return 3;
+#endif
+    return MAX_ACT_ROWS;
+}
+
+inline int tile_pass_rows(int32_t type) {
+    const int set = type >= 0 && type < 64 ? tile_pass_rows_set[type] : 0;
+    return set ? set : default_pass_rows(type);
+}
+
 // Where R consecutive activation rows are.
 template <int R> struct ActRows {
     const int8_t* q[R];

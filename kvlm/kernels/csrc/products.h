@@ -149,12 +149,13 @@ template <int TYPE> void product_tiles(const uint8_t* weights, int64_t k, int64_
                                        const QuantizedRows& act, RowSpan span, void* y, bool y_bf16, int64_t y_cols,
                                        int64_t y_offset) {
     const int64_t tile_bytes = TILE_ROWS * row_bytes<TYPE>(k);
+    const int per_pass = tile_pass_rows(TYPE);
     for (int64_t t = t0; t < t1; ++t) {
         const uint8_t* tile = weights + t * tile_bytes;
         if (t + 1 < t1)  // the next tile on its way while this one is computed: each matrix is a short stream
             for (int64_t line = 0; line < tile_bytes; line += 64) __builtin_prefetch(tile + tile_bytes + line, 0, 0);
-        for (int64_t r0 = span.begin; r0 < span.end; r0 += MAX_ACT_ROWS) {
-            const int n = int(std::min<int64_t>(MAX_ACT_ROWS, span.end - r0));
+        for (int64_t r0 = span.begin; r0 < span.end; r0 += per_pass) {
+            const int n = int(std::min<int64_t>(per_pass, span.end - r0));
             __m256 out[MAX_ACT_ROWS];
             switch (n) {
                 case 1: tile_times<TYPE, 1>(tile, k, act, r0, out); break;
