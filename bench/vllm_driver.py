@@ -102,6 +102,22 @@ def preload(python: str) -> str:
     return ":".join(p for p in libs if p and Path(p).exists())
 
 
+def vllm_env(python: str, threads: int) -> dict[str, str]:
+    """What a vLLM child (its `LLM`, or `vllm serve`) runs with: child_env, and LD_PRELOAD of what `preload` finds."""
+    env = child_env(threads)
+    libs = preload(python)
+    if libs:
+        env["LD_PRELOAD"] = ":".join(p for p in (libs, env.get("LD_PRELOAD", "")) if p)
+    return env
+
+
+def env_note(env: dict[str, str]) -> str:
+    """vLLM's settings in `env`, for a benchmark's report."""
+    preloaded = [Path(p).name for p in env.get("LD_PRELOAD", "").split(":") if p]
+    return (f"VLLM_CPU_OMP_THREADS_BIND={env['VLLM_CPU_OMP_THREADS_BIND']}, "
+            f"VLLM_CPU_KVCACHE_SPACE={env['VLLM_CPU_KVCACHE_SPACE']} GiB, LD_PRELOAD={', '.join(preloaded) or 'none'}")
+
+
 def run_vllm(python: str, folder: Path, prompts: list[list[int]], max_tokens: int, threads: int,
              warmup: list[int], warmup_tokens: int, max_num_batched_tokens: int, dtype: str = "auto") -> dict:
     """One vLLM `LLM` in a child process: warm-up on `warmup`, prefix cache reset, then all prompts in one
@@ -109,10 +125,7 @@ def run_vllm(python: str, folder: Path, prompts: list[list[int]], max_tokens: in
     native bf16). Returns {"wall", "ttft", "tokens", "cached", "setup", "load_s"}."""
     request = {"folder": str(folder), "prompts": prompts, "max_tokens": max_tokens, "warmup": warmup,
                "warmup_tokens": warmup_tokens, "max_num_batched_tokens": max_num_batched_tokens, "dtype": dtype}
-    env = child_env(threads)
-    libs = preload(python)
-    if libs:
-        env["LD_PRELOAD"] = ":".join(p for p in (libs, env.get("LD_PRELOAD", "")) if p)
+    env = vllm_env(python, threads)
     cpus = START_AFFINITY
     with tempfile.TemporaryDirectory(prefix="kvlm-vllm-") as tmp:
         request_path, result_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
@@ -126,9 +139,7 @@ def run_vllm(python: str, folder: Path, prompts: list[list[int]], max_tokens: in
             tail = log_path.read_text(errors="replace").strip().splitlines()[-15:]
             raise RuntimeError(f"vLLM exited with {done.returncode} (log: {log_path}):\n" + "\n".join(tail))
         result = json.loads(result_path.read_text())
-    result["setup"] += (f", VLLM_CPU_OMP_THREADS_BIND={env['VLLM_CPU_OMP_THREADS_BIND']}, "
-                        f"VLLM_CPU_KVCACHE_SPACE={env['VLLM_CPU_KVCACHE_SPACE']} GiB, "
-                        f"LD_PRELOAD={', '.join(Path(p).name for p in libs.split(':')) if libs else 'none'}")
+    result["setup"] += f", {env_note(env)}"
     result["log"] = str(log_path)
     return result
 
