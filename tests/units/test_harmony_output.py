@@ -11,6 +11,7 @@ of a stop token, so a finished output ends without its <|return|> or <|call|>. W
 from __future__ import annotations
 
 import json
+import re
 
 import llguidance
 import pytest
@@ -189,6 +190,12 @@ def test_a_call_is_announced_when_its_header_is_whole_and_its_arguments_stream()
 texts = st.lists(st.sampled_from(["Hi", " ", "\n", "<", "|", "<|", "end", "é🙂", "{", "}", "to=x", "json"]),
                  max_size=6).map("".join)
 
+# gpt-oss writes its markers as special tokens; a marker's text inside a call's JSON string would be the same text,
+# which no reader of the text (this one, or any) can tell from the token. Hypothesis draws strings from the code's
+# constants, so it does find "<|return|>": arguments here hold none.
+MARKER_TEXT = re.compile(r"<\|[a-z]+\|>")
+call_arguments = arguments.filter(lambda args: not MARKER_TEXT.search(json.dumps(args, ensure_ascii=False)))
+
 
 @st.composite
 def harmony_outputs(draw):
@@ -198,7 +205,7 @@ def harmony_outputs(draw):
     headers, bodies, reasoning, content, calls = [], [], [], [], []
     for kind in kinds:
         if kind == "call":
-            name, args = draw(names), draw(arguments)
+            name, args = draw(names), draw(call_arguments)
             compact, ascii_only = draw(st.booleans()), draw(st.booleans())
             recipient_first = draw(st.booleans())
             headers.append(f" to=functions.{name}<|channel|>commentary json" if recipient_first
