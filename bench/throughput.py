@@ -27,8 +27,9 @@ from the moment all requests were submitted.
   Face folder that transformers converts from the same GGUF once (into $KVLM_HOME/hf/); once per
   `--vllm-dtypes` (default: float32, its best where the CPU has no native bf16, then bfloat16; KV cache dtype at
   vLLM's "auto", the model's), each in a child of its own, kvlm compared with the fastest; max_num_seqs =
-  requests, max_num_batched_tokens = `--vllm-max-batched-tokens` (512, as the others), `threads` OpenMP threads (VLLM_CPU_OMP_THREADS_BIND). TTFT
-  from each output's metrics: arrival + first-token latency, from the `generate` call.
+  requests, max_num_batched_tokens = `--vllm-max-batched-tokens` (512, as the others), `threads` OpenMP threads
+  (VLLM_CPU_OMP_THREADS_BIND). TTFT from each output's metrics: arrival + first-token latency, from the `generate`
+  call.
 - transformers: `generate` on one left-padded batch (pad = eos) of the first `--hf-requests` prompts, float32,
   max_new_tokens = min_new_tokens = max tokens, do_sample = False; its TTFT is the time of the same call with one
   new token (one batch: one number for every request). kvlm is run on the same subset for the ratio.

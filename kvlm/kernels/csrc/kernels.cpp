@@ -106,14 +106,14 @@ int kvlm_tiled(int32_t type) { return kvlm_tiles() && tiled_type(type); }
 // Activation rows a pass over a tile of this type multiplies (1 .. 4; 0: the build's default, dot.h), for
 // bench.tile_passes and the test that a row's bits do not depend on it. Not to be called while products run.
 int kvlm_set_tile_pass_rows(int32_t type, int rows) {
-    if (!tiled_type(type)) return UNSUPPORTED_TYPE;
+    if (!kvlm_tiled(type)) return UNSUPPORTED_TYPE;
     if (rows < 0 || rows > MAX_ACT_ROWS) return BAD_SHAPE;
     tile_pass_rows_set[type] = rows;
     return OK;
 }
 
 // The activation rows a pass over a tile of this type multiplies now.
-int kvlm_tile_pass_rows(int32_t type) { return tiled_type(type) ? tile_pass_rows(type) : 0; }
+int kvlm_tile_pass_rows(int32_t type) { return kvlm_tiled(type) ? tile_pass_rows(type) : 0; }
 
 // Rearranges a matrix of n_rows (a multiple of 8) rows of n_cols into interleaved tiles, in place.
 int kvlm_interleave(int32_t type, uint8_t* weights, int64_t n_rows, int64_t n_cols, int n_threads) {
