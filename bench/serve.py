@@ -34,8 +34,8 @@ Parallelism:
   this CPU), continuous batching, max_num_seqs = concurrency (every request runs at once), max_num_batched_tokens
   = 512, a KV cache with room for every request (n_ctx = the sum of prompt + max_tokens, + 256, rounded up to
   256), prefix caching on (the default: the chat template's shared system message is computed once).
-- vLLM (with `--vllm-python`, the Python of a virtualenv holding vLLM's CPU build): its OpenAI server (what `vllm serve` runs) once per
-  `--vllm-dtypes` (default float32, its best where the CPU has no native bf16, then bfloat16), max_num_seqs =
+- vLLM (with `--vllm-python`, the Python of a virtualenv holding vLLM's CPU build): its OpenAI server (what
+  `vllm serve` runs) once per `--vllm-dtypes` (default float32, its best where the CPU has no native bf16, then bfloat16), max_num_seqs =
   concurrency, max_num_batched_tokens = 512, max_model_len as llama.cpp's n_ctx, its prefix caching on (its
   default), the environment vLLM's CPU guide asks for (vllm_driver.vllm_env: thread binding, KV cache space,
   tcmalloc and libiomp5 preloaded); ready when GET /health answers 200. Its requests also get "ignore_eos" and
