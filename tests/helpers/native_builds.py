@@ -10,14 +10,17 @@ import pytest
 from kvlm.kernels.native import BuildError, NativeKernels, build, cpu_flags
 from kvlm.startup import START_CPUS
 
-# gcc -march values: this CPU's, AVX2 alone, plain x86-64 (no vector readers); AVX-512 without VNNI if this CPU can
-# run it (checked before loading, below).
-MARCHES = ["native", "x86-64-v3", "x86-64", "skylake-avx512"]
+# gcc -march values: this CPU's, AVX2 alone, plain x86-64 (no vector readers); where this CPU runs them (checked
+# before loading, below), AVX-512 without VNNI, AVX-512 with VNNI (the products' vpdpbusd under AVX-512VL) and AVX2
+# with AVX-VNNI (the same, VEX-encoded, with AVX2's 16 registers).
+MARCHES = ["native", "x86-64-v3", "x86-64", "skylake-avx512", "cascadelake", "alderlake"]
+AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}  # the subsets gcc's skylake-avx512 emits
+NEEDS = {"skylake-avx512": AVX512, "cascadelake": AVX512 | {"avx512_vnni"}, "alderlake": {"avx2", "avx_vnni"}}
 
 
 def build_all() -> dict[str, Path | BuildError]:
     """Every -march's library (or why it could not be built), as many built at a time as there are cores: each
-    build is one compiler process of about half a minute, and a clean clone builds all four."""
+    build is one compiler process of about half a minute, and a clean clone builds all six."""
     def attempt(march: str) -> Path | BuildError:
         # torch's OpenMP has pinned the main thread, and so this one, to one core; the compiler it starts inherits
         # the mask, so give this thread back the cores the process started with, or the builds queue on one.
@@ -37,12 +40,7 @@ def kernels_for(march: str, libraries: dict[str, Path | BuildError]) -> NativeKe
     library = libraries[march]
     if isinstance(library, BuildError):
         pytest.skip(f"cannot build for -march={march}: {library}")
-    if march == "skylake-avx512" and not runs_avx512():
-        pytest.skip("this CPU cannot run AVX-512")  # before loading: loading runs the library's code
+    missing = sorted(NEEDS.get(march, set()) - set(cpu_flags().split()))  # the kernel's own list of flags
+    if missing:
+        pytest.skip(f"this CPU cannot run -march={march} (no {', '.join(missing)})")  # before loading: it runs code
     return NativeKernels(library)
-
-
-def runs_avx512() -> bool:
-    """Whether this CPU has the AVX-512 subsets gcc's skylake-avx512 emits (from the kernel's own list of flags)."""
-    flags = set(cpu_flags().split())
-    return {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"} <= flags

@@ -7,7 +7,8 @@
 //   floats coming in once per super-block; the row kernel scales them in floats per 16 weights.
 //
 // With AVX2 (and FMA, F16C) the weights are read in the interleaved tiles of tiles.h: 8 rows per pass, one row per
-// 32-bit lane, up to MAX_ACT_ROWS activation rows sharing each unpacked register of levels. Without AVX2, for a
+// 32-bit lane, up to MAX_ACT_ROWS activation rows sharing each unpacked register of levels; with VNNI (AVX-512
+// VNNI under AVX-512VL, or AVX-VNNI) the 8-bit products are summed by vpdpbusd (Dots, below). Without AVX2, for a
 // matrix whose rows do not fill whole tiles, and for the formats without tiles (low_bit_formats.h), rows are read
 // one at a time from the file's layout into their chunks, then multiplied by chunks_times (AVX2 or plain C++).
 //
@@ -20,6 +21,9 @@
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define KVLM_TILES 1
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define KVLM_VNNI 1
+#endif
 #endif
 
 #include "activations.h"
@@ -154,7 +158,13 @@ inline void chunks_times(const Chunk* chunks, int64_t k, const ActRows<R>& act, 
 
 #if defined(KVLM_TILES)
 
+#if defined(KVLM_VNNI) && defined(__AVX512VNNI__)
+inline const char* dot_isa() { return "avx2 tiles (avx512-vnni dots)"; }
+#elif defined(KVLM_VNNI)
+inline const char* dot_isa() { return "avx2 tiles (avx-vnni dots)"; }
+#else
 inline const char* dot_isa() { return "avx2 tiles"; }
+#endif
 
 // f(integral_constant<I>) for I = 0 .. N-1, unrolled: shifts and register choices need constants.
 template <class F, int... I> inline void unroll_each(F&& f, std::integer_sequence<int, I...>) {
@@ -171,7 +181,55 @@ inline __m256i broadcast4(const int8_t* a) {
     return _mm256_set1_epi32(v);
 }
 
-inline __m256i pair_sums(__m256i levels, const int8_t* a) { return _mm256_maddubs_epi16(levels, broadcast4(a)); }
+// A row's dot products of 8-bit levels (unsigned, up to 127 or the maddubs bounds each kernel states) with 8-bit
+// activations, 4 weights at a time per 32-bit lane (one lane per row), summed in integers. AVX2 has no 8-bit dot
+// product into int32: vpmaddubsw makes int16 sums of pairs, which the kernels add while they cannot overflow
+// (`narrow`: they then widen them), and vpmaddwd widens them, by ones or by the rows' integer scales as int16 pairs
+// (s, s). VNNI's vpdpbusd adds the 4 products straight into int32 (about half the instructions), and a scale
+// multiplies the int32 sum. The integers, so the results, are the same bits either way.
+struct Dots {
+#if defined(KVLM_VNNI)
+    static constexpr bool narrow = false;
+    __m256i sum = _mm256_setzero_si256();
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    void add(__m256i levels, __m256i a) { sum = _mm256_dpbusd_epi32(sum, levels, a); }
+#else
+    void add(__m256i levels, __m256i a) { sum = _mm256_dpbusd_avx_epi32(sum, levels, a); }
+#endif
+    __m256i total() const { return sum; }
+    __m256i times(__m256i scale) const { return _mm256_mullo_epi32(sum, scale); }  // scale: row_scales'
+#else
+    static constexpr bool narrow = true;
+    __m256i pairs = _mm256_setzero_si256();
+    void add(__m256i levels, __m256i a) { pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(levels, a)); }
+    __m256i total() const { return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)); }
+    __m256i times(__m256i scale) const { return _mm256_madd_epi16(pairs, scale); }  // scale: row_scales'
+#endif
+    void add4(__m256i levels, const int8_t* a) { add(levels, broadcast4(a)); }  // the same 4 activations per row
+};
+
+// Each row's int32 value v as the int16 pair (v, v), for madd against pairs of 8-bit products.
+inline __m256i as_pairs(__m256i v) { return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(v, 16)); }
+
+// The rows' integer scales (int32 per lane, within int16) as Dots::times takes them.
+inline __m256i row_scales(__m256i v) {
+#if defined(KVLM_VNNI)
+    return v;
+#else
+    return as_pairs(v);
+#endif
+}
+
+// What Dots holds added to sums (times a scale where given) and cleared: where int16 pairs would overflow next
+// (AVX2), or once at the end.
+inline void flush(Dots& dots, __m256i& sums) {
+    sums = _mm256_add_epi32(sums, dots.total());
+    dots = Dots{};
+}
+inline void flush(Dots& dots, __m256i& sums, __m256i scale) {
+    sums = _mm256_add_epi32(sums, dots.times(scale));
+    dots = Dots{};
+}
 
 // Bit FROM of each byte (the only one left set) moved to bit 4: a level's fifth bit.
 template <int FROM> inline __m256i to_bit4(__m256i x) {
@@ -213,7 +271,7 @@ inline void legacy_tile(const uint8_t* tile, int64_t n_blocks, const ActRows<R>&
     constexpr int COLUMN = TILE_ROWS * Traits<TYPE>::bytes;
     constexpr bool five = TYPE == Q5_0 || TYPE == Q5_1, with_min = TYPE == Q4_1 || TYPE == Q5_1;
     constexpr bool coded = TYPE == MXFP4;  // nibbles are codes, mapped to levels 0..24 by a table
-    const __m256i ones = _mm256_set1_epi16(1), levels_of = coded ? mxfp4_level_table() : _mm256_setzero_si256();
+    const __m256i levels_of = coded ? mxfp4_level_table() : _mm256_setzero_si256();
     __m256 acc[R], offsets[R];
     for (int t = 0; t < R; ++t) acc[t] = offsets[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < n_blocks; ++b) {
@@ -221,21 +279,24 @@ inline void legacy_tile(const uint8_t* tile, int64_t n_blocks, const ActRows<R>&
         __m256i sums[R];
         for (int t = 0; t < R; ++t) sums[t] = _mm256_setzero_si256();
         if constexpr (TYPE == Q8_0) {
-            // Signed levels: |w| times the activation with w's sign (maddubs wants one unsigned side).
+            // Signed levels: |w| times the activation with w's sign (maddubs wants one unsigned side); int16 pairs
+            // hold one register's products (2 * 128 * 127).
+            Dots dots[R];
             unroll<8>([&](auto g_) {
                 constexpr int g = decltype(g_)::value;
                 const __m256i w = load256(column + 16 + 32 * g), magnitude = _mm256_sign_epi8(w, w);
                 for (int t = 0; t < R; ++t) {
-                    const __m256i a = _mm256_sign_epi8(broadcast4(act.q[t] + 32 * b + 4 * g), w);
-                    sums[t] = _mm256_add_epi32(sums[t], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, a), ones));
+                    dots[t].add(magnitude, _mm256_sign_epi8(broadcast4(act.q[t] + 32 * b + 4 * g), w));
+                    if constexpr (Dots::narrow) flush(dots[t], sums[t]);
                 }
             });
+            if constexpr (!Dots::narrow)
+                for (int t = 0; t < R; ++t) flush(dots[t], sums[t]);
         } else {
             // Each int16 of the pair sums gains 4 products per register of nibbles. 4-bit levels fit all 4
             // registers' (16 * 15 * 127 < 2^15); 5-bit levels and MXFP4's (up to 24) only 2 registers' (8 * 31 * 127),
             // so theirs are widened to int32 halfway.
-            __m256i pairs[R];
-            for (int t = 0; t < R; ++t) pairs[t] = _mm256_setzero_si256();
+            Dots dots[R];
             const __m256i plane = five ? load256(column + (with_min ? 32 : 16)) : _mm256_setzero_si256();
             unroll<4>([&](auto p_) {
                 constexpr int p = decltype(p_)::value;
@@ -251,15 +312,13 @@ inline void legacy_tile(const uint8_t* tile, int64_t n_blocks, const ActRows<R>&
                 }
                 for (int t = 0; t < R; ++t) {
                     const int8_t* a = act.q[t] + 32 * b + 8 * p;
-                    pairs[t] = _mm256_add_epi16(pairs[t], _mm256_add_epi16(pair_sums(low, a), pair_sums(high, a + 4)));
+                    dots[t].add4(low, a);
+                    dots[t].add4(high, a + 4);
                 }
-                if constexpr ((five || coded) && p == 1)
-                    for (int t = 0; t < R; ++t) {
-                        sums[t] = _mm256_madd_epi16(pairs[t], ones);
-                        pairs[t] = _mm256_setzero_si256();
-                    }
+                if constexpr ((five || coded) && p == 1 && Dots::narrow)
+                    for (int t = 0; t < R; ++t) flush(dots[t], sums[t]);
             });
-            for (int t = 0; t < R; ++t) sums[t] = _mm256_add_epi32(sums[t], _mm256_madd_epi16(pairs[t], ones));
+            for (int t = 0; t < R; ++t) flush(dots[t], sums[t]);
         }
         const __m256 d = column_scales<TYPE>(column);
         for (int t = 0; t < R; ++t)
@@ -277,6 +336,16 @@ inline void legacy_tile(const uint8_t* tile, int64_t n_blocks, const ActRows<R>&
 inline __m256i byte_pairs(int first, int second) {
     const auto word = [&](int lane) { return int(0x80000000u | uint32_t(4 * lane + second) << 16 | 0x8000u) | (4 * lane + first); };
     return _mm256_setr_epi32(word(0), word(1), word(2), word(3), word(0), word(1), word(2), word(3));
+}
+
+// pshufb mask taking byte S of each row's word as the row's scale in row_scales' form.
+inline __m256i scale_bytes(int s) {
+#if defined(KVLM_VNNI)
+    const auto word = [&](int lane) { return int(0x80808000u | uint32_t(4 * lane + s)); };  // int32 (0, 0, 0, S)
+    return _mm256_setr_epi32(word(0), word(1), word(2), word(3), word(0), word(1), word(2), word(3));
+#else
+    return byte_pairs(s, s);
+#endif
 }
 
 // Q4_K and Q5_K: per super-block, the 8 sub-blocks' dot products times their 6-bit scales summed in int32 per row,
@@ -303,11 +372,10 @@ inline void k45_tile(const uint8_t* tile, int64_t n_super, const ActRows<R>& act
         for (int t = 0; t < R; ++t) sums[t] = _mm256_setzero_si256();
         unroll<8>([&](auto s_) {
             constexpr int s = decltype(s_)::value;
-            const __m256i scale = _mm256_shuffle_epi8(scales[s / 4], byte_pairs(s % 4, s % 4));
+            const __m256i scale = _mm256_shuffle_epi8(scales[s / 4], scale_bytes(s % 4));
             const uint8_t* sub = column + 128 + SUB * s;
             const __m256i plane = five ? load256(sub) : _mm256_setzero_si256();
-            __m256i pairs[R];
-            for (int t = 0; t < R; ++t) pairs[t] = _mm256_setzero_si256();
+            Dots dots[R];
             unroll<4>([&](auto p_) {
                 constexpr int p = decltype(p_)::value;
                 __m256i low, high;
@@ -318,15 +386,13 @@ inline void k45_tile(const uint8_t* tile, int64_t n_super, const ActRows<R>& act
                 }
                 for (int t = 0; t < R; ++t) {
                     const int8_t* q = act.q[t] + 256 * c + 32 * s + 8 * p;
-                    pairs[t] = _mm256_add_epi16(pairs[t], _mm256_add_epi16(pair_sums(low, q), pair_sums(high, q + 4)));
+                    dots[t].add4(low, q);
+                    dots[t].add4(high, q + 4);
                 }
-                if constexpr (five && p == 1)
-                    for (int t = 0; t < R; ++t) {
-                        sums[t] = _mm256_add_epi32(sums[t], _mm256_madd_epi16(pairs[t], scale));
-                        pairs[t] = _mm256_setzero_si256();
-                    }
+                if constexpr (five && p == 1 && Dots::narrow)
+                    for (int t = 0; t < R; ++t) flush(dots[t], sums[t], scale);
             });
-            for (int t = 0; t < R; ++t) sums[t] = _mm256_add_epi32(sums[t], _mm256_madd_epi16(pairs[t], scale));
+            for (int t = 0; t < R; ++t) flush(dots[t], sums[t], scale);
         });
         const __m256 d = f16x8(column), dmin = f16x8(column + 16);
         for (int t = 0; t < R; ++t) {
@@ -359,11 +425,11 @@ inline void q6k_tile(const uint8_t* tile, int64_t n_super, const ActRows<R>& act
         for (int t = 0; t < R; ++t) sums[t] = center_sums[t] = _mm256_setzero_si256();
         unroll<8>([&](auto pair_) {
             constexpr int pair = decltype(pair_)::value;
-            __m256i scale[2];  // sub-blocks 2 pair and 2 pair + 1: each row's scale as int16 (s, s)
+            __m256i scale[2];  // sub-blocks 2 pair and 2 pair + 1: each row's scale as Dots::times takes it
             __m256i wide[2];
             for (int h = 0; h < 2; ++h) {
                 wide[h] = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(column + 16 + 8 * (2 * pair + h))));
-                scale[h] = _mm256_or_si256(_mm256_and_si256(wide[h], low16), _mm256_slli_epi32(wide[h], 16));
+                scale[h] = row_scales(wide[h]);
             }
             const __m256i both = _mm256_or_si256(_mm256_and_si256(wide[0], low16), _mm256_slli_epi32(wide[1], 16));
             for (int h = 0; h < 2; ++h) {
@@ -376,12 +442,15 @@ inline void q6k_tile(const uint8_t* tile, int64_t n_super, const ActRows<R>& act
                 l1 = _mm256_or_si256(l1, high_pair<1>(plane));
                 l2 = _mm256_or_si256(l2, high_pair<2>(plane));
                 l3 = _mm256_or_si256(l3, high_pair<3>(plane));
-                for (int t = 0; t < R; ++t) {  // int16 pairs hold 2 products of 6-bit levels
+                for (int t = 0; t < R; ++t) {  // int16 pairs hold 2 registers' products of 6-bit levels
                     const int8_t* q = act.q[t] + 256 * c + 16 * (2 * pair + h);
-                    const __m256i first = _mm256_add_epi16(pair_sums(l0, q), pair_sums(l1, q + 4));
-                    const __m256i second = _mm256_add_epi16(pair_sums(l2, q + 8), pair_sums(l3, q + 12));
-                    sums[t] = _mm256_add_epi32(sums[t], _mm256_add_epi32(_mm256_madd_epi16(first, scale[h]),
-                                                                         _mm256_madd_epi16(second, scale[h])));
+                    Dots dots;
+                    dots.add4(l0, q);
+                    dots.add4(l1, q + 4);
+                    if constexpr (Dots::narrow) flush(dots, sums[t], scale[h]);
+                    dots.add4(l2, q + 8);
+                    dots.add4(l3, q + 12);
+                    flush(dots, sums[t], scale[h]);
                 }
             }
             for (int t = 0; t < R; ++t) {
@@ -399,9 +468,6 @@ inline void q6k_tile(const uint8_t* tile, int64_t n_super, const ActRows<R>& act
     }
     for (int t = 0; t < R; ++t) out[t] = _mm256_fnmadd_ps(centers[t], _mm256_set1_ps(32.0f), acc[t]);
 }
-
-// Each row's int32 value v as the int16 pair (v, v), for madd against pairs of 8-bit products.
-inline __m256i as_pairs(__m256i v) { return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(v, 16)); }
 
 // Rows' int32 values a, b as int16 pairs (a, b): madd with two activation sums (s_a, s_b) gives a s_a + b s_b.
 inline __m256i two_pairs(__m256i a, __m256i b) {
@@ -437,14 +503,16 @@ inline void q2k_tile(const uint8_t* tile, int64_t n_super, const ActRows<R>& act
             for (int h = 0; h < 2; ++h) {
                 const int j = 2 * pair + h;
                 bytes[h] = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(column + 32 + 8 * j)));
-                const __m256i scale = as_pairs(_mm256_and_si256(bytes[h], _mm256_set1_epi32(15)));
+                const __m256i scale = row_scales(_mm256_and_si256(bytes[h], _mm256_set1_epi32(15)));
                 const __m256i x = load256(column + 160 + 32 * j);
                 for (int t = 0; t < R; ++t) {  // int16 pairs: 4 registers' 2 products of levels <= 3
                     const int8_t* q = act.q[t] + 256 * c + 16 * j;
-                    const __m256i pairs = _mm256_add_epi16(
-                        _mm256_add_epi16(pair_sums(pair_levels<0>(x), q), pair_sums(pair_levels<1>(x), q + 4)),
-                        _mm256_add_epi16(pair_sums(pair_levels<2>(x), q + 8), pair_sums(pair_levels<3>(x), q + 12)));
-                    sums[t] = _mm256_add_epi32(sums[t], _mm256_madd_epi16(pairs, scale));
+                    Dots dots;
+                    dots.add4(pair_levels<0>(x), q);
+                    dots.add4(pair_levels<1>(x), q + 4);
+                    dots.add4(pair_levels<2>(x), q + 8);
+                    dots.add4(pair_levels<3>(x), q + 12);
+                    flush(dots, sums[t], scale);
                 }
             }
             const __m256i min_pair = two_pairs(_mm256_srli_epi32(bytes[0], 4), _mm256_srli_epi32(bytes[1], 4));
@@ -498,12 +566,15 @@ inline void q3k_tile(const uint8_t* tile, int64_t n_super, const ActRows<R>& act
                 const __m256i l1 = _mm256_or_si256(pair_levels<1>(x), third_bit<4 * half + 1>(plane));
                 const __m256i l2 = _mm256_or_si256(pair_levels<2>(x), third_bit<4 * half + 2>(plane));
                 const __m256i l3 = _mm256_or_si256(pair_levels<3>(x), third_bit<4 * half + 3>(plane));
-                const __m256i scale = as_pairs(scales[half]);
+                const __m256i scale = row_scales(scales[half]);
                 for (int t = 0; t < R; ++t) {  // int16 pairs: 4 registers' 2 products of levels <= 7
                     const int8_t* q = act.q[t] + 256 * c + 32 * h + 16 * half;
-                    const __m256i pairs = _mm256_add_epi16(_mm256_add_epi16(pair_sums(l0, q), pair_sums(l1, q + 4)),
-                                                           _mm256_add_epi16(pair_sums(l2, q + 8), pair_sums(l3, q + 12)));
-                    sums[t] = _mm256_add_epi32(sums[t], _mm256_madd_epi16(pairs, scale));
+                    Dots dots;
+                    dots.add4(l0, q);
+                    dots.add4(l1, q + 4);
+                    dots.add4(l2, q + 8);
+                    dots.add4(l3, q + 12);
+                    flush(dots, sums[t], scale);
                 }
             });
             const __m256i both = two_pairs(scales[0], scales[1]);
@@ -535,21 +606,24 @@ inline void iq4xs_tile(const uint8_t* tile, int64_t n_super, const ActRows<R>& a
         for (int t = 0; t < R; ++t) sums[t] = _mm256_setzero_si256();
         unroll<8>([&](auto s_) {
             constexpr int s = decltype(s_)::value;
-            const __m256i scale = as_pairs(_mm256_sub_epi32(
+            const __m256i scale = row_scales(_mm256_sub_epi32(
                 _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(low, 4 * s), _mm256_set1_epi32(15)),
                                 _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(high, 2 * s), _mm256_set1_epi32(3)), 4)),
                 _mm256_set1_epi32(32)));
+            Dots dots[R];  // int16 pairs hold one register's products (2 * 127 * 127)
             for (int p = 0; p < 4; ++p) {
                 __m256i codes[2];
                 nibble_levels(column + 64 + 128 * s, p, codes[0], codes[1]);
                 for (int half = 0; half < 2; ++half) {
                     const __m256i w = _mm256_shuffle_epi8(values, codes[half]), magnitude = _mm256_sign_epi8(w, w);
                     for (int t = 0; t < R; ++t) {
-                        const __m256i a = _mm256_sign_epi8(broadcast4(act.q[t] + 256 * c + 32 * s + 8 * p + 4 * half), w);
-                        sums[t] = _mm256_add_epi32(sums[t], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, a), scale));
+                        dots[t].add(magnitude, _mm256_sign_epi8(broadcast4(act.q[t] + 256 * c + 32 * s + 8 * p + 4 * half), w));
+                        if constexpr (Dots::narrow) flush(dots[t], sums[t], scale);
                     }
                 }
             }
+            if constexpr (!Dots::narrow)
+                for (int t = 0; t < R; ++t) flush(dots[t], sums[t], scale);
         });
         const __m256 d = f16x8(column);
         for (int t = 0; t < R; ++t)
@@ -576,12 +650,11 @@ inline void iq3s_tile(const uint8_t* tile, int64_t n_super, const ActRows<R>& ac
         __m256i sums[R];
         for (int t = 0; t < R; ++t) sums[t] = _mm256_setzero_si256();
         for (int s = 0; s < 8; ++s) {
-            const __m256i scale = as_pairs(_mm256_add_epi32(
+            const __m256i scale = row_scales(_mm256_add_epi32(
                 _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(scale_words, _mm256_set1_epi32(4 * s)), _mm256_set1_epi32(15)), 1),
                 _mm256_set1_epi32(1)));
             const __m256i ninth = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(column + 560 + 8 * s)));
-            __m256i pairs[R];
-            for (int t = 0; t < R; ++t) pairs[t] = _mm256_setzero_si256();
+            Dots dots[R];
             unroll<8>([&](auto g_) {  // weights 32 s + 4 g .. + 3 of each row
                 constexpr int g = decltype(g_)::value;
                 const uint8_t* index = column + 48 + 8 * (8 * s + g);
@@ -598,10 +671,10 @@ inline void iq3s_tile(const uint8_t* tile, int64_t n_super, const ActRows<R>& ac
                 for (int t = 0; t < R; ++t) {
                     const __m256i a = broadcast4(act.q[t] + 256 * c + 32 * s + 4 * g);
                     const __m256i signed_a = _mm256_sub_epi8(_mm256_xor_si256(a, minus), minus);
-                    pairs[t] = _mm256_add_epi16(pairs[t], _mm256_maddubs_epi16(values, signed_a));
+                    dots[t].add(values, signed_a);
                 }
             });
-            for (int t = 0; t < R; ++t) sums[t] = _mm256_add_epi32(sums[t], _mm256_madd_epi16(pairs[t], scale));
+            for (int t = 0; t < R; ++t) flush(dots[t], sums[t], scale);
         }
         const __m256 d = f16x8(column);
         for (int t = 0; t < R; ++t)
