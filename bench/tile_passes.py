@@ -1,6 +1,6 @@
 """How many activation rows one pass over a tile of 8 weight rows should multiply, per block type: each unpacked
 register of levels serves every row of the pass, but past what the vector registers hold the compiler spills the
-partial sums to the stack (kvlm/kernels/csrc/dot.h, default_pass_rows, holds the counts this measured).
+partial sums to the stack (1-4 rows with AVX2's 16 registers, 1-8 with AVX-512VL's 32) (kvlm/kernels/csrc/dot.h, default_pass_rows, holds the counts this measured).
 
     python -m bench.tile_passes [--types Q4_K Q6_K ...] [--rows 128] [--rounds 7]
 
@@ -24,16 +24,14 @@ from bench.common import machine_line, markdown_table  # noqa: E402
 from bench.low_bit_products import COLS, ROWS, random_matrix  # noqa: E402
 from kvlm.kernels import NATIVE_TYPES, native_kernels  # noqa: E402
 
-COUNTS = (1, 2, 3, 4)
-
-
 def rates(kernels, qtype: T, m: int, rounds: int) -> dict[int, float]:
-    """G multiply-adds/s of the product at each count of rows per pass, the counts taking turns."""
+    """G multiply-adds/s of the product at each count of rows per pass the build takes, the counts taking turns."""
     product, x = kernels.product([kernels.interleave(random_matrix(qtype))]), torch.randn(m, COLS)
-    times: dict[int, list[float]] = {count: [] for count in COUNTS}
+    counts = range(1, kernels.max_tile_pass_rows + 1)
+    times: dict[int, list[float]] = {count: [] for count in counts}
     try:
         for _ in range(rounds + 1):  # the first round warms up
-            for count in COUNTS:
+            for count in counts:
                 kernels.set_tile_pass_rows(qtype, count)
                 started = time.perf_counter()
                 product(x)
@@ -62,11 +60,12 @@ def main() -> None:
         default = kernels.tile_pass_rows(qtype)
         by_count = rates(kernels, qtype, args.rows, args.rounds)
         best = max(by_count, key=by_count.get)
-        table.append([name, *(f"{by_count[c]:.1f} ({by_count[c] / peak:.0%})" for c in COUNTS), best, default])
+        table.append([name, *(f"{by_count[c]:.1f} ({by_count[c] / peak:.0%})" for c in by_count), best, default])
         print(table[-1], flush=True)
     print(f"\n{machine_line()}; {kernels.isa}; {threads} threads; {ROWS} x {COLS} times {args.rows} rows; "
           f"int8 peak {peak:.1f} G multiply-adds/s\n")
-    print(markdown_table(["type", *(f"{c} rows/pass G/s (of peak)" for c in COUNTS), "fastest", "default"], table))
+    counts = range(1, kernels.max_tile_pass_rows + 1)
+    print(markdown_table(["type", *(f"{c} rows/pass G/s (of peak)" for c in counts), "fastest", "default"], table))
 
 
 if __name__ == "__main__":

@@ -113,6 +113,7 @@ class NativeKernels:
         self._lib.kvlm_tiled.argtypes = [i32]
         self._lib.kvlm_tile_pass_rows.argtypes = [i32]
         self._lib.kvlm_set_tile_pass_rows.argtypes = [i32, ctypes.c_int]
+        self.max_tile_pass_rows = int(self._lib.kvlm_max_tile_pass_rows())  # 0 without tiles
         self._lib.kvlm_set_grids.argtypes = [ptr, i64]
         self._lib.kvlm_grids_size.restype = i64
         self._set_grids()
@@ -147,13 +148,15 @@ class NativeKernels:
         return int(self._lib.kvlm_tile_pass_rows(int(qtype)))
 
     def set_tile_pass_rows(self, qtype, rows: int) -> None:
-        """Passes over tiles of this type multiply `rows` activation rows (1-4; 0: this build's default). A row's
-        bits do not depend on it; bench.tile_passes measures which is fastest. Not while products run."""
+        """Passes over tiles of this type multiply `rows` activation rows (1 to max_tile_pass_rows: 4, or 8 where
+        AVX-512VL's 32 registers hold them; 0: this build's default). A row's bits do not depend on it;
+        bench.tile_passes measures which is fastest. Not while products run."""
         status = self._lib.kvlm_set_tile_pass_rows(int(qtype), rows)
         if status == _UNSUPPORTED_TYPE:
             raise ValueError(f"{getattr(qtype, 'name', qtype)} is not read in tiles by these kernels")
         if status != _OK:
-            raise ValueError(f"activation rows per pass must be 0 (the default) to 4, not {rows}")
+            raise ValueError(f"activation rows per pass must be 0 (the default) to {self.max_tile_pass_rows}, "
+                             f"not {rows}")
 
     def interleave(self, matrix: BlockMatrix) -> BlockMatrix:
         """The matrix in the layout the products read fastest: its rows rearranged in tiles of 8 (kernels/csrc/tiles.h)

@@ -57,7 +57,8 @@ inline void quantize_row(const void* x, bool bf16, int64_t r, int64_t n_cols, Qu
         float amax = 0.0f;
         for (int i = 0; i < block; ++i) {
             values[i] = first + i < n_cols ? load_activation(x, bf16, r * n_cols + first + i) : 0.0f;
-            amax = std::fmax(amax, std::fabs(values[i]));
+            const float magnitude = std::fabs(values[i]);
+            amax = magnitude > amax ? magnitude : amax;  // fmax's result (a NaN is passed over), but inlined: vmaxps
         }
         const float d = amax / 127.0f, inverse = d > 0.0f ? 1.0f / d : 0.0f;
         int total = 0;

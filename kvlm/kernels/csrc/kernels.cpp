@@ -103,11 +103,21 @@ int kvlm_tiles() {
 // Whether the products read matrices of this type in interleaved tiles (a tile layout and a build that reads tiles).
 int kvlm_tiled(int32_t type) { return kvlm_tiles() && tiled_type(type); }
 
-// Activation rows a pass over a tile of this type multiplies (1 .. 4; 0: the build's default, dot.h), for
-// bench.tile_passes and the test that a row's bits do not depend on it. Not to be called while products run.
+// The most activation rows a pass over a tile can multiply in this build (0 without tiles).
+int kvlm_max_tile_pass_rows() {
+#if defined(KVLM_TILES)
+    return MAX_PASS_ROWS;
+#else
+    return 0;
+#endif
+}
+
+// Activation rows a pass over a tile of this type multiplies (1 .. kvlm_max_tile_pass_rows(); 0: the build's
+// default, dot.h), for bench.tile_passes and the test that a row's bits do not depend on it. Not to be called while
+// products run.
 int kvlm_set_tile_pass_rows(int32_t type, int rows) {
     if (!kvlm_tiled(type)) return UNSUPPORTED_TYPE;
-    if (rows < 0 || rows > MAX_ACT_ROWS) return BAD_SHAPE;
+    if (rows < 0 || rows > kvlm_max_tile_pass_rows()) return BAD_SHAPE;
     tile_pass_rows_set[type] = rows;
     return OK;
 }

@@ -144,6 +144,14 @@ template <int TYPE> void product_rows(const uint8_t* weights, int64_t k, int64_t
 }
 
 #if defined(KVLM_TILES)
+// f(integral_constant<N>) for the pass of n activation rows (1 <= n <= MAX_PASS_ROWS).
+template <class F, int... N> inline void with_pass_rows_of(int n, F&& f, std::integer_sequence<int, N...>) {
+    ((n == N + 1 ? (f(std::integral_constant<int, N + 1>{}), true) : false) || ...);
+}
+template <class F> inline void with_pass_rows(int n, F&& f) {
+    with_pass_rows_of(n, f, std::make_integer_sequence<int, MAX_PASS_ROWS>{});
+}
+
 // Tiles t0 <= t < t1 of one interleaved part times the activation rows `span`, into y's columns offset + 8 t ...
 // The tiles are read as one stream, left to the hardware prefetcher: prefetching each next tile whole from here made
 // batch-1 decode slower on Zen 3 (a 7B-shaped layer's products 13.4 vs 22.9 GB/s, SmolLM2 93 vs 110 tokens/s),
@@ -157,13 +165,8 @@ template <int TYPE> void product_tiles(const uint8_t* weights, int64_t k, int64_
         const uint8_t* tile = weights + t * tile_bytes;
         for (int64_t r0 = span.begin; r0 < span.end; r0 += per_pass) {
             const int n = int(std::min<int64_t>(per_pass, span.end - r0));
-            __m256 out[MAX_ACT_ROWS];
-            switch (n) {
-                case 1: tile_times<TYPE, 1>(tile, k, act, r0, out); break;
-                case 2: tile_times<TYPE, 2>(tile, k, act, r0, out); break;
-                case 3: tile_times<TYPE, 3>(tile, k, act, r0, out); break;
-                default: tile_times<TYPE, MAX_ACT_ROWS>(tile, k, act, r0, out); break;
-            }
+            __m256 out[MAX_PASS_ROWS];
+            with_pass_rows(n, [&](auto rows) { tile_times<TYPE, decltype(rows)::value>(tile, k, act, r0, out); });
             for (int r = 0; r < n; ++r) {
                 const int64_t at = (r0 + r) * y_cols + y_offset + TILE_ROWS * t;
                 if (y_bf16) {
