@@ -21,6 +21,7 @@ from pathlib import Path
 
 from kvlm.home import kvlm_home
 from kvlm.kernels.native import compiler, cpu_flags
+from kvlm.startup import START_CPUS
 
 SOURCE = Path(__file__).with_name("arith_peak.cpp")
 INT8 = "int8_avx2"  # the mix the products use on every x86-64 CPU kvlm builds tiles for
@@ -46,8 +47,11 @@ def program() -> Path:
 
 def peaks(threads: int, seconds: float = 1.0) -> dict[str, float]:
     """Multiply-adds per second of each mix this CPU runs ("int8_avx2", "fp32_avx2", ...), on `threads` threads."""
+    # The caller's OpenMP (torch's, pinned by kvlm) has bound this thread to one CPU, and a child inherits the mask:
+    # where the CPUs are separate cores (not one core's two hyperthreads) it would time one core's peak.
     done = subprocess.run([str(program()), str(threads), str(seconds)], check=True, capture_output=True, text=True,
-                          env={**os.environ, "OMP_PROC_BIND": "false"})
+                          env={**os.environ, "OMP_PROC_BIND": "false"},
+                          preexec_fn=lambda: os.sched_setaffinity(0, START_CPUS))
     return {name: float(value) for name, value in (line.split() for line in done.stdout.splitlines())}
 
 
