@@ -1,6 +1,7 @@
 """How many activation rows one pass over a tile of 8 weight rows should multiply, per block type: each unpacked
 register of levels serves every row of the pass, but past what the vector registers hold the compiler spills the
-partial sums to the stack (1-4 rows with AVX2's 16 registers, 1-8 with AVX-512VL's 32) (kvlm/kernels/csrc/dot.h, default_pass_rows, holds the counts this measured).
+partial sums to the stack; 1-4 rows with AVX2's 16 registers, 1-8 with AVX-512VL's 32 (kvlm/kernels/csrc/dot.h,
+default_pass_rows, holds the counts this measured).
 
     python -m bench.tile_passes [--types Q4_K Q6_K ...] [--rows 128] [--rounds 7]
 

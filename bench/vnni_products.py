@@ -67,10 +67,12 @@ def main() -> None:
     for m in args.rows:
         for name in args.types:
             by_build = rates(builds, T[name], m, args.rounds)
-            table.append([m, name, f"{by_build[old]:.1f}", f"{by_build[new]:.1f}", f"{by_build[new] / by_build[old]:.2f}x"])
+            ratio = by_build[new] / by_build[old]
+            table.append([m, name, f"{by_build[old]:.1f}", f"{by_build[new]:.1f}", f"{ratio:.2f}x"])
             print(table[-1], flush=True)
+    peaks_line = ", ".join(f"{name} {value:.0f}" for name, value in peaks.items())
     print(f"\n{machine_line()}; {threads} threads; {ROWS} x {COLS}; {new}: {new_kernels.isa}; {old}: "
-          f"{old_kernels.isa}; peaks (G multiply-adds/s): " + ", ".join(f"{k} {v:.0f}" for k, v in peaks.items()) + "\n")
+          f"{old_kernels.isa}; peaks (G multiply-adds/s): {peaks_line}\n")
     print(markdown_table(["rows", "type", f"{old} G/s", f"{new} G/s", "ratio"], table))
 
 
