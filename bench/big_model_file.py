@@ -1,6 +1,6 @@
 """A GGUF of real size with no hub: Qwen2.5-7B's (or 14B's) shapes, or a mixture of experts' (OLMoE-1B-7B's,
-Qwen3-30B-A3B's, gpt-oss-20b's), or Qwen3.5-0.8B's (linear attention), random weights, quantized by llama.cpp to the
-mix people download (Q4_K_M; for gpt-oss, MXFP4_MOE).
+Qwen3-30B-A3B's, gpt-oss-20b's), or Qwen3.5-0.8B's (linear attention), or Gemma 4 E2B's (per-layer inputs, shared
+KV), random weights, quantized by llama.cpp to the mix people download (Q4_K_M; for gpt-oss, MXFP4_MOE).
 
 No checkpoint of 3B+ parameters is reachable from this machine (shared/MODELS.md), but memory use, load time and decode
 speed depend on the shapes and the quantization mix, not on the values. So this writes a file with exactly the
@@ -50,6 +50,22 @@ out, 320 tensors: Q4_K 162, Q6_K 25 (the tied embedding, 10 of the 18 attn_qkv, 
 attn_v), F32 133 (norms, ssm_a, ssm_dt.bias, ssm_conv1d)).
 
     python -m bench.big_model_file --shape qwen3.5-0.8b --out ~/.cache/kvlm/bench/qwen3.5-0.8b-shaped-q4_k_m.gguf
+
+The gemma4-e2b shape is the text part of what llama.cpp's converter (Gemma4Model) makes of google/gemma-4-E2B-it,
+architecture "gemma4": 35 layers, 4 sliding-window ones (window 512, 8 heads of 256 over 1 KV head, RoPE base 1e4)
+before each full one (8 heads of 512 over 1, "proportional" RoPE turning a quarter of the frequencies, written as
+rope_freqs.weight factors, base 1e6); the last 20 layers compute no K/V (no attn_k, attn_v, attn_k_norm: they read
+layers 13's and 14's) and have MLPs twice as wide (12288 against 6144); QK-norms, norms before and after attention
+and MLP (multipliers, as Gemma 4 stores them: not shifted), a scalar on each layer's output, GELU-tanh; per-layer
+inputs: a 262144 x 8960 table (256 per layer), a projection of the embedding to it, a gate, projection and norm in
+every layer; the head tied to the 262144-row embedding, logits softcapped at 30. The table is 2.35 B of the file's
+4.63 B weights: it is written directly as random Q6_K blocks, the type llama.cpp's Q4_K_M mix gives it (a token
+embedding of a tied model, as token_embd), so the F16 intermediate is 6.5 GB instead of 9.3. llama.cpp's dry run of
+the mix: about 3.41 GB out, 541 tensors: Q4_K 251, Q6_K 26 (the two embeddings, 7 of the 15 attn_v, 17 of the 35
+ffn_down), F16 1 (per_layer_model_proj, which llama.cpp never quantizes), F32 263 (norms, output scalars,
+rope_freqs). The vocabulary is Qwen2.5's tokenizer padded to 262144, as for the other shapes.
+
+    python -m bench.big_model_file --shape gemma4-e2b --out ~/.cache/kvlm/bench/gemma4-e2b-shaped-q4_k_m.gguf
 """
 from __future__ import annotations
 
@@ -76,7 +92,7 @@ SEED = 0
 MATRIX_STD = 0.02  # the usual initializer range of Qwen2 configs
 BIAS_STD = 0.01
 CHUNK_VALUES = 32 * 1024 * 1024  # values drawn at once: 128 MB of float32 plus 64 MB of float16
-Q4_K, MXFP4 = gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.MXFP4
+Q4_K, Q6_K, MXFP4 = gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K, gguf.GGMLQuantizationType.MXFP4
 # Q4_K super-blocks of 256 weights in 144 bytes: f16 d and dmin, 12 of scales, 128 of nibbles. d * scale * level -
 # dmin * min, scales and mins uniform in 0..63, levels in 0..15: a spread of about MATRIX_STD
 Q4_K_D = MATRIX_STD / 32 / 5
@@ -84,9 +100,13 @@ Q4_K_D = MATRIX_STD / 32 / 5
 # 2^(e - 128). Uniform nibbles' values spread by 5.85: e = 120 gives 0.023, about MATRIX_STD
 MXFP4_KVALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.float32)
 MXFP4_E = 128 + round(math.log2(MATRIX_STD / float(MXFP4_KVALUES.std())))
-# The leading bytes of each random block: the scales that set its spread (the rest of the block stays random)
-BLOCK_SCALES = {Q4_K: np.array([Q4_K_D, Q4_K_D], dtype=np.float16).view(np.uint8),
-                MXFP4: np.array([MXFP4_E], dtype=np.uint8)}
+# Q6_K super-blocks of 256 weights in 210 bytes: 128 of low nibbles, 64 of high bit pairs, 16 int8 scales, f16 d last;
+# a weight is d * scale * (level - 32), levels 0..63: random bytes spread scales by 74 and levels by 18.5
+Q6_K_D = MATRIX_STD / 74 / 18.5
+# Where in each random block the scales that set its spread go, and their bytes (the rest of the block stays random)
+BLOCK_SCALES = {Q4_K: (0, np.array([Q4_K_D, Q4_K_D], dtype=np.float16).view(np.uint8)),
+                MXFP4: (0, np.array([MXFP4_E], dtype=np.uint8)),
+                Q6_K: (208, np.array([Q6_K_D], dtype=np.float16).view(np.uint8))}
 MIN_BITS_PER_WEIGHT = 2  # below every llama.cpp quantization mix: a smaller file at the output path is not a model
 
 
@@ -102,8 +122,9 @@ class Mix:
 
 
 MIXES = {
+    # F16: Gemma 4's per_layer_model_proj, which llama.cpp never quantizes (the only matrix check lets stay F16)
     gguf.LlamaFileType.MOSTLY_Q4_K_M: Mix("q4_k_m", frozenset({"Q4_K"}),
-                                          frozenset({"Q4_K", "Q5_K", "Q6_K", "Q8_0", "F32"}),
+                                          frozenset({"Q4_K", "Q5_K", "Q6_K", "Q8_0", "F16", "F32"}),
                                           frozenset({"Q4_K", "Q5_K", "Q6_K", "Q8_0"})),
     # experts (3-D) MXFP4, every other matrix Q8_0 (embedding and head too), vectors and routers F32
     gguf.LlamaFileType.MOSTLY_MXFP4_MOE: Mix("mxfp4", frozenset({"MXFP4", "Q8_0", "F32"}),
@@ -153,6 +174,18 @@ class Shape:
     ssm_groups: int = 0
     ssm_heads: int = 0
     ssm_head_dim: int = 0
+    # Gemma 4: sliding_per_full sliding layers (heads of key_length_swa, RoPE base rope_freq_base_swa) before each
+    # full one (heads of key_length, its RoPE turning rotated_fraction of the frequencies); the last shared_kv_layers
+    # compute no K/V (they read earlier layers') and, double_wide_mlp, have an MLP of 2 n_ff; every layer takes an
+    # input of n_embd_per_layer per token from a second embedding table; logits softcapped at logit_softcap
+    sliding_per_full: int = 0
+    key_length_swa: int = 0
+    rope_freq_base_swa: float = 0.0
+    rotated_fraction: float = 0.0
+    shared_kv_layers: int = 0
+    double_wide_mlp: bool = False
+    n_embd_per_layer: int = 0
+    logit_softcap: float = 0.0
     ftype: int = gguf.LlamaFileType.MOSTLY_Q4_K_M  # llama.cpp's mix (a key of MIXES)
 
     @property
@@ -162,6 +195,20 @@ class Shape:
     def attends(self, layer: int) -> bool:
         """Whether the layer is attention (else Gated DeltaNet): llama.cpp's qwen35 rule."""
         return not self.full_attention_interval or (layer + 1) % self.full_attention_interval == 0
+
+    def slides(self, layer: int) -> bool:
+        """Whether the layer is a sliding-window one (Gemma 4's pattern; the other architectures' is llama.cpp's)."""
+        return bool(self.sliding_per_full) and (layer + 1) % (self.sliding_per_full + 1) != 0
+
+    def layer_head_dim(self, layer: int) -> int:
+        return self.key_length_swa if self.slides(layer) else self.head_dim
+
+    def has_kv(self, layer: int) -> bool:
+        """Whether the layer computes its own K and V (else it reads an earlier layer's: no attn_k, attn_v)."""
+        return layer < self.n_layer - self.shared_kv_layers
+
+    def layer_n_ff(self, layer: int) -> int:
+        return self.n_ff * (2 if self.double_wide_mlp and not self.has_kv(layer) else 1)
 
 
 SHAPES = {
@@ -198,6 +245,13 @@ SHAPES = {
                           attention_output_gate=True, rope_dims=64, rope_sections=(11, 11, 10, 0),
                           full_attention_interval=4, ssm_conv_kernel=4, ssm_state=128, ssm_groups=16, ssm_heads=16,
                           ssm_head_dim=128),
+    # google/gemma-4-E2B-it's text_config (tests/models/test_gemma4.py's E2B_TEXT_CONFIG, from public copies of the
+    # release's config.json) as llama.cpp's converter (conversion/gemma.py: Gemma4Model) writes it
+    "gemma4-e2b": Shape("E2B", n_layer=35, n_embd=1536, n_ff=6144, n_head=8, n_head_kv=1, n_vocab=262144,
+                        context_length=131072, arch="gemma4", family_name="Gemma-4", qkv_bias=False, qk_norm="head",
+                        key_length=512, sliding_window=512, tied=True, sliding_per_full=4, key_length_swa=256,
+                        rope_freq_base_swa=1e4, rotated_fraction=0.25, shared_kv_layers=20, double_wide_mlp=True,
+                        n_embd_per_layer=256, logit_softcap=30.0),
 }
 
 
@@ -213,6 +267,7 @@ class TensorSpec:
     std: float
     blocks: gguf.GGMLQuantizationType | None = None  # written as random blocks of this type (see _blocks_to_file)
     uniform: tuple[float, float] | None = None  # values uniform in [low, high) instead (ssm_a: sane decays)
+    values: tuple[float, ...] | None = None  # these values instead (rope_freqs: which frequencies turn)
 
     @property
     def nbytes(self) -> int:
@@ -226,8 +281,8 @@ def matrix(name: str, rows: int, cols: int) -> TensorSpec:
     return TensorSpec(name, (rows, cols), np.float16, 0.0, MATRIX_STD)
 
 
-def norm(name: str, size: int) -> TensorSpec:
-    return TensorSpec(name, (size,), np.float32, 1.0, 0.0)  # RMSNorm weights start at one
+def norm(name: str, size: int, value: float = 1.0) -> TensorSpec:
+    return TensorSpec(name, (size,), np.float32, value, 0.0)  # RMSNorm weights start at one
 
 
 def bias(name: str, *shape: int) -> TensorSpec:
@@ -260,7 +315,10 @@ def tensor_specs(shape: Shape) -> list[TensorSpec]:
     """Every tensor of llama.cpp's architecture for the shape: qwen2's q/k/v with biases, or the QK-norms of
     qwen3moe and qwen35 (per head) and olmoe (whole projections), or gpt-oss's biases on all four projections and its
     sinks, or qwen35's Gated DeltaNet layers between its attention layers (whose attn_q carries a gate per head); an
-    MLP, or a router and experts (gpt-oss's with biases); an output matrix of its own unless tied."""
+    MLP, or a router and experts (gpt-oss's with biases); an output matrix of its own unless tied. Gemma 4's in
+    gemma4_specs."""
+    if shape.arch == "gemma4":
+        return gemma4_specs(shape)
     d, q_rows, kv_rows = shape.n_embd, shape.n_head * shape.head_dim, shape.n_head_kv * shape.head_dim
     norm_sizes = {"head": (shape.head_dim, shape.head_dim), "whole": (q_rows, kv_rows)}
     specs = [matrix("token_embd.weight", shape.n_vocab, d)]
@@ -296,6 +354,47 @@ def tensor_specs(shape: Shape) -> list[TensorSpec]:
     return specs + [norm("output_norm.weight", d)] + ([] if shape.tied else [matrix("output.weight", shape.n_vocab, d)])
 
 
+def gemma4_specs(shape: Shape) -> list[TensorSpec]:
+    """The tensors llama.cpp's converter (Gemma4Model) writes for a dense Gemma 4 with per-layer inputs: rope_freqs
+    first (its extra tensor); per layer an output scalar, Q (and K and V unless the layer reads an earlier one's),
+    QK-norms, norms after attention and the MLP as well as before them, a GeGLU MLP, the per-layer input's gate,
+    projection and norm; the per-layer table, its projection from the embedding and its norm. The QK-norms are
+    head_dim^-1/4, not 1: Gemma 4 does not scale its scores, and with unit q and k they would spread by
+    sqrt(head_dim) (softmax an argmax); at head_dim^-1/4 they spread by 1. The per-layer table (262144 x 8960 for
+    E2B) is written as random Q6_K blocks, the type llama.cpp's Q4_K_M mix gives it (a token embedding of a model
+    whose head is tied to its embedding), as the MoE shapes' experts are written as Q4_K blocks."""
+    d, per_layer = shape.n_embd, shape.n_embd_per_layer
+    specs = [rope_freqs(shape), matrix("token_embd.weight", shape.n_vocab, d)]
+    for i in range(shape.n_layer):
+        blk, head_dim, n_ff = f"blk.{i}", shape.layer_head_dim(i), shape.layer_n_ff(i)
+        q_rows, kv_rows, qk_norm = shape.n_head * head_dim, shape.n_head_kv * head_dim, head_dim ** -0.25
+        specs += [norm(f"{blk}.layer_output_scale.weight", 1), matrix(f"{blk}.attn_q.weight", q_rows, d),
+                  norm(f"{blk}.attn_q_norm.weight", head_dim, qk_norm)]
+        if shape.has_kv(i):
+            specs += [norm(f"{blk}.attn_k_norm.weight", head_dim, qk_norm), matrix(f"{blk}.attn_k.weight", kv_rows, d),
+                      matrix(f"{blk}.attn_v.weight", kv_rows, d)]
+        specs += [matrix(f"{blk}.attn_output.weight", d, q_rows), matrix(f"{blk}.ffn_gate.weight", n_ff, d),
+                  matrix(f"{blk}.ffn_up.weight", n_ff, d), matrix(f"{blk}.ffn_down.weight", d, n_ff)]
+        specs += [norm(f"{blk}.{part}.weight", d) for part in ("attn_norm", "post_attention_norm", "ffn_norm",
+                                                               "post_ffw_norm")]
+        specs += [matrix(f"{blk}.inp_gate.weight", per_layer, d), matrix(f"{blk}.proj.weight", d, per_layer),
+                  norm(f"{blk}.post_norm.weight", d)]
+    table = TensorSpec("per_layer_token_embd.weight", (shape.n_vocab, shape.n_layer * per_layer), np.float32, 0.0,
+                       MATRIX_STD, blocks=Q6_K)
+    return specs + [norm("output_norm.weight", d), table,
+                    matrix("per_layer_model_proj.weight", shape.n_layer * per_layer, d),
+                    norm("per_layer_proj_norm.weight", per_layer)]
+
+
+def rope_freqs(shape: Shape) -> TensorSpec:
+    """Gemma 4's full layers' "proportional" RoPE as llama.cpp's converter writes it: factors over the whole head's
+    frequencies, 1 for the rotated_fraction that turn, 1e30 (frequency / 1e30: still) for the others."""
+    half = shape.head_dim // 2
+    turning = int(shape.head_dim * shape.rotated_fraction / 2)
+    return TensorSpec("rope_freqs.weight", (half,), np.float32, 0.0, 0.0,
+                      values=(1.0,) * turning + (1e30,) * (half - turning))
+
+
 def parameter_count(shape: Shape) -> int:
     return sum(int(np.prod(spec.shape)) for spec in tensor_specs(shape))
 
@@ -316,6 +415,9 @@ class RandomTensor:
         if spec.blocks is not None:
             self._blocks_to_file(fout)
             return
+        if spec.values is not None:
+            np.array(spec.values, dtype=spec.dtype).tofile(fout)
+            return
         cols = spec.shape[-1]
         rows = spec.shape[0] if len(spec.shape) == 2 else 1
         step = max(1, CHUNK_VALUES // cols)
@@ -334,17 +436,17 @@ class RandomTensor:
             values.tofile(fout)
 
     def _blocks_to_file(self, fout) -> None:
-        """Random blocks whose leading bytes are BLOCK_SCALES' (Q4_K: the same d and dmin in every super-block,
-        random scales, mins and levels; MXFP4: the same exponent in every block, random nibbles), in chunks of
-        CHUNK_VALUES weights."""
+        """Random blocks with BLOCK_SCALES' bytes in place (Q4_K: the same d and dmin in every super-block,
+        random scales, mins and levels; Q6_K: the same d, random scales and levels; MXFP4: the same exponent in
+        every block, random nibbles), in chunks of CHUNK_VALUES weights."""
         weights, nbytes = gguf.GGML_QUANT_SIZES[self.spec.blocks]
-        scales = BLOCK_SCALES[self.spec.blocks]
+        offset, scales = BLOCK_SCALES[self.spec.blocks]
         n_blocks = self.spec.nbytes // nbytes
         per_chunk = CHUNK_VALUES // weights
         for start in range(0, n_blocks, per_chunk):
             n = min(per_chunk, n_blocks - start)
             blocks = self.rng.integers(0, 256, size=(n, nbytes), dtype=np.uint8)
-            blocks[:, :scales.size] = scales
+            blocks[:, offset:offset + scales.size] = scales
             blocks.tofile(fout)
 
 
@@ -375,7 +477,8 @@ def add_metadata(writer: gguf.GGUFWriter, shape: Shape) -> None:
     writer.add_block_count(shape.n_layer)
     writer.add_context_length(shape.context_length)
     writer.add_embedding_length(shape.n_embd)
-    writer.add_feed_forward_length(shape.n_ff)
+    writer.add_feed_forward_length([shape.layer_n_ff(i) for i in range(shape.n_layer)] if shape.double_wide_mlp
+                                   else shape.n_ff)
     writer.add_head_count(shape.n_head)
     writer.add_head_count_kv(shape.n_head_kv)
     writer.add_rope_freq_base(shape.rope_freq_base)
@@ -404,7 +507,24 @@ def add_metadata(writer: gguf.GGUFWriter, shape: Shape) -> None:
         writer.add_ssm_time_step_rank(shape.ssm_heads)
         writer.add_ssm_inner_size(shape.ssm_heads * shape.ssm_head_dim)
         writer.add_full_attention_interval(shape.full_attention_interval)
+    if shape.sliding_per_full:
+        add_gemma4_metadata(writer, shape)
     add_tokenizer(writer, shape.n_vocab)
+
+
+def add_gemma4_metadata(writer: gguf.GGUFWriter, shape: Shape) -> None:
+    """The keys llama.cpp's Gemma4Model.set_gguf_parameters adds: the sliding pattern, the sliding layers' head size
+    and RoPE base, RoPE over each kind's whole head (rope_freqs stops the full layers' still frequencies), the shared
+    layers, the per-layer input width, the softcap."""
+    writer.add_sliding_window_pattern([shape.slides(i) for i in range(shape.n_layer)])
+    writer.add_key_length_swa(shape.key_length_swa)
+    writer.add_value_length_swa(shape.key_length_swa)
+    writer.add_rope_dimension_count(shape.head_dim)
+    writer.add_rope_dimension_count_swa(shape.key_length_swa)
+    writer.add_rope_freq_base_swa(shape.rope_freq_base_swa)
+    writer.add_shared_kv_layers(shape.shared_kv_layers)
+    writer.add_embedding_length_per_layer_input(shape.n_embd_per_layer)
+    writer.add_final_logit_softcapping(shape.logit_softcap)
 
 
 def write_f16(path: Path, shape: Shape, progress: bool) -> None:
@@ -463,8 +583,9 @@ def check(path: Path, shape: Shape, ftype: int) -> Counter:
         raise RuntimeError(f"{path}: {found}, expected {wanted}")
     types = Counter(tensor.tensor_type.name for tensor in reader.tensors)
     left_float = [t.name for t in reader.tensors if len(t.shape) >= 2 and t.tensor_type.name in ("F16", "F32")
-                  and not t.name.endswith(("ffn_gate_inp.weight", ".bias", "ssm_conv1d.weight"))]
-    # llama.cpp keeps routers, biases and convolutions F32
+                  and not t.name.endswith(("ffn_gate_inp.weight", ".bias", "ssm_conv1d.weight",
+                                           "per_layer_model_proj.weight"))]
+    # llama.cpp keeps routers, biases and convolutions F32, and Gemma 4's per-layer input projection as it is (F16)
     if left_float:
         raise RuntimeError(f"{path}: matrices left unquantized: {left_float[:5]}")
     mix = MIXES.get(ftype)
