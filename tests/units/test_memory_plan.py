@@ -88,13 +88,15 @@ def test_the_weights_are_the_files_size(smollm2_gguf_path, qwen_gguf_path):
 @pytest.mark.skipif(native_kernels() is None, reason="without the native kernels, weights are dense by design")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_folders_matrices_are_held_as_stored(tmp_path, dtype):
-    """The native dense product keeps a bfloat16 folder's matrices at 2 bytes a value (float32 ones at 4), and the
-    plan counts them so before loading."""
+    """The native dense product keeps a bfloat16 folder's matrices at 2 bytes a value (float32 ones in the
+    activations' dtype: 4 bytes, or 2 on a CPU whose default is bfloat16), and the plan counts them so before
+    loading."""
     model = random_llama(llama_config(vocab_size=1000)).to(dtype)
     loaded = load_model(str(save_hf_folder(model, tmp_path)), memory=MemoryRequest(n_ctx=256), progress=False)
     assert {linear_kind(m) for m in loaded.decoder.matrices()} == {"dense native"}
     matrices = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "embed" not in name)
-    assert sum(m.nbytes for m in loaded.decoder.matrices()[1:]) == matrices * dtype.itemsize
+    held = dtype if dtype == torch.bfloat16 else getattr(torch, loaded.decoder.settings.dtype)
+    assert sum(m.nbytes for m in loaded.decoder.matrices()[1:]) == matrices * held.itemsize
     assert loaded.plan.weights == pytest.approx(loaded.decoder.nbytes, rel=0.01)
 
 
