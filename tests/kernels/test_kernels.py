@@ -154,9 +154,23 @@ def test_a_products_rows_do_not_depend_on_the_batch(kernels):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_a_tiles_outputs_do_not_depend_on_the_tile_beside_it(kernels, qtype):
+    """With AVX-512 two adjacent tiles share each 512-bit register (lanes.h), an odd one out alone: a matrix of 3
+    tiles (a thread's share holds a pair, one alone, or both) gives each tile's outputs the same bits as that tile
+    as a matrix of its own (always alone)."""
+    cols = width_for(qtype)
+    raw = random_blocks(qtype, 24, cols, seed=7)
+    x = torch.randn(9, cols, generator=torch.Generator().manual_seed(int(qtype)))
+    whole = kernels.product([laid_out(kernels, raw, qtype, cols, "tiles")])(x)
+    for tile in range(3):
+        alone = kernels.product([laid_out(kernels, raw[8 * tile:8 * tile + 8], qtype, cols, "tiles")])(x)
+        assert torch.equal(alone, whole[:, 8 * tile:8 * tile + 8]), tile
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_a_products_rows_do_not_depend_on_the_rows_a_pass_takes(kernels, qtype):
-    """1 to 4 activation rows per pass over a tile (each build's default per type, dot.h): every count is the
-    product's definition, bit for bit the same, tails of the batch included."""
+    """1 to 4 (AVX-512: 8) activation rows per pass over a tile (each build's default per type, dot.h): every count
+    is the product's definition, bit for bit the same, tails of the batch included."""
     if not kernels.tiled(qtype):
         pytest.skip(f"the {kernels.isa} build reads {qtype.name} in the file's layout only")
     cols = width_for(qtype)

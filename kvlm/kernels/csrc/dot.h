@@ -32,6 +32,7 @@
 #include "tiles.h"
 
 #if defined(KVLM_TILES)
+#include "lanes.h"
 #include "readers.h"
 #endif
 
@@ -186,45 +187,63 @@ template <int N, class F> inline void unroll(F&& f) { unroll_each(f, std::make_i
 
 inline __m256 f16x8(const uint8_t* p) { return _mm256_cvtph_ps(load128(p)); }
 
+template <class I> inline I splat32(int32_t v);
+template <> inline __m256i splat32<__m256i>(int32_t v) { return _mm256_set1_epi32(v); }
+template <class I> inline I splat8(char v);
+template <> inline __m256i splat8<__m256i>(char v) { return _mm256_set1_epi8(v); }
+#if defined(KVLM_WIDE_TILES)
+template <> inline __m512i splat32<__m512i>(int32_t v) { return _mm512_set1_epi32(v); }
+template <> inline __m512i splat8<__m512i>(char v) { return _mm512_set1_epi8(v); }
+#endif
+
 // Four activations, the same in every lane.
-inline __m256i broadcast4(const int8_t* a) {
+template <class I = __m256i> inline I broadcast4(const int8_t* a) {
     int32_t v;
     std::memcpy(&v, a, 4);
-    return _mm256_set1_epi32(v);
+    return splat32<I>(v);
 }
+
+// u8 x s8 products summed per 4 into each int32 lane of acc (VNNI).
+#if defined(KVLM_VNNI)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+inline __m256i v_dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#else
+inline __m256i v_dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#endif
+#if defined(KVLM_WIDE_TILES)
+inline __m512i v_dpbusd(__m512i acc, __m512i u, __m512i s) { return _mm512_dpbusd_epi32(acc, u, s); }
+#endif
+#endif
 
 // A row's dot products of 8-bit levels (unsigned, up to 127 or the maddubs bounds each kernel states) with 8-bit
 // activations, 4 weights at a time per 32-bit lane (one lane per row), summed in integers. AVX2 has no 8-bit dot
 // product into int32: vpmaddubsw makes int16 sums of pairs, which the kernels add while they cannot overflow
 // (`narrow`: they then widen them), and vpmaddwd widens them, by ones or by the rows' integer scales as int16 pairs
 // (s, s). VNNI's vpdpbusd adds the 4 products straight into int32 (about half the instructions), and a scale
-// multiplies the int32 sum. The integers, so the results, are the same bits either way.
-struct Dots {
+// multiplies the int32 sum. The integers, so the results, are the same bits either way. I: a register of 8 rows
+// or of 16 (lanes.h).
+template <class I = __m256i> struct Dots {
 #if defined(KVLM_VNNI)
     static constexpr bool narrow = false;
-    __m256i sum = _mm256_setzero_si256();
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    void add(__m256i levels, __m256i a) { sum = _mm256_dpbusd_epi32(sum, levels, a); }
-#else
-    void add(__m256i levels, __m256i a) { sum = _mm256_dpbusd_avx_epi32(sum, levels, a); }
-#endif
-    __m256i total() const { return sum; }
-    __m256i times(__m256i scale) const { return _mm256_mullo_epi32(sum, scale); }  // scale: row_scales'
+    I sum = splat32<I>(0);
+    void add(I levels, I a) { sum = v_dpbusd(sum, levels, a); }
+    I total() const { return sum; }
+    I times(I scale) const { return v_mullo32(sum, scale); }  // scale: row_scales'
 #else
     static constexpr bool narrow = true;
-    __m256i pairs = _mm256_setzero_si256();
-    void add(__m256i levels, __m256i a) { pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(levels, a)); }
-    __m256i total() const { return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)); }
-    __m256i times(__m256i scale) const { return _mm256_madd_epi16(pairs, scale); }  // scale: row_scales'
+    I pairs = splat32<I>(0);
+    void add(I levels, I a) { pairs = v_add16(pairs, v_maddubs(levels, a)); }
+    I total() const { return v_madd(pairs, splat32<I>(0x00010001)); }
+    I times(I scale) const { return v_madd(pairs, scale); }  // scale: row_scales'
 #endif
-    void add4(__m256i levels, const int8_t* a) { add(levels, broadcast4(a)); }  // the same 4 activations per row
+    void add4(I levels, const int8_t* a) { add(levels, broadcast4<I>(a)); }  // the same 4 activations per row
 };
 
 // Each row's int32 value v as the int16 pair (v, v), for madd against pairs of 8-bit products.
-inline __m256i as_pairs(__m256i v) { return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(v, 16)); }
+template <class I> inline I as_pairs(I v) { return v_or(v_and(v, splat32<I>(0xffff)), v_slli32<16>(v)); }
 
 // The rows' integer scales (int32 per lane, within int16) as Dots::times takes them.
-inline __m256i row_scales(__m256i v) {
+template <class I> inline I row_scales(I v) {
 #if defined(KVLM_VNNI)
     return v;
 #else
@@ -234,33 +253,36 @@ inline __m256i row_scales(__m256i v) {
 
 // What Dots holds added to sums (times a scale where given) and cleared: where int16 pairs would overflow next
 // (AVX2), or once at the end.
-inline void flush(Dots& dots, __m256i& sums) {
-    sums = _mm256_add_epi32(sums, dots.total());
-    dots = Dots{};
+template <class I> inline void flush(Dots<I>& dots, I& sums) {
+    sums = v_add32(sums, dots.total());
+    dots = Dots<I>{};
 }
-inline void flush(Dots& dots, __m256i& sums, __m256i scale) {
-    sums = _mm256_add_epi32(sums, dots.times(scale));
-    dots = Dots{};
+template <class I> inline void flush(Dots<I>& dots, I& sums, I scale) {
+    sums = v_add32(sums, dots.times(scale));
+    dots = Dots<I>{};
 }
 
 // Bit FROM of each byte (the only one left set) moved to bit 4: a level's fifth bit.
-template <int FROM> inline __m256i to_bit4(__m256i x) {
-    if constexpr (FROM < 4) return _mm256_slli_epi16(x, 4 - FROM);
+template <int FROM, class I> inline I to_bit4(I x) {
+    if constexpr (FROM < 4) return v_slli16<4 - FROM>(x);
     else if constexpr (FROM == 4) return x;
-    else return _mm256_srli_epi16(x, FROM - 4);
+    else return v_srli16<FROM - 4>(x);
 }
-template <int G> inline __m256i fifth_bit(__m256i plane) {
-    return to_bit4<G>(_mm256_and_si256(plane, _mm256_set1_epi8(char(1 << G))));
-}
-template <int G> inline __m256i high_pair(__m256i plane) {  // bits 2G, 2G+1 to bits 4, 5
-    return to_bit4<2 * G>(_mm256_and_si256(plane, _mm256_set1_epi8(char(3 << (2 * G)))));
+template <int G, class I> inline I fifth_bit(I plane) { return to_bit4<G>(v_and(plane, splat8<I>(char(1 << G)))); }
+template <int G, class I> inline I high_pair(I plane) {  // bits 2G, 2G+1 to bits 4, 5
+    return to_bit4<2 * G>(v_and(plane, splat8<I>(char(3 << (2 * G)))));
 }
 
 // The levels of weights 8p..8p+3 and 8p+4..8p+7 of each row, from register p of a nibbles section.
+template <class V> inline void nibble_levels(const V& v, const uint8_t* section, int p, typename V::I& low,
+                                             typename V::I& high) {
+    using I = typename V::I;
+    const I x = v.load(section + 32 * p), mask = splat8<I>(15);
+    low = v_and(x, mask);
+    high = v_and(v_srli16<4>(x), mask);
+}
 inline void nibble_levels(const uint8_t* section, int p, __m256i& low, __m256i& high) {
-    const __m256i x = load256(section + 32 * p), mask = _mm256_set1_epi8(15);
-    low = _mm256_and_si256(x, mask);
-    high = _mm256_and_si256(_mm256_srli_epi16(x, 4), mask);
+    nibble_levels(Rows8{}, section, p, low, high);
 }
 
 // The 32-weight formats: per block column, each row's integer dot product with a block of activations, then its
@@ -278,188 +300,195 @@ template <int TYPE> inline __m256 column_scales(const uint8_t* column) {
         return f16x8(column);
 }
 
-template <int TYPE, int R>
-inline void legacy_tile(const uint8_t* tile, int64_t n_blocks, const ActRows<R>& act, __m256 out[R]) {
+template <int TYPE, int R, class V>
+inline void legacy_tile(const V& v, const uint8_t* tile, int64_t n_blocks, const ActRows<R>& act,
+                        typename V::F out[R]) {
+    using I = typename V::I;
+    using F = typename V::F;
     constexpr int COLUMN = TILE_ROWS * Traits<TYPE>::bytes;
     constexpr bool five = TYPE == Q5_0 || TYPE == Q5_1, with_min = TYPE == Q4_1 || TYPE == Q5_1;
     constexpr bool coded = TYPE == MXFP4;  // nibbles are codes, mapped to levels 0..24 by a table
-    const __m256i levels_of = coded ? mxfp4_level_table() : _mm256_setzero_si256();
-    __m256 acc[R], offsets[R];
-    for (int t = 0; t < R; ++t) acc[t] = offsets[t] = _mm256_setzero_ps();
+    const I levels_of = coded ? V::same_halves(mxfp4_level_table()) : V::zero();
+    F acc[R], offsets[R];
+    for (int t = 0; t < R; ++t) acc[t] = offsets[t] = V::zero_f();
     for (int64_t b = 0; b < n_blocks; ++b) {
         const uint8_t* column = tile + b * COLUMN;
-        __m256i sums[R];
-        for (int t = 0; t < R; ++t) sums[t] = _mm256_setzero_si256();
+        I sums[R];
+        for (int t = 0; t < R; ++t) sums[t] = V::zero();
         if constexpr (TYPE == Q8_0) {
             // Signed levels: |w| times the activation with w's sign (maddubs wants one unsigned side); int16 pairs
             // hold one register's products (2 * 128 * 127).
-            Dots dots[R];
+            Dots<I> dots[R];
             unroll<8>([&](auto g_) {
                 constexpr int g = decltype(g_)::value;
-                const __m256i w = load256(column + 16 + 32 * g), magnitude = _mm256_sign_epi8(w, w);
+                const I w = v.load(column + 16 + 32 * g), magnitude = v_magnitude(w);
                 for (int t = 0; t < R; ++t) {
-                    dots[t].add(magnitude, _mm256_sign_epi8(broadcast4(act.q[t] + 32 * b + 4 * g), w));
-                    if constexpr (Dots::narrow) flush(dots[t], sums[t]);
+                    dots[t].add(magnitude, v_signed(broadcast4<I>(act.q[t] + 32 * b + 4 * g), w));
+                    if constexpr (Dots<I>::narrow) flush(dots[t], sums[t]);
                 }
             });
-            if constexpr (!Dots::narrow)
+            if constexpr (!Dots<I>::narrow)
                 for (int t = 0; t < R; ++t) flush(dots[t], sums[t]);
         } else {
             // Each int16 of the pair sums gains 4 products per register of nibbles. 4-bit levels fit all 4
             // registers' (16 * 15 * 127 < 2^15); 5-bit levels and MXFP4's (up to 24) only 2 registers' (8 * 31 * 127),
             // so theirs are widened to int32 halfway.
-            Dots dots[R];
-            const __m256i plane = five ? load256(column + (with_min ? 32 : 16)) : _mm256_setzero_si256();
+            Dots<I> dots[R];
+            const I plane = five ? v.load(column + (with_min ? 32 : 16)) : V::zero();
             unroll<4>([&](auto p_) {
                 constexpr int p = decltype(p_)::value;
-                __m256i low, high;
-                nibble_levels(column + nibbles_at<TYPE>(), p, low, high);
+                I low, high;
+                nibble_levels(v, column + nibbles_at<TYPE>(), p, low, high);
                 if constexpr (five) {
-                    low = _mm256_or_si256(low, fifth_bit<2 * p>(plane));
-                    high = _mm256_or_si256(high, fifth_bit<2 * p + 1>(plane));
+                    low = v_or(low, fifth_bit<2 * p>(plane));
+                    high = v_or(high, fifth_bit<2 * p + 1>(plane));
                 }
                 if constexpr (coded) {
-                    low = _mm256_shuffle_epi8(levels_of, low);
-                    high = _mm256_shuffle_epi8(levels_of, high);
+                    low = v_shuffle(levels_of, low);
+                    high = v_shuffle(levels_of, high);
                 }
                 for (int t = 0; t < R; ++t) {
                     const int8_t* a = act.q[t] + 32 * b + 8 * p;
                     dots[t].add4(low, a);
                     dots[t].add4(high, a + 4);
                 }
-                if constexpr ((five || coded) && p == 1 && Dots::narrow)
+                if constexpr ((five || coded) && p == 1 && Dots<I>::narrow)
                     for (int t = 0; t < R; ++t) flush(dots[t], sums[t]);
             });
             for (int t = 0; t < R; ++t) flush(dots[t], sums[t]);
         }
-        const __m256 d = column_scales<TYPE>(column);
+        const F d = v.per_tile([&](int64_t at) { return column_scales<TYPE>(column + at); });
         for (int t = 0; t < R; ++t)
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t]), _mm256_mul_ps(d, _mm256_set1_ps(act.step[t][b])), acc[t]);
+            acc[t] = v_fmadd(v_float(sums[t]), v_mul(d, V::splat(act.step[t][b])), acc[t]);
         if constexpr (TYPE != Q8_0) {
-            const __m256 m = with_min ? f16x8(column + 16) : _mm256_mul_ps(d, _mm256_set1_ps(-float(Traits<TYPE>::center)));
-            for (int t = 0; t < R; ++t) offsets[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(act.step_sum[t][b]), offsets[t]);
+            const F m = with_min ? v.per_tile([&](int64_t at) { return f16x8(column + 16 + at); })
+                                 : v_mul(d, V::splat(-float(Traits<TYPE>::center)));
+            for (int t = 0; t < R; ++t) offsets[t] = v_fmadd(m, V::splat(act.step_sum[t][b]), offsets[t]);
         }
     }
-    for (int t = 0; t < R; ++t) out[t] = _mm256_add_ps(acc[t], offsets[t]);
+    for (int t = 0; t < R; ++t) out[t] = v_add(acc[t], offsets[t]);
 }
 
 // pshufb masks over words of 4 bytes (one row per 32-bit lane): byte S twice as int16 (0, S) and (0, S), or bytes
 // S and S + 1 as int16 (0, S), (0, S + 1).
-inline __m256i byte_pairs(int first, int second) {
+template <class V> inline typename V::I byte_pairs(int first, int second) {
     const auto word = [&](int lane) { return int(0x80000000u | uint32_t(4 * lane + second) << 16 | 0x8000u) | (4 * lane + first); };
-    return _mm256_setr_epi32(word(0), word(1), word(2), word(3), word(0), word(1), word(2), word(3));
+    return V::lanes4(word(0), word(1), word(2), word(3));
 }
 
 // pshufb mask taking byte S of each row's word as the row's scale in row_scales' form.
-inline __m256i scale_bytes(int s) {
+template <class V> inline typename V::I scale_bytes(int s) {
 #if defined(KVLM_VNNI)
     const auto word = [&](int lane) { return int(0x80808000u | uint32_t(4 * lane + s)); };  // int32 (0, 0, 0, S)
-    return _mm256_setr_epi32(word(0), word(1), word(2), word(3), word(0), word(1), word(2), word(3));
+    return V::lanes4(word(0), word(1), word(2), word(3));
 #else
-    return byte_pairs(s, s);
+    return byte_pairs<V>(s, s);
 #endif
 }
 
 // Q4_K and Q5_K: per super-block, the 8 sub-blocks' dot products times their 6-bit scales summed in int32 per row,
 // the mins times the activations' 32-sums likewise; then d and dmin times the activations' step.
-template <int TYPE, int R>
-inline void k45_tile(const uint8_t* tile, int64_t n_super, const ActRows<R>& act, __m256 out[R]) {
+template <int TYPE, int R, class V>
+inline void k45_tile(const V& v, const uint8_t* tile, int64_t n_super, const ActRows<R>& act, typename V::F out[R]) {
+    using I = typename V::I;
+    using F = typename V::F;
     constexpr int COLUMN = TILE_ROWS * Traits<TYPE>::bytes;
     constexpr bool five = TYPE == Q5_K;
     constexpr int SUB = five ? 160 : 128;  // bytes of a sub-block's levels
-    const __m256i low6 = _mm256_set1_epi32(0x3f3f3f3f), low4 = _mm256_set1_epi32(0x0f0f0f0f);
-    const __m256i top2 = _mm256_set1_epi32(0x30303030);
-    __m256 acc[R], mins[R];
-    for (int t = 0; t < R; ++t) acc[t] = mins[t] = _mm256_setzero_ps();
+    const I low6 = V::splat32(0x3f3f3f3f), low4 = V::splat32(0x0f0f0f0f), top2 = V::splat32(0x30303030);
+    F acc[R], mins[R];
+    for (int t = 0; t < R; ++t) acc[t] = mins[t] = V::zero_f();
     for (int64_t c = 0; c < n_super; ++c) {
         const uint8_t* column = tile + c * COLUMN;
-        // The packed scales' three words per row (formats.h, k_scales_mins), unpacked for 8 rows at once.
-        const __m256i a = load256(column + 32), b = load256(column + 64), w = load256(column + 96);
-        const __m256i scales[2] = {_mm256_and_si256(a, low6),
-                                   _mm256_or_si256(_mm256_and_si256(w, low4), _mm256_and_si256(_mm256_srli_epi32(a, 2), top2))};
-        const __m256i min_bytes[2] = {
-            _mm256_and_si256(b, low6),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w, 4), low4), _mm256_and_si256(_mm256_srli_epi32(b, 2), top2))};
-        __m256i sums[R];
-        for (int t = 0; t < R; ++t) sums[t] = _mm256_setzero_si256();
+        // The packed scales' three words per row (formats.h, k_scales_mins), unpacked for all rows at once.
+        const I a = v.load(column + 32), b = v.load(column + 64), w = v.load(column + 96);
+        const I scales[2] = {v_and(a, low6), v_or(v_and(w, low4), v_and(v_srli32<2>(a), top2))};
+        const I min_bytes[2] = {v_and(b, low6), v_or(v_and(v_srli32<4>(w), low4), v_and(v_srli32<2>(b), top2))};
+        I sums[R];
+        for (int t = 0; t < R; ++t) sums[t] = V::zero();
         unroll<8>([&](auto s_) {
             constexpr int s = decltype(s_)::value;
-            const __m256i scale = _mm256_shuffle_epi8(scales[s / 4], scale_bytes(s % 4));
+            const I scale = v_shuffle(scales[s / 4], scale_bytes<V>(s % 4));
             const uint8_t* sub = column + 128 + SUB * s;
-            const __m256i plane = five ? load256(sub) : _mm256_setzero_si256();
-            Dots dots[R];
+            const I plane = five ? v.load(sub) : V::zero();
+            Dots<I> dots[R];
             unroll<4>([&](auto p_) {
                 constexpr int p = decltype(p_)::value;
-                __m256i low, high;
-                nibble_levels(sub + (five ? 32 : 0), p, low, high);
+                I low, high;
+                nibble_levels(v, sub + (five ? 32 : 0), p, low, high);
                 if constexpr (five) {
-                    low = _mm256_or_si256(low, fifth_bit<2 * p>(plane));
-                    high = _mm256_or_si256(high, fifth_bit<2 * p + 1>(plane));
+                    low = v_or(low, fifth_bit<2 * p>(plane));
+                    high = v_or(high, fifth_bit<2 * p + 1>(plane));
                 }
                 for (int t = 0; t < R; ++t) {
                     const int8_t* q = act.q[t] + 256 * c + 32 * s + 8 * p;
                     dots[t].add4(low, q);
                     dots[t].add4(high, q + 4);
                 }
-                if constexpr (five && p == 1 && Dots::narrow)
+                if constexpr (five && p == 1 && Dots<I>::narrow)
                     for (int t = 0; t < R; ++t) flush(dots[t], sums[t], scale);
             });
             for (int t = 0; t < R; ++t) flush(dots[t], sums[t], scale);
         });
-        const __m256 d = f16x8(column), dmin = f16x8(column + 16);
+        const F d = v.per_tile([&](int64_t at) { return f16x8(column + at); });
+        const F dmin = v.per_tile([&](int64_t at) { return f16x8(column + 16 + at); });
         for (int t = 0; t < R; ++t) {
-            __m256i min_sum = _mm256_setzero_si256();
+            I min_sum = V::zero();
             for (int k = 0; k < 4; ++k) {  // mins 2k and 2k + 1 times the activations' 32-sums 2k and 2k + 1
-                const __m256i pair = _mm256_shuffle_epi8(min_bytes[k / 2], byte_pairs(2 * (k % 2), 2 * (k % 2) + 1));
+                const I pair = v_shuffle(min_bytes[k / 2], byte_pairs<V>(2 * (k % 2), 2 * (k % 2) + 1));
                 int32_t sums32;
                 std::memcpy(&sums32, act.sum32[t] + 8 * c + 2 * k, 4);
-                min_sum = _mm256_add_epi32(min_sum, _mm256_madd_epi16(pair, _mm256_set1_epi32(sums32)));
+                min_sum = v_add32(min_sum, v_madd(pair, V::splat32(sums32)));
             }
-            const __m256 step = _mm256_set1_ps(act.step[t][c]);
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t]), _mm256_mul_ps(d, step), acc[t]);
-            mins[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(min_sum), _mm256_mul_ps(dmin, step), mins[t]);
+            const F step = V::splat(act.step[t][c]);
+            acc[t] = v_fmadd(v_float(sums[t]), v_mul(d, step), acc[t]);
+            mins[t] = v_fmadd(v_float(min_sum), v_mul(dmin, step), mins[t]);
         }
     }
-    for (int t = 0; t < R; ++t) out[t] = _mm256_sub_ps(acc[t], mins[t]);
+    for (int t = 0; t < R; ++t) out[t] = v_sub(acc[t], mins[t]);
 }
 
 // Q6_K: per super-block, 16 sub-blocks of 16 weights with signed 8-bit scales, levels centered at 32 (the center
 // times the scales and the activations' 16-sums is subtracted once per super-block).
-template <int R>
-inline void q6k_tile(const uint8_t* tile, int64_t n_super, const ActRows<R>& act, __m256 out[R]) {
+template <int R, class V>
+inline void q6k_tile(const V& v, const uint8_t* tile, int64_t n_super, const ActRows<R>& act, typename V::F out[R]) {
+    using I = typename V::I;
+    using F = typename V::F;
     constexpr int COLUMN = TILE_ROWS * Traits<Q6_K>::bytes;
-    const __m256i low16 = _mm256_set1_epi32(0xffff);
-    __m256 acc[R], centers[R];
-    for (int t = 0; t < R; ++t) acc[t] = centers[t] = _mm256_setzero_ps();
+    const I low16 = V::splat32(0xffff);
+    F acc[R], centers[R];
+    for (int t = 0; t < R; ++t) acc[t] = centers[t] = V::zero_f();
     for (int64_t c = 0; c < n_super; ++c) {
         const uint8_t* column = tile + c * COLUMN;
-        __m256i sums[R], center_sums[R];
-        for (int t = 0; t < R; ++t) sums[t] = center_sums[t] = _mm256_setzero_si256();
+        I sums[R], center_sums[R];
+        for (int t = 0; t < R; ++t) sums[t] = center_sums[t] = V::zero();
         unroll<8>([&](auto pair_) {
             constexpr int pair = decltype(pair_)::value;
-            __m256i scale[2];  // sub-blocks 2 pair and 2 pair + 1: each row's scale as Dots::times takes it
-            __m256i wide[2];
+            I scale[2];  // sub-blocks 2 pair and 2 pair + 1: each row's scale as Dots::times takes it
+            I wide[2];
             for (int h = 0; h < 2; ++h) {
-                wide[h] = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(column + 16 + 8 * (2 * pair + h))));
+                wide[h] = v.per_tile([&](int64_t at) {
+                    return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(column + at + 16 + 8 * (2 * pair + h))));
+                });
                 scale[h] = row_scales(wide[h]);
             }
-            const __m256i both = _mm256_or_si256(_mm256_and_si256(wide[0], low16), _mm256_slli_epi32(wide[1], 16));
+            const I both = v_or(v_and(wide[0], low16), v_slli32<16>(wide[1]));
             for (int h = 0; h < 2; ++h) {
                 const uint8_t* sub = column + 144 + 96 * (2 * pair + h);
-                const __m256i plane = load256(sub);
-                __m256i l0, l1, l2, l3;
-                nibble_levels(sub + 32, 0, l0, l1);
-                nibble_levels(sub + 32, 1, l2, l3);
-                l0 = _mm256_or_si256(l0, high_pair<0>(plane));
-                l1 = _mm256_or_si256(l1, high_pair<1>(plane));
-                l2 = _mm256_or_si256(l2, high_pair<2>(plane));
-                l3 = _mm256_or_si256(l3, high_pair<3>(plane));
+                const I plane = v.load(sub);
+                I l0, l1, l2, l3;
+                nibble_levels(v, sub + 32, 0, l0, l1);
+                nibble_levels(v, sub + 32, 1, l2, l3);
+                l0 = v_or(l0, high_pair<0>(plane));
+                l1 = v_or(l1, high_pair<1>(plane));
+                l2 = v_or(l2, high_pair<2>(plane));
+                l3 = v_or(l3, high_pair<3>(plane));
                 for (int t = 0; t < R; ++t) {  // int16 pairs hold 2 registers' products of 6-bit levels
                     const int8_t* q = act.q[t] + 256 * c + 16 * (2 * pair + h);
-                    Dots dots;
+                    Dots<I> dots;
                     dots.add4(l0, q);
                     dots.add4(l1, q + 4);
-                    if constexpr (Dots::narrow) flush(dots, sums[t], scale[h]);
+                    if constexpr (Dots<I>::narrow) flush(dots, sums[t], scale[h]);
                     dots.add4(l2, q + 8);
                     dots.add4(l3, q + 12);
                     flush(dots, sums[t], scale[h]);
@@ -468,17 +497,17 @@ inline void q6k_tile(const uint8_t* tile, int64_t n_super, const ActRows<R>& act
             for (int t = 0; t < R; ++t) {
                 int32_t sums16;
                 std::memcpy(&sums16, act.sum16[t] + 16 * c + 2 * pair, 4);
-                center_sums[t] = _mm256_add_epi32(center_sums[t], _mm256_madd_epi16(both, _mm256_set1_epi32(sums16)));
+                center_sums[t] = v_add32(center_sums[t], v_madd(both, V::splat32(sums16)));
             }
         });
-        const __m256 d = f16x8(column);
+        const F d = v.per_tile([&](int64_t at) { return f16x8(column + at); });
         for (int t = 0; t < R; ++t) {
-            const __m256 step = _mm256_mul_ps(d, _mm256_set1_ps(act.step[t][c]));
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t]), step, acc[t]);
-            centers[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(center_sums[t]), step, centers[t]);
+            const F step = v_mul(d, V::splat(act.step[t][c]));
+            acc[t] = v_fmadd(v_float(sums[t]), step, acc[t]);
+            centers[t] = v_fmadd(v_float(center_sums[t]), step, centers[t]);
         }
     }
-    for (int t = 0; t < R; ++t) out[t] = _mm256_fnmadd_ps(centers[t], _mm256_set1_ps(32.0f), acc[t]);
+    for (int t = 0; t < R; ++t) out[t] = v_fnmadd(centers[t], V::splat(32.0f), acc[t]);
 }
 
 // Rows' int32 values a, b as int16 pairs (a, b): madd with two activation sums (s_a, s_b) gives a s_a + b s_b.
@@ -519,7 +548,7 @@ inline void q2k_tile(const uint8_t* tile, int64_t n_super, const ActRows<R>& act
                 const __m256i x = load256(column + 160 + 32 * j);
                 for (int t = 0; t < R; ++t) {  // int16 pairs: 4 registers' 2 products of levels <= 3
                     const int8_t* q = act.q[t] + 256 * c + 16 * j;
-                    Dots dots;
+                    Dots<> dots;
                     dots.add4(pair_levels<0>(x), q);
                     dots.add4(pair_levels<1>(x), q + 4);
                     dots.add4(pair_levels<2>(x), q + 8);
@@ -581,7 +610,7 @@ inline void q3k_tile(const uint8_t* tile, int64_t n_super, const ActRows<R>& act
                 const __m256i scale = row_scales(scales[half]);
                 for (int t = 0; t < R; ++t) {  // int16 pairs: 4 registers' 2 products of levels <= 7
                     const int8_t* q = act.q[t] + 256 * c + 32 * h + 16 * half;
-                    Dots dots;
+                    Dots<> dots;
                     dots.add4(l0, q);
                     dots.add4(l1, q + 4);
                     dots.add4(l2, q + 8);
@@ -622,7 +651,7 @@ inline void iq4xs_tile(const uint8_t* tile, int64_t n_super, const ActRows<R>& a
                 _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(low, 4 * s), _mm256_set1_epi32(15)),
                                 _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(high, 2 * s), _mm256_set1_epi32(3)), 4)),
                 _mm256_set1_epi32(32)));
-            Dots dots[R];  // int16 pairs hold one register's products (2 * 127 * 127)
+            Dots<> dots[R];  // int16 pairs hold one register's products (2 * 127 * 127)
             for (int p = 0; p < 4; ++p) {
                 __m256i codes[2];
                 nibble_levels(column + 64 + 128 * s, p, codes[0], codes[1]);
@@ -630,11 +659,11 @@ inline void iq4xs_tile(const uint8_t* tile, int64_t n_super, const ActRows<R>& a
                     const __m256i w = _mm256_shuffle_epi8(values, codes[half]), magnitude = _mm256_sign_epi8(w, w);
                     for (int t = 0; t < R; ++t) {
                         dots[t].add(magnitude, _mm256_sign_epi8(broadcast4(act.q[t] + 256 * c + 32 * s + 8 * p + 4 * half), w));
-                        if constexpr (Dots::narrow) flush(dots[t], sums[t], scale);
+                        if constexpr (Dots<>::narrow) flush(dots[t], sums[t], scale);
                     }
                 }
             }
-            if constexpr (!Dots::narrow)
+            if constexpr (!Dots<>::narrow)
                 for (int t = 0; t < R; ++t) flush(dots[t], sums[t], scale);
         });
         const __m256 d = f16x8(column);
@@ -666,7 +695,7 @@ inline void iq3s_tile(const uint8_t* tile, int64_t n_super, const ActRows<R>& ac
                 _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(scale_words, _mm256_set1_epi32(4 * s)), _mm256_set1_epi32(15)), 1),
                 _mm256_set1_epi32(1)));
             const __m256i ninth = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(column + 560 + 8 * s)));
-            Dots dots[R];
+            Dots<> dots[R];
             unroll<8>([&](auto g_) {  // weights 32 s + 4 g .. + 3 of each row
                 constexpr int g = decltype(g_)::value;
                 const uint8_t* index = column + 48 + 8 * (8 * s + g);
@@ -695,17 +724,30 @@ inline void iq3s_tile(const uint8_t* tile, int64_t n_super, const ActRows<R>& ac
     for (int t = 0; t < R; ++t) out[t] = acc[t];
 }
 
-// An interleaved tile of k columns times R activation rows from r0: 8 outputs per activation row.
-template <int TYPE, int R>
-inline void tile_times(const uint8_t* tile, int64_t k, const QuantizedRows& act, int64_t r0, __m256 out[R]) {
+// Whether two adjacent tiles of this type are multiplied in one 512-bit register (lanes.h): the kernels written
+// over Rows8 / Rows16; the others read 8 rows at a time.
+constexpr bool wide_tiles([[maybe_unused]] int type) {
+#if defined(KVLM_WIDE_TILES)
+    return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0 || type == MXFP4 ||
+           type == Q4_K || type == Q5_K || type == Q6_K;
+#else
+    return false;
+#endif
+}
+
+// An interleaved tile (or two: Rows16) of k columns times R activation rows from r0: a register of outputs per
+// activation row.
+template <int TYPE, int R, class V>
+inline void tile_times(const V& v, const uint8_t* tile, int64_t k, const QuantizedRows& act, int64_t r0,
+                       typename V::F out[R]) {
     const ActRows<R> rows(act, r0);
-    if constexpr (TYPE == Q6_K) q6k_tile<R>(tile, k / 256, rows, out);
+    if constexpr (TYPE == Q6_K) q6k_tile<R>(v, tile, k / 256, rows, out);
+    else if constexpr (TYPE == Q4_K || TYPE == Q5_K) k45_tile<TYPE, R>(v, tile, k / 256, rows, out);
+    else if constexpr (!is_k_quant<TYPE>()) legacy_tile<TYPE, R>(v, tile, k / 32, rows, out);
     else if constexpr (TYPE == Q2_K) q2k_tile<R>(tile, k / 256, rows, out);
     else if constexpr (TYPE == Q3_K) q3k_tile<R>(tile, k / 256, rows, out);
     else if constexpr (TYPE == IQ4_XS) iq4xs_tile<R>(tile, k / 256, rows, out);
     else if constexpr (TYPE == IQ3_S) iq3s_tile<R>(tile, k / 256, rows, out);
-    else if constexpr (is_k_quant<TYPE>()) k45_tile<TYPE, R>(tile, k / 256, rows, out);
-    else legacy_tile<TYPE, R>(tile, k / 32, rows, out);
 }
 
 #else

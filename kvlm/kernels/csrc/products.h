@@ -152,33 +152,51 @@ template <class F> inline void with_pass_rows(int n, F&& f) {
     with_pass_rows_of(n, f, std::make_integer_sequence<int, MAX_PASS_ROWS>{});
 }
 
+inline void store_floats(float* at, __m256 v) { _mm256_storeu_ps(at, v); }
+#if defined(KVLM_WIDE_TILES)
+inline void store_floats(float* at, __m512 v) { _mm512_storeu_ps(at, v); }
+#endif
+
+// The V::rows tiles' rows (one tile, or two adjacent ones: lanes.h) from `tile` times the activation rows `span`,
+// into y's columns from `column`, a pass of tile_pass_rows(TYPE) activation rows at a time.
+template <int TYPE, class V> void tile_passes(const V& v, const uint8_t* tile, int64_t k, const QuantizedRows& act,
+                                              RowSpan span, void* y, bool y_bf16, int64_t y_cols, int64_t column) {
+    const int per_pass = tile_pass_rows(TYPE);
+    for (int64_t r0 = span.begin; r0 < span.end; r0 += per_pass) {
+        const int n = int(std::min<int64_t>(per_pass, span.end - r0));
+        typename V::F out[MAX_PASS_ROWS];
+        with_pass_rows(n, [&](auto rows) { tile_times<TYPE, decltype(rows)::value>(v, tile, k, act, r0, out); });
+        for (int r = 0; r < n; ++r) {
+            const int64_t at = (r0 + r) * y_cols + column;
+            if (y_bf16) {
+                alignas(64) float values[V::rows];
+                store_floats(values, out[r]);
+                for (int i = 0; i < V::rows; ++i) static_cast<uint16_t*>(y)[at + i] = float_to_bf16(values[i]);
+            } else {
+                store_floats(static_cast<float*>(y) + at, out[r]);
+            }
+        }
+    }
+}
+
 // Tiles t0 <= t < t1 of one interleaved part times the activation rows `span`, into y's columns offset + 8 t ...
-// The tiles are read as one stream, left to the hardware prefetcher: prefetching each next tile whole from here made
-// batch-1 decode slower on Zen 3 (a 7B-shaped layer's products 13.4 vs 22.9 GB/s, SmolLM2 93 vs 110 tokens/s),
-// its burst of prefetches filling the miss buffers the loads then wait for.
+// Two at a time in 512-bit registers where the type has such kernels (wide_tiles), the odd one out alone: a row's
+// bits are the same either way. The tiles are read as one stream, left to the hardware prefetcher: prefetching each
+// next tile whole from here made batch-1 decode slower on Zen 3 (a 7B-shaped layer's products 13.4 vs 22.9 GB/s,
+// SmolLM2 93 vs 110 tokens/s), its burst of prefetches filling the miss buffers the loads then wait for.
 template <int TYPE> void product_tiles(const uint8_t* weights, int64_t k, int64_t t0, int64_t t1,
                                        const QuantizedRows& act, RowSpan span, void* y, bool y_bf16, int64_t y_cols,
                                        int64_t y_offset) {
     const int64_t tile_bytes = TILE_ROWS * row_bytes<TYPE>(k);
-    const int per_pass = tile_pass_rows(TYPE);
-    for (int64_t t = t0; t < t1; ++t) {
-        const uint8_t* tile = weights + t * tile_bytes;
-        for (int64_t r0 = span.begin; r0 < span.end; r0 += per_pass) {
-            const int n = int(std::min<int64_t>(per_pass, span.end - r0));
-            __m256 out[MAX_PASS_ROWS];
-            with_pass_rows(n, [&](auto rows) { tile_times<TYPE, decltype(rows)::value>(tile, k, act, r0, out); });
-            for (int r = 0; r < n; ++r) {
-                const int64_t at = (r0 + r) * y_cols + y_offset + TILE_ROWS * t;
-                if (y_bf16) {
-                    alignas(32) float values[TILE_ROWS];
-                    _mm256_store_ps(values, out[r]);
-                    for (int i = 0; i < TILE_ROWS; ++i) static_cast<uint16_t*>(y)[at + i] = float_to_bf16(values[i]);
-                } else {
-                    _mm256_storeu_ps(static_cast<float*>(y) + at, out[r]);
-                }
-            }
-        }
-    }
+    int64_t t = t0;
+#if defined(KVLM_WIDE_TILES)
+    if constexpr (wide_tiles(TYPE))
+        for (; t + 1 < t1; t += 2)
+            tile_passes<TYPE>(Rows16{tile_bytes}, weights + t * tile_bytes, k, act, span, y, y_bf16, y_cols,
+                              y_offset + TILE_ROWS * t);
+#endif
+    for (; t < t1; ++t)
+        tile_passes<TYPE>(Rows8{}, weights + t * tile_bytes, k, act, span, y, y_bf16, y_cols, y_offset + TILE_ROWS * t);
 }
 #endif
 
