@@ -25,6 +25,17 @@ from kvlm.startup import START_CPUS
 
 SOURCE = Path(__file__).with_name("arith_peak.cpp")
 INT8 = "int8_avx2"  # the mix the products use on every x86-64 CPU kvlm builds tiles for
+VNNI512 = "int8_vnni512"  # theirs where the kernels sum with AVX-512 VNNI in 512-bit registers
+
+
+def products_peak(measured: dict[str, float]) -> tuple[str, float]:
+    """The int8 peak the native products can reach here: vpdpbusd on 512-bit registers where the kernels were built
+    with it (kvlm.kernels' isa names "avx512-vnni"), else the vpmaddubsw + vpmaddwd mix. (name, multiply-adds/s)."""
+    from kvlm.kernels import native_kernels
+
+    kernels = native_kernels()
+    name = VNNI512 if kernels is not None and "avx512-vnni" in kernels.isa and VNNI512 in measured else INT8
+    return name, measured.get(name, float("nan"))
 
 
 def program() -> Path:

@@ -223,11 +223,12 @@ def compare(args: argparse.Namespace) -> dict:
 def machine_limits(threads: int) -> dict[str, float]:
     """The int8 multiply-add peak (bench.arith_peak) and the memory read bandwidth (bench.memory_bandwidth) on
     `threads` threads: the ceilings under prefill and batch-1 decode."""
-    from bench.arith_peak import INT8, peaks
+    from bench.arith_peak import peaks, products_peak
     from bench.memory_bandwidth import read_gb_per_s
 
     torch.set_num_threads(threads)
-    return {"int8": peaks(threads).get(INT8, float("nan")), "GB/s": read_gb_per_s(2.0, 5)}
+    mix, peak = products_peak(peaks(threads))
+    return {"int8": peak, "int8 mix": mix, "GB/s": read_gb_per_s(2.0, 5)}
 
 
 def print_limits(path: Path, limits: dict[str, float], warm: dict[str, dict]) -> None:
@@ -236,7 +237,7 @@ def print_limits(path: Path, limits: dict[str, float], warm: dict[str, dict]) ->
     from bench.arith_peak import token_costs
 
     multiply_adds, read = token_costs(path)
-    print(f"\nmachine: int8 peak {limits['int8'] / 1e9:.1f} G multiply-adds/s (vpmaddubsw+vpmaddwd), read bandwidth "
+    print(f"\nmachine: int8 peak {limits['int8'] / 1e9:.1f} G multiply-adds/s ({limits['int8 mix']}), read bandwidth "
           f"{limits['GB/s']:.1f} GB/s; a token: {multiply_adds / 1e9:.2f} G multiply-adds in a prompt, "
           f"{read / 1e9:.2f} GB read in decode")
     for label, result in warm.items():

@@ -52,7 +52,8 @@ def main() -> None:
     if kernels is None or not kernels.tiles:
         raise SystemExit("this machine's native kernels do not read tiles")
     threads = torch.get_num_threads()
-    peak = arith_peak.peaks(threads)[arith_peak.INT8] / 1e9
+    mix, peak = arith_peak.products_peak(arith_peak.peaks(threads))
+    peak /= 1e9
     table = []
     for name in args.types:
         qtype = T[name]
@@ -64,7 +65,7 @@ def main() -> None:
         table.append([name, *(f"{by_count[c]:.1f} ({by_count[c] / peak:.0%})" for c in by_count), best, default])
         print(table[-1], flush=True)
     print(f"\n{machine_line()}; {kernels.isa}; {threads} threads; {ROWS} x {COLS} times {args.rows} rows; "
-          f"int8 peak {peak:.1f} G multiply-adds/s\n")
+          f"int8 peak ({mix}) {peak:.1f} G multiply-adds/s\n")
     counts = range(1, kernels.max_tile_pass_rows + 1)
     print(markdown_table(["type", *(f"{c} rows/pass G/s (of peak)" for c in counts), "fastest", "default"], table))
 
