@@ -179,11 +179,17 @@ template <int TYPE, class V> void tile_passes(const V& v, const uint8_t* tile, i
     }
 }
 
+// Activation rows from which two tiles share each 512-bit register. Below, the products stream the weights from
+// memory, and reading two tiles at once streamed them slower: 4 x 18944 x 3584 Q4_K matrices on a Zen 5, 0.68x at
+// 1 row, 0.80x at 4, 0.95x at 5 (Q6_K 1.12x), 1.35x at 6, 1.5x at 16.
+constexpr int64_t WIDE_MIN_ROWS = 5;
+
 // Tiles t0 <= t < t1 of one interleaved part times the activation rows `span`, into y's columns offset + 8 t ...
-// Two at a time in 512-bit registers where the type has such kernels (wide_tiles), the odd one out alone: a row's
-// bits are the same either way. The tiles are read as one stream, left to the hardware prefetcher: prefetching each
-// next tile whole from here made batch-1 decode slower on Zen 3 (a 7B-shaped layer's products 13.4 vs 22.9 GB/s,
-// SmolLM2 93 vs 110 tokens/s), its burst of prefetches filling the miss buffers the loads then wait for.
+// Two at a time in 512-bit registers where the type has such kernels (wide_tiles) and the rows are many, the odd
+// one out alone: a row's bits are the same either way. The tiles are read as one stream, left to the hardware
+// prefetcher: prefetching each next tile whole from here made batch-1 decode slower on Zen 3 (a 7B-shaped layer's
+// products 13.4 vs 22.9 GB/s, SmolLM2 93 vs 110 tokens/s), its burst of prefetches filling the miss buffers the
+// loads then wait for.
 template <int TYPE> void product_tiles(const uint8_t* weights, int64_t k, int64_t t0, int64_t t1,
                                        const QuantizedRows& act, RowSpan span, void* y, bool y_bf16, int64_t y_cols,
                                        int64_t y_offset) {
@@ -191,7 +197,7 @@ template <int TYPE> void product_tiles(const uint8_t* weights, int64_t k, int64_
     int64_t t = t0;
 #if defined(KVLM_WIDE_TILES)
     if constexpr (wide_tiles(TYPE))
-        for (; t + 1 < t1; t += 2)
+        for (; t + 1 < t1 && span.end - span.begin >= WIDE_MIN_ROWS; t += 2)
             tile_passes<TYPE>(Rows16{tile_bytes}, weights + t * tile_bytes, k, act, span, y, y_bf16, y_cols,
                               y_offset + TILE_ROWS * t);
 #endif
