@@ -112,6 +112,10 @@ def test_the_native_product_is_its_definition(kernels, qtype, m, layout):
     bf16 = kernels.product([matrix])(x.bfloat16())
     assert bf16.dtype == torch.bfloat16
     assert_rounding_close(bf16, x.bfloat16().float(), [plain], relative=2**-8)  # the output rounded to bf16
+    # the same sums as from float32 activations of the same values, rounded as torch rounds (stored a register of
+    # rows at a time by the tiles)
+    rounded = kernels.product([matrix])(x.bfloat16().float()).bfloat16()
+    assert torch.equal(bf16.view(torch.int16), rounded.view(torch.int16))  # bit for bit
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)

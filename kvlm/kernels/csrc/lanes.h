@@ -68,6 +68,28 @@ template <int N> inline __m512i v_srli32(__m512i a) { return _mm512_srli_epi32(a
 template <int N> inline __m512i v_slli32(__m512i a) { return _mm512_slli_epi32(a, N); }
 #endif
 
+// float_to_bf16 (formats.h) of each lane, stored: the same integers (round to nearest even, NaN kept quiet as 0x7fc0).
+inline void store_bf16(uint16_t* at, __m256 values) {
+    const __m256i bits = _mm256_castps_si256(values);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+    const __m256i words = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), nan);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(words, words), 0x08);  // words 0-7 in order
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(at), _mm256_castsi256_si128(packed));
+}
+
+#if defined(KVLM_WIDE_TILES)
+inline void store_bf16(uint16_t* at, __m512 values) {
+    const __m512i bits = _mm512_castps_si512(values);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    const __m512i words = _mm512_mask_blend_epi32(nan, rounded, _mm512_set1_epi32(0x7fc0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(at), _mm512_cvtepi32_epi16(words));
+}
+#endif
+
 // --- the two widths ------------------------------------------------------------------------------------------------
 
 // One tile: its 8 rows in a 256-bit register.

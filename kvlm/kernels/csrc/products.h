@@ -169,9 +169,7 @@ template <int TYPE, class V> void tile_passes(const V& v, const uint8_t* tile, i
         for (int r = 0; r < n; ++r) {
             const int64_t at = (r0 + r) * y_cols + column;
             if (y_bf16) {
-                alignas(64) float values[V::rows];
-                store_floats(values, out[r]);
-                for (int i = 0; i < V::rows; ++i) static_cast<uint16_t*>(y)[at + i] = float_to_bf16(values[i]);
+                store_bf16(static_cast<uint16_t*>(y) + at, out[r]);  // float_to_bf16's bits, a register at a time
             } else {
                 store_floats(static_cast<float*>(y) + at, out[r]);
             }
