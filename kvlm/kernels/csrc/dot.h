@@ -187,15 +187,6 @@ template <int N, class F> inline void unroll(F&& f) { unroll_each(f, std::make_i
 
 inline __m256 f16x8(const uint8_t* p) { return _mm256_cvtph_ps(load128(p)); }
 
-template <class I> inline I splat32(int32_t v);
-template <> inline __m256i splat32<__m256i>(int32_t v) { return _mm256_set1_epi32(v); }
-template <class I> inline I splat8(char v);
-template <> inline __m256i splat8<__m256i>(char v) { return _mm256_set1_epi8(v); }
-#if defined(KVLM_WIDE_TILES)
-template <> inline __m512i splat32<__m512i>(int32_t v) { return _mm512_set1_epi32(v); }
-template <> inline __m512i splat8<__m512i>(char v) { return _mm512_set1_epi8(v); }
-#endif
-
 // Four activations, the same in every lane.
 template <class I = __m256i> inline I broadcast4(const int8_t* a) {
     int32_t v;
@@ -395,7 +386,7 @@ inline void k45_tile(const V& v, const uint8_t* tile, int64_t n_super, const Act
     constexpr int COLUMN = TILE_ROWS * Traits<TYPE>::bytes;
     constexpr bool five = TYPE == Q5_K;
     constexpr int SUB = five ? 160 : 128;  // bytes of a sub-block's levels
-    const I low6 = V::splat32(0x3f3f3f3f), low4 = V::splat32(0x0f0f0f0f), top2 = V::splat32(0x30303030);
+    const I low6 = splat32<I>(0x3f3f3f3f), low4 = splat32<I>(0x0f0f0f0f), top2 = splat32<I>(0x30303030);
     F acc[R], mins[R];
     for (int t = 0; t < R; ++t) acc[t] = mins[t] = V::zero_f();
     for (int64_t c = 0; c < n_super; ++c) {
@@ -438,7 +429,7 @@ inline void k45_tile(const V& v, const uint8_t* tile, int64_t n_super, const Act
                 const I pair = v_shuffle(min_bytes[k / 2], byte_pairs<V>(2 * (k % 2), 2 * (k % 2) + 1));
                 int32_t sums32;
                 std::memcpy(&sums32, act.sum32[t] + 8 * c + 2 * k, 4);
-                min_sum = v_add32(min_sum, v_madd(pair, V::splat32(sums32)));
+                min_sum = v_add32(min_sum, v_madd(pair, splat32<I>(sums32)));
             }
             const F step = V::splat(act.step[t][c]);
             acc[t] = v_fmadd(v_float(sums[t]), v_mul(d, step), acc[t]);
@@ -455,7 +446,7 @@ inline void q6k_tile(const V& v, const uint8_t* tile, int64_t n_super, const Act
     using I = typename V::I;
     using F = typename V::F;
     constexpr int COLUMN = TILE_ROWS * Traits<Q6_K>::bytes;
-    const I low16 = V::splat32(0xffff);
+    const I low16 = splat32<I>(0xffff);
     F acc[R], centers[R];
     for (int t = 0; t < R; ++t) acc[t] = centers[t] = V::zero_f();
     for (int64_t c = 0; c < n_super; ++c) {
@@ -497,7 +488,7 @@ inline void q6k_tile(const V& v, const uint8_t* tile, int64_t n_super, const Act
             for (int t = 0; t < R; ++t) {
                 int32_t sums16;
                 std::memcpy(&sums16, act.sum16[t] + 16 * c + 2 * pair, 4);
-                center_sums[t] = v_add32(center_sums[t], v_madd(both, V::splat32(sums16)));
+                center_sums[t] = v_add32(center_sums[t], v_madd(both, splat32<I>(sums16)));
             }
         });
         const F d = v.per_tile([&](int64_t at) { return f16x8(column + at); });

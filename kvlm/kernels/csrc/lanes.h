@@ -37,6 +37,10 @@ inline __m256 v_add(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
 inline __m256 v_sub(__m256 a, __m256 b) { return _mm256_sub_ps(a, b); }
 inline __m256 v_fmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
 inline __m256 v_fnmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fnmadd_ps(a, b, c); }
+template <class I> inline I splat32(int32_t v);  // v in every 32-bit lane
+template <> inline __m256i splat32<__m256i>(int32_t v) { return _mm256_set1_epi32(v); }
+template <class I> inline I splat8(char v);  // v in every byte
+template <> inline __m256i splat8<__m256i>(char v) { return _mm256_set1_epi8(v); }
 template <int N> inline __m256i v_srli16(__m256i a) { return _mm256_srli_epi16(a, N); }
 template <int N> inline __m256i v_slli16(__m256i a) { return _mm256_slli_epi16(a, N); }
 template <int N> inline __m256i v_srli32(__m256i a) { return _mm256_srli_epi32(a, N); }
@@ -62,6 +66,8 @@ inline __m512 v_add(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
 inline __m512 v_sub(__m512 a, __m512 b) { return _mm512_sub_ps(a, b); }
 inline __m512 v_fmadd(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
 inline __m512 v_fnmadd(__m512 a, __m512 b, __m512 c) { return _mm512_fnmadd_ps(a, b, c); }
+template <> inline __m512i splat32<__m512i>(int32_t v) { return _mm512_set1_epi32(v); }
+template <> inline __m512i splat8<__m512i>(char v) { return _mm512_set1_epi8(v); }
 template <int N> inline __m512i v_srli16(__m512i a) { return _mm512_srli_epi16(a, N); }
 template <int N> inline __m512i v_slli16(__m512i a) { return _mm512_slli_epi16(a, N); }
 template <int N> inline __m512i v_srli32(__m512i a) { return _mm512_srli_epi32(a, N); }
@@ -96,13 +102,9 @@ inline void store_bf16(uint16_t* at, __m512 values) {
 struct Rows8 {
     using I = __m256i;
     using F = __m256;
-    static constexpr int rows = 8;
-
     I load(const uint8_t* p) const { return load256(p); }
     // f(offset) computed for the tile (offset 0): what is made per tile from a few bytes (scales).
     template <class Fn> static auto per_tile(Fn&& f) { return f(int64_t(0)); }
-    static I splat32(int32_t v) { return _mm256_set1_epi32(v); }
-    static I splat8(char v) { return _mm256_set1_epi8(v); }
     static F splat(float v) { return _mm256_set1_ps(v); }
     static I zero() { return _mm256_setzero_si256(); }
     static F zero_f() { return _mm256_setzero_ps(); }
@@ -115,13 +117,10 @@ struct Rows8 {
 struct Rows16 {
     using I = __m512i;
     using F = __m512;
-    static constexpr int rows = 16;
     int64_t stride;
 
     I load(const uint8_t* p) const { return _mm512_inserti64x4(_mm512_castsi256_si512(load256(p)), load256(p + stride), 1); }
     template <class Fn> auto per_tile(Fn&& f) const { return join(f(int64_t(0)), f(stride)); }
-    static I splat32(int32_t v) { return _mm512_set1_epi32(v); }
-    static I splat8(char v) { return _mm512_set1_epi8(v); }
     static F splat(float v) { return _mm512_set1_ps(v); }
     static I zero() { return _mm512_setzero_si512(); }
     static F zero_f() { return _mm512_setzero_ps(); }

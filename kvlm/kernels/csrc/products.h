@@ -157,7 +157,7 @@ inline void store_floats(float* at, __m256 v) { _mm256_storeu_ps(at, v); }
 inline void store_floats(float* at, __m512 v) { _mm512_storeu_ps(at, v); }
 #endif
 
-// The V::rows tiles' rows (one tile, or two adjacent ones: lanes.h) from `tile` times the activation rows `span`,
+// The rows of one tile, or of two adjacent ones (V: lanes.h), from `tile` times the activation rows `span`,
 // into y's columns from `column`, a pass of tile_pass_rows(TYPE) activation rows at a time.
 template <int TYPE, class V> void tile_passes(const V& v, const uint8_t* tile, int64_t k, const QuantizedRows& act,
                                               RowSpan span, void* y, bool y_bf16, int64_t y_cols, int64_t column) {
