@@ -9,8 +9,10 @@ quantized to Q4_K_M (gpt-oss: MXFP4_MOE) by llama.cpp's own quantizer, cached in
 weights say nothing of quality; memory, loading and speed are what a real file of that shape gets.
 
 Every measurement runs in a child process of its own (llama.cpp's threads spin after a call and would slow kvlm
-beside them), engines interleaved. In a child: the engine loads the file (for "cold", after its pages were evicted
-from the page cache with posix_fadvise) and makes a context of --n-ctx cells; "start" is load + context. Then one
+beside them), engines interleaved. A first kvlm child loads the model once, untimed, so that its tiles file
+(kvlm.loader.tile_cache) is there as it is for every start after a user's first. In a child: the engine loads the
+file (for "cold", after its pages, and every kvlm tiles file's, were evicted from the page cache with
+posix_fadvise) and makes a context of --n-ctx cells; "start" is load + context. Then one
 512-token prompt in one batch (prefill tokens/s), then --tokens greedy tokens one at a time after it (decode
 tokens/s). Peak resident memory is the child's VmHWM; steady is its resident memory after decoding. llama.cpp
 maps the file, so its resident memory counts the file's pages (shared with the page cache) as well as its
@@ -38,6 +40,9 @@ from bench.common import machine_line, markdown_table  # noqa: E402
 from bench.multi_sequence import KvlmContext  # noqa: E402
 from kvlm import load_model  # noqa: E402
 from kvlm.loader.memory_plan import MemoryRequest, peak_resident_bytes, resident_bytes  # noqa: E402
+from kvlm.loader.tile_cache import SUFFIX as TILES_SUFFIX  # noqa: E402
+from kvlm.loader.tile_cache import WRITER as TILES_WRITER  # noqa: E402
+from kvlm.loader.tile_cache import cache_directory  # noqa: E402
 from kvlm.memory.kv_store import AUTO, resolve_kv_dtype  # noqa: E402
 
 KVLM, LLAMA = "kvlm defaults", "llama.cpp"
@@ -47,12 +52,15 @@ MEASURES = ("start s", "peak GiB", "steady GiB", "prefill tok/s", "decode tok/s"
 
 
 def evict(path: Path) -> None:
-    """Drop the file's pages from the OS page cache (clean pages of a file nobody maps go)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    """Drop the file's pages, and every kvlm tiles file's, from the OS page cache (clean pages of a file nobody maps
+    go): a cold start reads the model from disk, whichever file it reads it from."""
+    tiles = cache_directory()
+    for file in [path, *(tiles.glob("*" + TILES_SUFFIX) if tiles is not None and tiles.is_dir() else [])]:
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def measure(open_engine, make_context, vocab: int, tokens: int, sequences: int) -> dict:
@@ -110,6 +118,12 @@ def child(args: argparse.Namespace) -> None:
             def make_context(engine, n_seq: int):  # one pool for all sequences, as kvlm's
                 return engine.context(args.n_ctx, n_seq, unified=n_seq > 1)
             result = measure(open_engine, make_context, args.child_vocab, args.tokens, args.sequences)
+    elif args.child_prepare:  # a first start: the model's tiles file written (if the cache has none) before timing
+        started = time.perf_counter()
+        load_model(str(path), progress=False, memory=MemoryRequest(n_ctx=args.n_ctx))
+        loaded = time.perf_counter() - started
+        TILES_WRITER.submit(lambda: None).result()
+        result = {"load s": loaded, "tiles written s": time.perf_counter() - started - loaded}
     else:
         def open_engine():
             return load_model(str(path), progress=False,
@@ -122,11 +136,12 @@ def child(args: argparse.Namespace) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def run_child(label: str, path: Path, cold: bool, vocab: int, args: argparse.Namespace, extra_bufts: bool) -> dict:
+def run_child(label: str, path: Path, cold: bool, vocab: int, args: argparse.Namespace, extra_bufts: bool,
+              prepare: bool = False) -> dict:
     command = [sys.executable, "-m", "bench.big_model", "--child", label, "--child-path", str(path),
                "--child-vocab", str(vocab), "--child-extra-bufts", "on" if extra_bufts else "off",
                "--threads", str(args.threads), "--n-ctx", str(args.n_ctx), "--tokens", str(args.tokens),
-               "--sequences", str(args.sequences)]
+               "--sequences", str(args.sequences)] + (["--child-prepare"] if prepare else [])
     # Every core this process started with: torch's OpenMP pinned this one's main thread (and so the children it
     # forks) to one core.
     done = subprocess.run(command + (["--child-cold"] if cold else []), capture_output=True, text=True,
@@ -162,6 +177,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--child-path", help=argparse.SUPPRESS)
     parser.add_argument("--child-vocab", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--child-cold", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--child-prepare", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child-extra-bufts", default="on", help=argparse.SUPPRESS)
     return parser
 
@@ -187,6 +203,9 @@ def compare(args: argparse.Namespace) -> dict:
     runs: dict[tuple[str, bool], list[dict]] = {(label, cold): [] for label in labels for cold in (True, False)}
     parallel = f"{args.sequences} seqs tok/s"
     measures = MEASURES + ((parallel,) if args.sequences else ())
+    first = run_child(KVLM, path, False, vocab, args, extra_bufts, prepare=True)
+    print(f"kvlm's first start: load {first['load s']:.2f} s, then its tiles file written in "
+          f"{first['tiles written s']:.2f} s (nothing to write where the cache had it)", flush=True)
     for repeat in range(args.repeats):  # engines interleaved: a slow phase of the machine hits both
         for label in labels:
             for cold in (True, False):

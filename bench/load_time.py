@@ -8,9 +8,10 @@ once first). In the child:
 
 - load: kvlm `load_model(path, dtype, quant=...)`: the file's header, its memory plan, its tensors read one at a
   time into their kernels' form (a quantized file's blocks as they are, dense bf16 copies where the plan has room),
-  its tokenizer. There is no cache of a loaded model: every start reads the file. On a machine's first start kvlm
-  also builds its native kernels ("first start": each such child gets an empty $KVLM_HOME, so it builds them; the
-  other kvlm rows find them built). llama.cpp `llama_model_load_from_file` with its defaults (mmap, extra buffer
+  its tokenizer; after a first start, the matrices kept in tiles are mapped from the tiles file it wrote
+  (kvlm.loader.tile_cache; models with less than 128 MiB of them have none). On a machine's first start kvlm
+  also builds its native kernels ("first start": each such child gets an empty $KVLM_HOME, so it builds them and
+  writes the tiles file; the other kvlm rows find them there). llama.cpp `llama_model_load_from_file` with its defaults (mmap, extra buffer
   types as --llama-extra-bufts resolves them).
 - context: kvlm `Context(n_ctx, n_batch = n_ubatch = 512, one sequence)`; llama.cpp `llama_init_from_model` with
   the same sizes. load + context = ready.

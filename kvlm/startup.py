@@ -1,5 +1,7 @@
-"""What must happen before torch starts its OpenMP threads: imported first by `import kvlm`."""
+"""What must happen before torch starts its OpenMP threads: imported first by `import kvlm`; and the threads kvlm
+starts beside its compute (a load's, a background writer's)."""
 import os
+import threading
 
 # Pin OpenMP threads to cores before torch starts them. Unpinned, on small VMs, every parallel op of a
 # batched decode paid for threads migrating between cores: 2-4x slower at 32-64 sequences
@@ -27,3 +29,19 @@ def in_passing_thread(work):
 
     with ThreadPoolExecutor(1, thread_name_prefix="kvlm-load") as pool:
         return pool.submit(work).result()
+
+
+def _yield_to_compute() -> None:
+    """Run niced: while a writer thread checksums and copies, the compute threads keep their cores."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):  # (not on Linux: the thread runs as it is)
+        pass
+
+
+def niced_writer(name: str):
+    """One niced thread that does file work handed to it in order, off the compute's threads; what it was given is
+    finished before the process exits (concurrent.futures waits for its queue)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=_yield_to_compute)

@@ -16,12 +16,21 @@ from __future__ import annotations
 
 import inspect
 import os
+import shutil
+import tempfile
 from functools import cache
 
 # The GPU backend's Triton kernels run on a machine without an NVIDIA GPU through Triton's interpreter, which must be
 # chosen before triton is imported (torch imports it): before kvlm and torch are.
 if not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# A load keeps its model's tiles for the next start (kvlm.loader.tile_cache): this session's in a folder of its own,
+# gone at its end, not in the user's cache (its child processes inherit the variable).
+if "KVLM_TILE_CACHE" not in os.environ:
+    os.environ["KVLM_TILE_CACHE"] = SESSION_TILES = tempfile.mkdtemp(prefix="kvlm-test-tiles-")
+else:
+    SESSION_TILES = None
 
 import kvlm  # noqa: F401  (first: it sets up OpenMP before torch loads)
 import pytest
@@ -45,6 +54,11 @@ SLOW_MODULES = {"test_qwen2_vs_transformers", "test_gemma3", "test_tensor_parall
 @cache
 def _module_text(module) -> str:
     return inspect.getsource(module)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if SESSION_TILES is not None:
+        shutil.rmtree(SESSION_TILES, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -25,17 +25,17 @@ import hashlib
 import json
 import logging
 import os
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from kvlm.memory.seq_state import (VERSION, StateError, blob_checksum, blob_head, decode_state, model_identity,
                                    peek_header)
+from kvlm.startup import niced_writer
 
 log = logging.getLogger("kvlm")
 
@@ -44,17 +44,9 @@ STALE_PARTIAL_S = 600  # an entry file being written this long ago was left by a
 TIER_FORMAT = 1  # of the entry files around the sequence states (their header's fields)
 
 
-def _yield_to_compute() -> None:
-    """The writer thread runs niced: while it checksums and copies, the step's threads keep their cores."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-    except (AttributeError, OSError):  # (not on Linux: the thread runs as it is)
-        pass
-
-
-# Writes and deletes the disk tiers' files in order, off the engine's thread; at exit, what it was given is finished
-# (concurrent.futures waits for its queue).
-WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvlm-prefix-disk", initializer=_yield_to_compute)
+# Writes and deletes the disk tiers' files in order, off the engine's thread, niced; at exit, what it was given is
+# finished.
+WRITER = niced_writer("kvlm-prefix-disk")
 
 
 def fingerprint(model, kv_dtype: str) -> str:

@@ -3,8 +3,9 @@
 Written for kvlm rather than taken from `gguf`'s GGUFReader, which builds a NumPy view for every part of every
 metadata value (seconds for a 150k-token vocabulary) and maps the tensors' data into the process. Here the header is
 parsed in one pass through a memory map, and a tensor's bytes are read (pread) straight into the memory that will
-hold them: the file's pages stay in the OS page cache, never in this process, so reading a model one tensor at a
-time holds no more of the file than the tensors already read.
+hold them, so reading a model one tensor at a time holds no more of the file than the tensors already read; bytes
+kept as they are stored are mapped instead (`mapped`: a private map of their own, gone with them), so they are the
+page cache's pages rather than a copy.
 
 Format (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md): magic "GGUF", version, tensor count, key/value
 count; the key/values; the tensor infos (name, dimensions innermost first, type, offset); padding to the alignment;
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from kvlm.core.errors import ModelFileError
@@ -27,6 +29,7 @@ from kvlm.core.errors import ModelFileError
 MAGIC = b"GGUF"
 READ_BYTES = 64 << 20  # per read call
 DEFAULT_ALIGNMENT = 32
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14; Python names it from 3.13
 # GGUF value types: their struct codes (numbers), or the names of the two that are not numbers.
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
@@ -153,6 +156,10 @@ class GGUFFile:
     def size(self) -> int:
         return len(self._map)
 
+    @property
+    def paths(self) -> list[Path]:
+        return [self.path]
+
     def read_into(self, out, offset: int) -> None:
         """The file's bytes from `offset` into `out` (a contiguous tensor or array: as many bytes as it holds)."""
         view = memoryview(out.numpy() if hasattr(out, "numpy") else out).cast("B")
@@ -163,6 +170,16 @@ class GGUFFile:
                 if n <= 0:
                     raise ModelFileError(f"{self.path}: the file ends before byte {offset + len(view)}")
                 done += n
+
+    def mapped(self, offset: int, nbytes: int) -> torch.Tensor:
+        """The file's bytes offset .. offset + nbytes as a uint8 tensor over a private map of them of its own (a
+        write would copy its page, never reach the file), unmapped when the tensor goes."""
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        with open(self.path, "rb") as f:
+            pages = private_map(f.fileno(), start, offset + nbytes - start)
+        return torch.frombuffer(pages, dtype=torch.uint8, count=nbytes, offset=offset - start)
 
     def check_complete(self, info: TensorInfo) -> None:
         if info.offset + info.nbytes > self.size:
@@ -175,6 +192,17 @@ class GGUFFile:
             self._map.close()
         except BufferError:  # a view of it is still alive somewhere: the map goes when that does
             pass
+
+
+def private_map(fd: int, offset: int, length: int) -> mmap.mmap:
+    """A private map of a file's bytes offset .. offset + length (copy on write: the page cache's pages, shared, until
+    one is written), its pages mapped in one call rather than faulted in one by one as they are first read."""
+    pages = mmap.mmap(fd, length, access=mmap.ACCESS_COPY, offset=offset)
+    try:
+        pages.madvise(MADV_POPULATE_READ)
+    except OSError:  # a kernel before 5.14: the pages come in as they are first read
+        pass
+    return pages
 
 
 def _tensor_bytes(shape: tuple[int, ...], qtype: GGMLQuantizationType) -> int:

@@ -102,6 +102,10 @@ class SplitGGUF:
     def size(self) -> int:
         return self.bases[-1] + self.parts[-1].size
 
+    @property
+    def paths(self) -> list[Path]:
+        return [part.path for part in self.parts]
+
     def _part(self, offset: int, nbytes: int) -> tuple[GGUFFile, int]:
         """The part holding bytes offset .. offset + nbytes of the parts laid end to end, and where they start in it."""
         index = bisect.bisect_right(self.bases, offset) - 1
@@ -114,6 +118,10 @@ class SplitGGUF:
     def read_into(self, out, offset: int) -> None:
         part, local = self._part(offset, out.numel() * out.element_size() if hasattr(out, "numel") else out.nbytes)
         part.read_into(out, local)
+
+    def mapped(self, offset: int, nbytes: int):
+        part, local = self._part(offset, nbytes)
+        return part.mapped(local, nbytes)
 
     def check_complete(self, info: TensorInfo) -> None:
         index = bisect.bisect_right(self.bases, info.offset) - 1

@@ -31,10 +31,12 @@ from kvlm.loader.memory_plan import (
     weight_bytes,
 )
 from kvlm.loader.shard import check_tensor_parallel, make_shard
+from kvlm.loader.tile_cache import DIRECTORY_VARIABLE as TILES_VARIABLE
+from kvlm.loader.tile_cache import TileCache, tile_cache_for
 from kvlm.loader.weights import ModelWeights
 from kvlm.model.decoder import Decoder
 from kvlm.model.graphs import StepGraphs, check_compiler
-from kvlm.model.settings import AUTO, ComputeSettings, resolve_settings
+from kvlm.model.settings import AUTO, FROM_FILE, ComputeSettings, resolve_settings
 from kvlm.text.tokenizer import Tokenizer
 
 
@@ -118,13 +120,25 @@ def load_rank(spec: str, rank: int = 0, size: int = 1, settings: ComputeSettings
     # the kernel (reads, fresh pages) and on the native rearrangement, both outside the GIL (-0.5 s of a 7B's start).
     with ThreadPoolExecutor(1, thread_name_prefix="kvlm-tokenizer") as pool:
         tokenizer = pool.submit(_tokenizer, tokenizer_source) if rank == 0 else None
+        weights.tiles = _tile_cache(weights, settings, rank, size)
         with _progress_bar(source, weights, settings, plan, progress) as bar:
             weights.on_read = lambda name, nbytes: bar.update(nbytes)
             decoder = Decoder(config, weights, settings)
         weights.source.close()
+        if weights.tiles is not None and weights.tiles.save() and progress:
+            print(f"kvlm: keeping this model's tiles in {weights.tiles.path} for faster starts ({TILES_VARIABLE}=0 "
+                  "for none)", file=sys.stderr, flush=True)
         if tokenizer is None:
             return Model(config, decoder, None, source)
         return Model(config, decoder, tokenizer.result(), source, plan)
+
+
+def _tile_cache(weights: ModelWeights, settings: ComputeSettings, rank: int, size: int) -> TileCache | None:
+    """Where a load that keeps the file's blocks for the native products in tiles finds them from an earlier one."""
+    kernels = native_kernels()
+    if settings.quant != FROM_FILE or settings.device != "cpu" or kernels is None or not kernels.tiles:
+        return None
+    return tile_cache_for(weights.source.files, kernels.path.parent.name, (rank, size))
 
 
 def _tokenizer(source: Path | dict[str, Any]) -> Tokenizer:

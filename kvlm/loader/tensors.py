@@ -27,6 +27,8 @@ from kvlm.loader.gguf_reader import GGUFFile, TensorInfo
 from kvlm.loader.gguf_split import SplitGGUF
 
 Stored = BlockMatrix | torch.Tensor
+Layout = Callable[[BlockMatrix], BlockMatrix]  # a block matrix rearranged in place for the kernels that read it
+OWN, MAPPED = "own", "mapped"  # how a block matrix's bytes are kept: read into fresh memory, or the file's mapped
 FLOAT_TYPES = {GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F16: torch.float16,
                GGMLQuantizationType.BF16: torch.bfloat16}
 
@@ -80,6 +82,10 @@ class GGUFTensors:
     def close(self) -> None:
         self.gguf.close()
 
+    @property
+    def files(self) -> list[Path]:
+        return self.gguf.paths
+
     def _info(self, name: str) -> TensorInfo | None:
         return self.gguf.tensors.get(self.renamed.get(name, name))
 
@@ -89,17 +95,22 @@ class GGUFTensors:
         info = self._info(name)
         return None if info is None else Entry(info.shape, info.qtype.name, info.nbytes)
 
-    def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> Stored:
+    def read(self, name: str, rows: slice | None = None, cols: slice | None = None,
+             layout: Layout | None = None) -> Stored:
+        """`layout`: what rearranges a block matrix in place for the kernels (its bytes then read into memory of
+        their own); without, a block matrix is kept as the file stores it, as a private map of the file's bytes
+        where it can be (nothing copied: the pages are the page cache's)."""
         if name in self.experts:
-            return self._expert_parts(self.experts[name], rows, cols)
+            return _laid_out(self._expert_parts(self.experts[name], rows, cols), layout)
         info = self._info(name)
         self.gguf.check_complete(info)
         heads = next((n for ending, n in self.permuted.items() if name.endswith(ending)), 0)
         row_index = _unpermuted_rows(info.shape[0], rows, heads) if heads else rows
         if len(info.shape) == 3:
-            return self._experts(info, rows, cols)
+            return _laid_out(self._experts(info, rows, cols), layout)
         if len(info.shape) == 2 and info.qtype in NATIVE_TYPES:
-            return self._blocks(info, row_index, cols)
+            keep = None if cols is not None else OWN if layout is not None else MAPPED
+            return _laid_out(self._blocks(info, row_index, cols, keep), layout)
         return self._dense(info, row_index, cols)
 
     def _experts(self, info: TensorInfo, rows: slice | None, cols: slice | None) -> Stored:
@@ -144,16 +155,20 @@ class GGUFTensors:
         return self._expert_blocks(info, [t.offset + first * row_bytes for t in parts.tensors], last - first,
                                    row_bytes, cols)
 
-    def _rows(self, info: TensorInfo, rows, kept: bool = False) -> torch.Tensor:
-        """Rows of the tensor's bytes as uint8 [n, row_bytes] in memory of its own (a vector is one row): read
-        with pread, so the file's pages never enter this process. A gather (Q/K rows in Hugging Face order) reads
-        the rows it spans, then picks. `kept`: bytes the model keeps as they are (blocks), not converted and let
-        go."""
+    def _rows(self, info: TensorInfo, rows, keep: str | None = None) -> torch.Tensor:
+        """Rows of the tensor's bytes as uint8 [n, row_bytes] (a vector is one row). `keep`: None for bytes
+        converted and let go (read with pread into memory of their own, so the file's pages never enter this
+        process); OWN for bytes the model keeps and rearranges (read into fresh memory populated in one call);
+        MAPPED for bytes it keeps as they are (a private map of the file's rows). A gather (Q/K rows in Hugging
+        Face order) reads the rows it spans, then picks."""
         n_rows = info.shape[0] if len(info.shape) > 1 else 1
         row_bytes = info.nbytes // n_rows
-        memory = kept_memory if kept else lambda n: torch.empty(n, dtype=torch.uint8)
+        memory = kept_memory if keep is not None else lambda n: torch.empty(n, dtype=torch.uint8)
         if rows is None or isinstance(rows, slice):
             first, last, _ = (rows or slice(None)).indices(n_rows)
+            if keep == MAPPED:
+                return self.gguf.mapped(info.offset + first * row_bytes, (last - first) * row_bytes).view(
+                    last - first, row_bytes)
             out = memory((last - first) * row_bytes).view(last - first, row_bytes)
             self.gguf.read_into(out, info.offset + first * row_bytes)
             return out
@@ -163,8 +178,8 @@ class GGUFTensors:
         out = memory(len(rows) * row_bytes).view(len(rows), row_bytes)
         return torch.index_select(span, 0, rows - first, out=out)
 
-    def _blocks(self, info: TensorInfo, rows, cols: slice | None) -> BlockMatrix:
-        matrix = BlockMatrix(self._rows(info, rows, kept=cols is None), info.qtype, info.shape[1])
+    def _blocks(self, info: TensorInfo, rows, cols: slice | None, keep: str | None) -> BlockMatrix:
+        matrix = BlockMatrix(self._rows(info, rows, keep), info.qtype, info.shape[1])
         return matrix if cols is None else matrix.columns(cols.start, cols.stop)
 
     def _dense(self, info: TensorInfo, rows, cols: slice | None) -> torch.Tensor:
@@ -182,6 +197,10 @@ class GGUFTensors:
             values = torch.from_numpy(whole).reshape(info.shape)
             values = values if rows is None else values[rows]
         return values if cols is None else values[:, cols].contiguous()
+
+
+def _laid_out(value: Stored, layout: Layout | None) -> Stored:
+    return layout(value) if layout is not None and isinstance(value, BlockMatrix) else value
 
 
 def kept_memory(nbytes: int) -> torch.Tensor:
@@ -235,10 +254,12 @@ class SafetensorsTensors:
         size = {"float32": 4, "float16": 2, "bfloat16": 2}.get(stored_as, 4)
         return Entry(shape, stored_as, int(np.prod(shape)) * size)
 
-    def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> Stored:
+    def read(self, name: str, rows: slice | None = None, cols: slice | None = None,
+             layout: Layout | None = None) -> Stored:
+        """`layout` as GGUFTensors.read's (for MXFP4 blocks, made in memory of their own)."""
         source, shape = self.names[name], self.shapes[name]
         if source.scales is not None:
-            return self._mxfp4(source, rows, cols)
+            return _laid_out(self._mxfp4(source, rows, cols), layout)
         per_part = shape[1:] if len(source.parts) > 1 else shape
         try:
             values = [self._read(file, stored, per_part, source, rows, cols) for file, stored in source.parts]
@@ -283,6 +304,12 @@ class SafetensorsTensors:
 
     def close(self) -> None:
         self._files.clear()
+
+    @property
+    def files(self) -> list[Path]:
+        """The files its tensors are read from."""
+        return sorted({file for source in self.names.values()
+                       for file, _ in (*source.parts, *([source.scales] if source.scales else []))})
 
     def _handle(self, file: Path):
         if file not in self._files:

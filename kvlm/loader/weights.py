@@ -11,11 +11,16 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvlm.core.config import ModelConfig
 from kvlm.loader.tensors import Entry, GGUFTensors, SafetensorsTensors, Stored
+
+if TYPE_CHECKING:  # (the tile cache's size is parsed by the memory plan, which reads these weights' entries)
+    from kvlm.loader.tensors import Layout
+    from kvlm.loader.tile_cache import TileCache
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -63,7 +68,8 @@ class ModelWeights:
 
     `on_read(name, nbytes)` is told of every tensor read (a progress bar). With a `shard`, `config` is the rank's
     own (its share of the heads and the MLP) and every read returns the rank's part of the tensor. `fused`: the
-    parts of tensors the file stores stacked (see fused_parts), each read as its rows of the stored tensor.
+    parts of tensors the file stores stacked (see fused_parts), each read as its rows of the stored tensor. `tiles`:
+    where matrices read in the native products' layout are kept for the next load (see kvlm.loader.tile_cache).
     """
 
     config: ModelConfig
@@ -71,6 +77,7 @@ class ModelWeights:
     shard: object | None = None  # kvlm.loader.shard.Shard
     on_read: Callable[[str, int], None] | None = field(default=None, repr=False)
     fused: dict[str, tuple[str, int]] = field(default_factory=dict)
+    tiles: TileCache | None = None  # matrices already in the native products' tiles, from an earlier load
 
     def _where(self, name: str) -> tuple[str, slice | None, slice | None]:
         """(the stored tensor, its rows, its columns) that hold this rank's part of a tensor; None for all."""
@@ -99,14 +106,22 @@ class ModelWeights:
         """How the file stores a tensor: a GGUF type name ("Q4_K", "F32") or a torch dtype name ("bfloat16")."""
         return self.entry(name).stored_as
 
-    def read(self, name: str) -> Stored:
-        value = self.source.read(*self._where(name))
+    def read(self, name: str, layout: Layout | None = None) -> Stored:
+        """The tensor (this rank's part of it) as the file stores it, or, with `layout` (the native products': a
+        block matrix rearranged in place), in that layout: from the tile cache where it holds it."""
+        stored, rows, cols = self._where(name)
+        value = self._read(stored, rows, cols, self.entry(name), layout)
         expected = self._shapes.get(name)
         if isinstance(value, torch.Tensor) and expected and value.shape != expected and value.numel() == math.prod(expected):
             value = value.reshape(expected)  # a vector a file stores as [n, 1] (Mamba2's A and D in GGUF)
         if self.on_read is not None:
             self.on_read(name, self.entry(name).nbytes)
         return value
+
+    def _read(self, stored: str, rows: slice | None, cols: slice | None, entry: Entry,
+              layout: Layout | None) -> Stored:
+        make = lambda: self.source.read(stored, rows, cols, layout)  # noqa: E731
+        return make() if self.tiles is None or layout is None else self.tiles.read((stored, rows, cols), entry, make)
 
     @cached_property
     def _shapes(self) -> dict[str, tuple[int, ...]]:
@@ -128,11 +143,12 @@ class ModelWeights:
     def output_name(self) -> str:
         return "output.weight" if self.source.entry("output.weight") is not None else "token_embd.weight"
 
-    def output(self) -> Stored:
-        """The LM head: its own tensor, or the embedding's rows (a shard's share of the vocabulary)."""
+    def output(self, layout: Layout | None = None) -> Stored:
+        """The LM head: its own tensor, or the embedding's rows (a shard's share of the vocabulary); `layout` as
+        `read`'s."""
         if self.shard is None:
-            return self.read(self.output_name)
-        value = self.source.read(self.output_name, self.shard.vocabulary_rows(), None)
+            return self.read(self.output_name, layout)
+        value = self._read(self.output_name, self.shard.vocabulary_rows(), None, self.head_entry(), layout)
         if self.on_read is not None:
             self.on_read(self.output_name, self.head_entry().nbytes)
         return value

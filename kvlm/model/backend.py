@@ -17,6 +17,7 @@ each step, so their results differ from torch's by at most a rounding of the act
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -59,8 +60,9 @@ class Backend(Protocol):
     def dense_matrix(self, weight: torch.Tensor, dtype: torch.dtype, batch_invariant: bool) -> Linear:
         """The product of a dense matrix with activations in `dtype`."""
 
-    def products_layout(self, stored: BlockMatrix) -> BlockMatrix:
-        """A block matrix in the layout this backend's products read (a tied embedding reads it there too)."""
+    def products_layout(self) -> Callable[[BlockMatrix], BlockMatrix] | None:
+        """What puts a block matrix (in place) in the layout this backend's products read, where that is not the
+        file's (a tied embedding reads it there too); None where they read the file's."""
 
     def place(self, tensor: torch.Tensor) -> torch.Tensor:
         """A weight where this backend computes (its device)."""
@@ -127,8 +129,8 @@ class TorchBackend:
             return DenseLinear(self.place(weight), dtype)
         return dense_linear(weight, dtype, batch_invariant, self.kernels)
 
-    def products_layout(self, stored: BlockMatrix) -> BlockMatrix:
-        return stored
+    def products_layout(self) -> Callable[[BlockMatrix], BlockMatrix] | None:
+        return None
 
     def block_experts(self, parts: list[Stored], storage: str | None, n_expert: int, activation: str,
                       biases: ExpertBiases | None, swiglu: tuple[float, float]) -> BlockExperts | None:
@@ -218,8 +220,8 @@ class NativeCpuBackend(TorchBackend):
             return self.dense_matrix(weight, dtype, batch_invariant)
         return QuantizedLinear([self.kernels.interleave(QUANTIZERS[storage](weight))], dtype, self.kernels)
 
-    def products_layout(self, stored: BlockMatrix) -> BlockMatrix:
-        return self.kernels.interleave(stored)
+    def products_layout(self) -> Callable[[BlockMatrix], BlockMatrix] | None:
+        return self.kernels.interleave if self.kernels.tiles else None
 
     def block_experts(self, parts: list[Stored], storage: str | None, n_expert: int, activation: str,
                       biases: ExpertBiases | None, swiglu: tuple[float, float]) -> BlockExperts | None:

@@ -84,15 +84,22 @@ class LayerBuilder:
         """A tensor's values in float32, where the backend computes."""
         return self.ops.place(float_values(stored))
 
+    def layout(self, storage: str | None):
+        """How a matrix held as `storage` is best read: in the products' layout where its blocks are kept as stored
+        (ModelWeights.read then takes it from the tile cache where it can), else as the file stores it (None)."""
+        return self.ops.products_layout() if storage == FROM_FILE else None
+
     def _stacked(self, weights: ModelWeights, i: int, parts: tuple[str, ...]) -> Linear:
         """One matrix from several stacked by rows (one product instead of several)."""
         names = [weights.layer_name(i, p) for p in parts]
         storage = self.settings.matrix_storage([weights.file_type(n) for n in names])
-        return self._matrix([weights.read(n) for n in names], storage)
+        return self._matrix([weights.read(n, self.layout(storage)) for n in names], storage)
 
-    def head(self, weights: ModelWeights, stored: Stored) -> Linear:
-        """The LM head: never requantized below 8 bits (a 4-bit head costs more quality than the rest)."""
+    def head(self, weights: ModelWeights, tied_table: Stored | None) -> Linear:
+        """The LM head (the tied embedding's table where given): never requantized below 8 bits (a 4-bit head costs
+        more quality than the rest)."""
         storage = self.settings.matrix_storage([weights.file_type(weights.output_name)])
+        stored = tied_table if tied_table is not None else weights.output(self.layout(storage))
         return self._matrix([stored], "int8" if storage == "int4" else storage)
 
     def layer(self, weights: ModelWeights, i: int) -> LayerWeights | ConvLayerWeights | MambaLayerWeights:
@@ -139,7 +146,8 @@ class LayerBuilder:
     def per_layer_inputs(self, weights: ModelWeights) -> PerLayerInputs:
         """The per-layer input table (kept in its file's blocks as the token embedding is) and projection."""
         table, name = weights.read("per_layer_token_embd.weight"), "per_layer_model_proj.weight"
-        projection = self._matrix([weights.read(name)], self.settings.matrix_storage([weights.file_type(name)]))
+        storage = self.settings.matrix_storage([weights.file_type(name)])
+        projection = self._matrix([weights.read(name, self.layout(storage))], storage)
         return PerLayerInputs(self.config, Embedding(table if self.keeps_blocks(table) else self.dense(table),
                                                      self.dtype),
                               projection, self.vector(weights.read("per_layer_proj_norm.weight")), self.ops, self.dtype)
@@ -171,7 +179,7 @@ class LayerBuilder:
         where the settings keep matrices dense or a part's format is not one the kernels read."""
         c, names = self.config, [weights.layer_name(i, f"ffn_{part}_exps") for part in ("gate", "up", "down")]
         storage = self.settings.matrix_storage([weights.file_type(n) for n in names])
-        stored = [weights.read(name) for name in names]
+        stored = [weights.read(name, self.layout(storage)) for name in names]
         block_experts = self.ops.block_experts(stored, storage, c.n_expert, self.activation,
                                                self._expert_biases(weights, i, torch.float32),
                                                (c.swiglu_alpha, c.swiglu_limit))

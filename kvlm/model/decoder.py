@@ -61,12 +61,12 @@ class Decoder(Blocks):
         # Decode steps run each attention layer as one native call where its matrices are quantized.
         self.decode_layers = self.ops.decode_layers(config, self.layers, self.dtype, self.activation)
         self.output_norm = build.vector(weights.read("output_norm.weight"))
-        table = weights.read("token_embd.weight")
         tied = weights.output_name == "token_embd.weight" and weights.shard is None
-        if tied and build.keeps_blocks(table):  # the LM head's layout, which the embedding then reads too
-            table = self.ops.products_layout(table)
+        # A tied table is read in the LM head's layout, which the embedding then reads too.
+        storage = self.settings.matrix_storage([weights.file_type("token_embd.weight")])
+        table = weights.read("token_embd.weight", build.layout(storage) if tied else None)
         self.token_embd = Embedding(table if build.keeps_blocks(table) else build.dense(table), self.dtype)
-        self.output = build.head(weights, table if tied else weights.output())
+        self.output = build.head(weights, table if tied else None)
         self.layer_ropes = self._layer_ropes(None)
         self.blocks = self.blocks_by_kind()
         self.per_layer_inputs = build.per_layer_inputs(weights) if config.per_layer_embd else None
