@@ -29,7 +29,7 @@ from kvlm.model.recurrent import DeltaNetWeights, Mamba2Weights, ShortConvWeight
 from kvlm.model.settings import FROM_FILE, ComputeSettings
 
 if TYPE_CHECKING:  # the loader's records of the weights (the loader imports the model)
-    from kvlm.loader.tensors import Stored
+    from kvlm.loader.tensors import Layout, Stored
     from kvlm.loader.weights import ModelWeights
 
 
@@ -84,7 +84,7 @@ class LayerBuilder:
         """A tensor's values in float32, where the backend computes."""
         return self.ops.place(float_values(stored))
 
-    def layout(self, storage: str | None):
+    def layout(self, storage: str | None) -> Layout | None:
         """How a matrix held as `storage` is best read: in the products' layout where its blocks are kept as stored
         (ModelWeights.read then takes it from the tile cache where it can), else as the file stores it (None)."""
         return self.ops.products_layout() if storage == FROM_FILE else None
