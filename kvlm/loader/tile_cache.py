@@ -219,7 +219,10 @@ def _make_room(path: Path, nbytes: int, limit: int) -> bool:
         return False
     files = []
     for other in path.parent.iterdir():
-        stat = other.stat()
+        try:
+            stat = other.stat()
+        except FileNotFoundError:  # (another process deleted it meanwhile)
+            continue
         if other.name.endswith(".partial") and time.time() - stat.st_mtime > STALE_PARTIAL_S:
             other.unlink(missing_ok=True)
         elif other.suffix == SUFFIX and other != path:
