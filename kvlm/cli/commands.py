@@ -109,10 +109,11 @@ def _parser() -> argparse.ArgumentParser:
                                                                       for name, source in sorted(KNOWN_MODELS.items())))
     pull_cmd.add_argument("name", metavar="NAME")
     pull_cmd.set_defaults(handler=_pull)
-    ls_cmd = commands.add_parser("ls", help="list the downloaded models (kvlm's cache and the Hugging Face cache)")
+    ls_cmd = commands.add_parser("ls", help="list the downloaded models (kvlm's cache and the Hugging Face cache) "
+                                            "and the tiles files their starts keep")
     ls_cmd.set_defaults(handler=_ls)
     rm_cmd = commands.add_parser("rm", help="delete a downloaded model: a known name, user/repo:QUANT (that quant's "
-                                            "files) or user/repo (the whole repository)")
+                                            "files) or user/repo (the whole repository), with its tiles files")
     rm_cmd.add_argument("name", metavar="NAME")
     rm_cmd.set_defaults(handler=_rm)
 
@@ -407,12 +408,21 @@ def _pull(args: argparse.Namespace) -> int:
 
 def _ls(args: argparse.Namespace) -> int:
     from kvlm.loader.model_cache import cached_models
+    from kvlm.loader.tile_cache import cache_directory, kept_tiles, tiles_of
 
-    models = cached_models()
+    models, kept = cached_models(), kept_tiles()
     width = max([len(m.name) for m in models] + [4])
-    print(f"{'NAME':{width}}  {'SIZE':>10}  WHERE")
+    print(f"{'NAME':{width}}  {'SIZE':>10}  {'TILES':>10}  WHERE")
+    listed = set()
     for model in models:
-        print(f"{model.name:{width}}  {model.size / 2**20:>7.1f} MiB  {model.where}")
+        tiles = tiles_of(list(model.files), kept)
+        listed.update(t.path for t in tiles)
+        print(f"{model.name:{width}}  {model.size / 2**20:>7.1f} MiB  {sum(t.size for t in tiles) / 2**20:>7.1f} MiB  "
+              f"{model.where}")
+    others = [t for t in kept if t.path not in listed]
+    if others:
+        print(f"tiles of {len(others)} other model files (your own, or changed since): "
+              f"{sum(t.size for t in others) / 2**20:.1f} MiB in {cache_directory()}")
     return 0
 
 

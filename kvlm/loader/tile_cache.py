@@ -32,6 +32,7 @@ import struct
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -64,7 +65,7 @@ def tile_cache_for(files: list[Path], kernels_key: str, rank: tuple[int, int]) -
     if folder is None:
         return None
     limit = parse_size(os.environ.get(SIZE_VARIABLE) or DEFAULT_SIZE)
-    return TileCache(folder / (_digest(files, kernels_key, rank) + SUFFIX), limit)
+    return TileCache(folder / (_digest(files, kernels_key, rank) + SUFFIX), limit, files=files)
 
 
 def cache_directory() -> Path | None:
@@ -88,8 +89,9 @@ def _digest(files: list[Path], kernels_key: str, rank: tuple[int, int]) -> str:
 class TileCache:
     """One model's tiles: those its file holds (mapped), and those this load made (written by `save`)."""
 
-    def __init__(self, path: Path, limit: int, min_bytes: int | None = None) -> None:
+    def __init__(self, path: Path, limit: int, min_bytes: int | None = None, files: list[Path] = ()) -> None:
         self.path, self.limit = path, limit
+        self.files = [str(file.resolve()) for file in files]  # the model's, named in the file (kvlm ls, kvlm rm)
         self.min_bytes = MIN_BYTES if min_bytes is None else min_bytes
         self.mapped = MappedTiles.open(path)
         self.kept: dict[str, BlockMatrix] = {}  # every tiled matrix this load gave, for the file
@@ -114,7 +116,7 @@ class TileCache:
         nbytes = sum(m.nbytes for m in kept.values())
         if not self.made_bytes or nbytes < self.min_bytes:
             return 0
-        self.saved = WRITER.submit(write_tiles, self.path, kept, self.limit)
+        self.saved = WRITER.submit(write_tiles, self.path, kept, self.limit, self.files)
         return nbytes
 
 
@@ -124,8 +126,8 @@ def entry_key(name: str, rows: slice | None, cols: slice | None) -> str:
 
 
 class MappedTiles:
-    """A tiles file, mapped: its header (MAGIC, the index's length, the index as JSON: key -> [offset, rows, row
-    bytes, GGML type, columns]), then each matrix's bytes at a page boundary."""
+    """A tiles file, mapped: its header (MAGIC, the index's length, the index as JSON: the model's files, and its
+    entries, key -> [offset, rows, row bytes, GGML type, columns]), then each matrix's bytes at a page boundary."""
 
     def __init__(self, path: Path, index: dict[str, list[int]], mapped: mmap.mmap) -> None:
         self.path, self.index, self.map = path, index, mapped
@@ -135,7 +137,7 @@ class MappedTiles:
         """The file mapped (its pages populated in one call), or None where there is none or it is not sound."""
         try:
             with path.open("rb") as file:
-                index = _read_index(file, path.stat().st_size)
+                _, index = _read_header(file, path.stat().st_size)
                 mapped = private_map(file.fileno(), 0, path.stat().st_size)
             os.utime(path)  # (recently used)
         except FileNotFoundError:
@@ -159,31 +161,33 @@ class MappedTiles:
         return BlockMatrix(blocks.view(rows, row_bytes), GGMLQuantizationType(qtype), n_cols, interleaved=True)
 
 
-def _read_index(file, size: int) -> dict[str, list[int]]:
+def _read_header(file, size: int) -> tuple[list[str], dict[str, list[int]]]:
+    """(the model's files, the entries) of an open tiles file of `size` bytes, every entry checked to lie inside."""
     if file.read(len(MAGIC)) != MAGIC:
         raise ValueError("not a tiles file of this version")
     (length,) = struct.unpack("<Q", file.read(8))
-    index = json.loads(file.read(length))
+    header = json.loads(file.read(length))
+    files, index = [str(f) for f in header["files"]], header["entries"]
     for offset, rows, row_bytes, qtype, _ in index.values():
         GGMLQuantizationType(qtype)
         if offset % PAGE or offset + rows * row_bytes > size:
             raise ValueError(f"an entry at {offset}..{offset + rows * row_bytes} is not inside the file ({size} bytes)")
-    return index
+    return files, index
 
 
-def write_tiles(path: Path, matrices: dict[str, BlockMatrix], limit: int) -> bool:
+def write_tiles(path: Path, matrices: dict[str, BlockMatrix], limit: int, files: list[str] = ()) -> bool:
     """(On the writer thread.) The matrices into `path`, written whole beside it and renamed into place, after the
     directory's least recently used files made room within `limit`; False (said in the log) where it did not fit or
-    could not be written."""
+    could not be written. `files`: the model's, named in the header."""
     index, offset = {}, 0
     for key, matrix in matrices.items():
         index[key] = [offset, matrix.shape[0], matrix.blocks.shape[1], int(matrix.qtype), matrix.n_cols]
         offset += _page_up(matrix.nbytes)
     # The matrices start after the index, whose offsets then grow by that start: room for 20 more digits each.
-    start = _page_up(len(MAGIC) + 8 + len(json.dumps(index)) + 20 * len(index))
+    start = _page_up(len(MAGIC) + 8 + len(json.dumps({"files": files, "entries": index})) + 20 * len(index))
     for entry in index.values():
         entry[0] += start
-    head = json.dumps(index).encode()
+    head = json.dumps({"files": files, "entries": index}).encode()
     total = start + offset
     partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
     try:
@@ -238,3 +242,32 @@ def _make_room(path: Path, nbytes: int, limit: int) -> bool:
                  (nbytes + RESERVE) / 2**20)
         return False
     return True
+
+
+@dataclass(frozen=True)
+class KeptTiles:
+    """A tiles file in the cache: for `kvlm ls` and `kvlm rm`."""
+
+    path: Path
+    size: int
+    files: tuple[str, ...]  # the model's files it was made from (resolved paths)
+
+
+def kept_tiles() -> list[KeptTiles]:
+    """Every sound tiles file in the cache directory."""
+    folder = cache_directory()
+    kept = []
+    for path in sorted(folder.glob("*" + SUFFIX)) if folder is not None and folder.is_dir() else []:
+        try:
+            with path.open("rb") as file:
+                files, _ = _read_header(file, path.stat().st_size)
+        except (OSError, ValueError, KeyError, TypeError, struct.error):
+            continue
+        kept.append(KeptTiles(path, path.stat().st_size, tuple(files)))
+    return kept
+
+
+def tiles_of(model_files: list[Path], kept: list[KeptTiles] | None = None) -> list[KeptTiles]:
+    """The tiles files made from any of these model files."""
+    resolved = {str(Path(file).resolve()) for file in model_files}
+    return [tiles for tiles in (kept_tiles() if kept is None else kept) if resolved & set(tiles.files)]

@@ -20,6 +20,7 @@ from helpers.gguf_factory import write_gguf
 from kvlm.core.errors import ModelFetchError
 from kvlm.loader.fetch import resolve_model
 from kvlm.loader.hub import HubName, choose_files, parse_hub_name, pull_from_hub
+from kvlm.loader import tile_cache
 from kvlm.loader.model_cache import cached_models, remove_model
 
 SPEC = SPECS["llama-llama3"]
@@ -136,17 +137,22 @@ def test_a_dropped_download_resumes_where_it_stopped(hub, monkeypatch):
     assert gets == [None, "bytes=4096-"]
 
 
-def test_cached_models_are_listed_and_removed(hub):
-    resolve_model(f"{REPO}:Q8_0", progress=False)
-    resolve_model(f"{REPO}:F32", progress=False)
+def test_cached_models_are_listed_and_removed_with_their_tiles(hub, tmp_path, monkeypatch):
+    q8 = resolve_model(f"{REPO}:Q8_0", progress=False)
+    f32 = resolve_model(f"{REPO}:F32", progress=False)
     resolve_model("someone/split-GGUF:Q8_0", progress=False)
+    monkeypatch.setenv(tile_cache.DIRECTORY_VARIABLE, str(tmp_path / "tiles"))
+    for name, model in (("q8", q8), ("f32", f32)):  # as a start would keep them (named by the resolved blob path)
+        tile_cache.write_tiles(tmp_path / "tiles" / f"{name}.tiles", {}, 1 << 20, [str(model.resolve())])
     listed = {m.name: m.size for m in cached_models() if m.name.startswith("someone/")}
     split_size = sum(map(len, hub.repos["someone/split-GGUF"].files.values()))
     assert listed == {f"{REPO}:Q8_0": len(hub.repos[REPO].files["tiny-llama-Q8_0.gguf"]),
                       f"{REPO}:F32": len(hub.repos[REPO].files["tiny-llama-F32.gguf"]),
                       "someone/split-GGUF:Q8_0": split_size}
+    assert [t.path.name for t in tile_cache.tiles_of([f32])] == ["f32.tiles"]
     removed = remove_model(f"{REPO}:F32")
-    assert [p.name for p in removed] == ["tiny-llama-F32.gguf"]
+    assert [p.name for p in removed] == ["tiny-llama-F32.gguf", "f32.tiles"]
+    assert [t.path.name for t in tile_cache.kept_tiles()] == ["q8.tiles"]
     assert {m.name for m in cached_models() if m.name.startswith("someone/")} == {f"{REPO}:Q8_0",
                                                                                   "someone/split-GGUF:Q8_0"}
     remove_model("someone/split-GGUF")

@@ -198,3 +198,18 @@ def test_blocks_kept_as_stored_are_the_files_bytes_mapped_privately(tmp_path):
         assert np.array_equal(kept.blocks.numpy(), np.asarray(expected).reshape(16, -1)[rows or slice(None)])
         kept.blocks.fill_(0)  # a private map: the file keeps its bytes
     assert path.read_bytes() == before
+
+
+def test_kept_tiles_name_the_model_files_they_were_made_from(tmp_path, matrices, monkeypatch):
+    monkeypatch.setenv(tile_cache.DIRECTORY_VARIABLE, str(tmp_path / "tiles"))
+    model, other = tmp_path / "model.gguf", tmp_path / "other.gguf"
+    model.write_bytes(b"GGUF")
+    other.write_bytes(b"GGUF")
+    link = tmp_path / "link.gguf"
+    link.symlink_to(model)
+    write_tiles(tmp_path / "tiles" / "a.tiles", matrices, 1 << 30, [str(model.resolve())])
+    (tmp_path / "tiles" / "b.tiles").write_bytes(b"not a tiles file")
+    kept = tile_cache.kept_tiles()
+    assert [(k.path.name, k.files) for k in kept] == [("a.tiles", (str(model.resolve()),))]
+    assert [k.path.name for k in tile_cache.tiles_of([link])] == ["a.tiles"]  # (a Hub snapshot's link to its blob)
+    assert tile_cache.tiles_of([other]) == []
