@@ -125,9 +125,11 @@ def load_rank(spec: str, rank: int = 0, size: int = 1, settings: ComputeSettings
             weights.on_read = lambda name, nbytes: bar.update(nbytes)
             decoder = Decoder(config, weights, settings)
         weights.source.close()
-        if weights.tiles is not None and weights.tiles.save() and progress:
-            print(f"kvlm: keeping this model's tiles in {weights.tiles.path} for faster starts ({TILES_VARIABLE}=0 "
-                  "for none)", file=sys.stderr, flush=True)
+        saving = weights.tiles.save() if weights.tiles is not None else 0
+        if saving and progress:
+            print(f"kvlm: writing this model's tiles ({saving / 2**20:.0f} MiB) to {weights.tiles.path} in the "
+                  f"background for faster starts; a command that ends first waits for it ({TILES_VARIABLE}=0 for none)",
+                  file=sys.stderr, flush=True)
         if tokenizer is None:
             return Model(config, decoder, None, source)
         return Model(config, decoder, tokenizer.result(), source, plan)

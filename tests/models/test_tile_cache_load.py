@@ -13,7 +13,7 @@ from helpers.gguf_factory import llama_config, random_llama, write_model_gguf
 from helpers.models import full_sequence_logits, token_ids
 from kvlm.kernels import native_kernels
 from kvlm.loader import tile_cache
-from kvlm.loader.load import load_model
+from kvlm.loader.load import load_model, load_rank
 from kvlm.model.linear import QuantizedLinear
 
 pytestmark = pytest.mark.skipif(native_kernels() is None or not native_kernels().tiles,
@@ -89,3 +89,20 @@ def test_with_the_cache_off_nothing_is_written_or_mapped(gguf_path, cache_dir, m
     load(gguf_path)
     load(gguf_path)
     assert not mapped_entries and not cache_dir.exists()
+
+
+def test_each_tensor_parallel_rank_keeps_and_maps_its_own_part(gguf_path, cache_dir, mapped_entries):
+    """A rank reads its rows or columns of each matrix: its own file, whose entries are its parts."""
+    ranks = [load_rank(str(gguf_path), rank, 2) for rank in (0, 1)]
+    tile_cache.WRITER.submit(lambda: None).result()
+    assert len(list(cache_dir.glob("*.tiles"))) == 2 and not mapped_entries
+    keys = []
+    for rank, first in enumerate(ranks):
+        mapped_entries.clear()
+        second = load_rank(str(gguf_path), rank, 2)
+        made, mapped = tiled_parts(first), tiled_parts(second)
+        assert made and len(made) == len(mapped) == len(mapped_entries)
+        for a, b in zip(made, mapped):
+            assert a.shape == b.shape and torch.equal(a.blocks, b.blocks)
+        keys.append(set(mapped_entries))
+    assert not keys[0] & keys[1]  # every tiled matrix a part of its own (rows or columns) on each rank
