@@ -120,12 +120,14 @@ def load_rank(spec: str, rank: int = 0, size: int = 1, settings: ComputeSettings
     # the kernel (reads, fresh pages) and on the native rearrangement, both outside the GIL (-0.5 s of a 7B's start).
     with ThreadPoolExecutor(1, thread_name_prefix="kvlm-tokenizer") as pool:
         tokenizer = pool.submit(_tokenizer, tokenizer_source) if rank == 0 else None
-        weights.tiles = _tile_cache(weights, settings, rank, size)
+        weights.tiles = _tile_cache(source, weights, settings, rank, size)
         with _progress_bar(source, weights, settings, plan, progress) as bar:
             weights.on_read = lambda name, nbytes: bar.update(nbytes)
             decoder = Decoder(config, weights, settings)
         weights.source.close()
         saving = weights.tiles.save() if weights.tiles is not None else 0
+        if saving and rank > 0:  # a tensor-parallel worker: rank 0 ends it soon after a stop, so it writes them now
+            weights.tiles.saved.result()
         if saving and progress:
             print(f"kvlm: writing this model's tiles ({saving / 2**20:.0f} MiB) to {weights.tiles.path} in the "
                   f"background for faster starts; a command that ends first waits for it ({TILES_VARIABLE}=0 for none)",
@@ -135,12 +137,14 @@ def load_rank(spec: str, rank: int = 0, size: int = 1, settings: ComputeSettings
         return Model(config, decoder, tokenizer.result(), source, plan)
 
 
-def _tile_cache(weights: ModelWeights, settings: ComputeSettings, rank: int, size: int) -> TileCache | None:
+def _tile_cache(source: Path, weights: ModelWeights, settings: ComputeSettings, rank: int,
+                size: int) -> TileCache | None:
     """Where a load that keeps the file's blocks for the native products in tiles finds them from an earlier one."""
     kernels = native_kernels()
     if settings.quant != FROM_FILE or settings.device != "cpu" or kernels is None or not kernels.tiles:
         return None
-    return tile_cache_for(weights.source.files, kernels.path.parent.name, (rank, size))
+    files = weights.source.files + ([source / "config.json"] if source.is_dir() else [])
+    return tile_cache_for(files, kernels.path.parent.name, (rank, size))
 
 
 def _tokenizer(source: Path | dict[str, Any]) -> Tokenizer:

@@ -9,12 +9,15 @@ DIR/<digest>.tiles, and the next load of the same file with the same kernels map
 as it is. The map is private (a write would copy its page, never reach the file) and populated in one call: its
 pages are the page cache's, shared with other processes mapping the same file.
 
-The digest covers what the tiles' bytes depend on: the model's files (path, size, modification time, inode), the
-native library (its build key: its sources, compiler and CPU), the loader's own code and the tensor-parallel rank.
-Inside, each entry is a tensor's part (name, rows, columns) and is taken only where its type, width and bytes are
-what the model's file says. A file is written whole under another name and renamed into place, so a reader never
-sees part of one. The directory is kept within its size (least recently used files first, by modification time,
-which a load that maps a file renews), and a file is written only where the disk keeps RESERVE free beside it.
+The digest covers what the tiles' bytes depend on: the model's files (path, size, modification and change times,
+inode; a folder's config.json too), the native library (its build key: its sources, compiler and CPU), kvlm's Python
+code and the tensor-parallel rank. Inside, each entry is a tensor's part (name, rows, columns) and is taken only
+where its type, width and bytes are what the model's file says. A file is written whole under another name, flushed
+to disk and renamed into place, so a reader never sees part of one; one whose header is damaged is deleted, one
+that cannot be read or mapped is left alone. A tensor-parallel worker rank writes its file before its load returns
+(rank 0 may end it soon after a stop). The directory is kept within its size (least recently used files first, by
+modification time, which a load that maps a file renews), and a file is written only where the disk keeps RESERVE
+free beside it (other files deleted for that only where that is enough).
 
 `KVLM_TILE_CACHE`: the directory (default $KVLM_HOME/tiles), or "0"/"off" for none; `KVLM_TILE_CACHE_SIZE`: its
 bound (default 32G). A failed write is a warning; the load it follows has already succeeded.
@@ -33,6 +36,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -56,6 +60,8 @@ PAGE = mmap.PAGESIZE
 SUFFIX = ".tiles"
 STALE_PARTIAL_S = 3600  # a file being written this long ago was left by a process that ended
 WRITER = niced_writer("kvlm-tiles")
+# What reading a damaged header raises (JSON's errors are ValueErrors).
+DAMAGED = (ValueError, KeyError, TypeError, AttributeError, OverflowError, MemoryError, struct.error)
 
 
 def tile_cache_for(files: list[Path], kernels_key: str, rank: tuple[int, int]) -> TileCache | None:
@@ -80,10 +86,20 @@ def _digest(files: list[Path], kernels_key: str, rank: tuple[int, int]) -> str:
     digest = hashlib.sha256(MAGIC + f"{kernels_key}\n{rank}\n".encode())
     for path in files:
         stat = path.stat()
-        digest.update(f"{path.resolve()}\n{stat.st_size}\n{stat.st_mtime_ns}\n{stat.st_ino}\n".encode())
-    for source in sorted(Path(__file__).parent.glob("*.py")):  # the loader's reading of the file into blocks
-        digest.update(source.read_bytes())
+        digest.update(f"{path.resolve()}\n{stat.st_size}\n{stat.st_mtime_ns}\n{stat.st_ctime_ns}\n{stat.st_ino}\n"
+                      .encode())
+    digest.update(_code_digest())
     return digest.hexdigest()[:32]
+
+
+@lru_cache(maxsize=1)
+def _code_digest() -> bytes:
+    """kvlm's Python source: what reads a file's tensors into blocks (the loader, the families' renames, permuted
+    rows and fused parts, which matrices are tiled) is spread over it, so any change to it makes new tiles."""
+    digest = hashlib.sha256()
+    for source in sorted(Path(__file__).parent.parent.rglob("*.py")):
+        digest.update(source.read_bytes())
+    return digest.digest()
 
 
 class TileCache:
@@ -134,18 +150,25 @@ class MappedTiles:
 
     @classmethod
     def open(cls, path: Path) -> MappedTiles | None:
-        """The file mapped (its pages populated in one call), or None where there is none or it is not sound."""
+        """The file mapped (its pages populated in one call), or None where there is none, it cannot be read
+        (said, and left alone) or it is not sound (said, and deleted). The map is never closed: the matrices' tensors
+        point into it, and it goes when the last of them does."""
         try:
             with path.open("rb") as file:
                 _, index = _read_header(file, path.stat().st_size)
                 mapped = private_map(file.fileno(), 0, path.stat().st_size)
-            os.utime(path)  # (recently used)
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
-            log.warning("tile cache: %s not used and deleted: %s", path.name, exc)
-            path.unlink(missing_ok=True)
+        except OSError as exc:  # (permissions, address space: the file may be sound)
+            log.warning("tile cache: %s not used: %s", path.name, exc)
             return None
+        except DAMAGED as exc:
+            log.warning("tile cache: %s not used and deleted: %s", path.name, exc)
+            with contextlib.suppress(OSError):  # (a folder of someone else's, or read-only)
+                path.unlink()
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(path)  # (recently used)
         return cls(path, index, mapped)
 
     def get(self, key: str, expected: Entry) -> BlockMatrix | None:
@@ -166,8 +189,10 @@ def _read_header(file, size: int) -> tuple[list[str], dict[str, list[int]]]:
     if file.read(len(MAGIC)) != MAGIC:
         raise ValueError("not a tiles file of this version")
     (length,) = struct.unpack("<Q", file.read(8))
+    if length > size:
+        raise ValueError(f"its header claims {length} bytes of a {size}-byte file")
     header = json.loads(file.read(length))
-    files, index = [str(f) for f in header["files"]], header["entries"]
+    files, index = [str(f) for f in header["files"]], dict(header["entries"])
     for offset, rows, row_bytes, qtype, _ in index.values():
         GGMLQuantizationType(qtype)
         if offset % PAGE or offset + rows * row_bytes > size:
@@ -200,6 +225,8 @@ def write_tiles(path: Path, matrices: dict[str, BlockMatrix], limit: int, files:
                 file.seek(entry_offset)
                 file.write(memoryview(matrix.blocks.contiguous().numpy()).cast("B"))
             file.truncate(total)
+            file.flush()
+            os.fsync(file.fileno())  # (a file renamed into place is whole after a crash too: nothing checks its bytes)
         os.replace(partial, path)
     except OSError as exc:
         log.warning("tile cache: %s not written (%s); the next start reads the model's file again", path, exc)
@@ -221,7 +248,7 @@ def _make_room(path: Path, nbytes: int, limit: int) -> bool:
         log.info("tile cache: %s not written: %.0f MiB of tiles exceed the cache's %.0f MiB (%s)", path.name,
                  nbytes / 2**20, limit / 2**20, SIZE_VARIABLE)
         return False
-    files = []
+    free, files = shutil.disk_usage(path.parent).free, []
     for other in path.parent.iterdir():
         try:
             stat = other.stat()
@@ -232,15 +259,15 @@ def _make_room(path: Path, nbytes: int, limit: int) -> bool:
         elif other.suffix == SUFFIX and other != path:
             files.append((stat.st_mtime_ns, stat.st_size, other))
     held = sum(size for _, size, _ in files)
-    for _, size, other in sorted(files):
-        if held + nbytes <= limit:
-            break
-        other.unlink(missing_ok=True)  # (a process mapping it keeps its pages)
-        held -= size
-    if shutil.disk_usage(path.parent).free < nbytes + RESERVE:
+    if free + held < nbytes + RESERVE:  # (not even with every other tiles file gone: delete none)
         log.info("tile cache: %s not written: the disk has less than %.0f MiB free beside it", path.name,
                  (nbytes + RESERVE) / 2**20)
         return False
+    for _, size, other in sorted(files):  # least recently used first, until within the limit and the disk's reserve
+        if held + nbytes <= limit and free >= nbytes + RESERVE:
+            break
+        other.unlink(missing_ok=True)  # (a process mapping it keeps its pages)
+        held, free = held - size, free + size
     return True
 
 
@@ -261,7 +288,7 @@ def kept_tiles() -> list[KeptTiles]:
         try:
             with path.open("rb") as file:
                 files, _ = _read_header(file, path.stat().st_size)
-        except (OSError, ValueError, KeyError, TypeError, struct.error):
+        except (OSError, *DAMAGED):
             continue
         kept.append(KeptTiles(path, path.stat().st_size, tuple(files)))
     return kept

@@ -172,9 +172,11 @@ class ModelWeights:
 
 
 def _part_of(whole: Entry, rows: slice | None, cols: slice | None) -> Entry:
-    """The entry of rows x cols of a tensor (its bytes in proportion: a part is whole rows or whole blocks)."""
+    """The entry of rows x cols of a tensor (of each expert's matrix in a tensor of experts [expert, rows, cols]),
+    its bytes in proportion: a part is whole rows or whole blocks."""
     shape = list(whole.shape)
-    for axis, span in ((0, rows), (1, cols)):
+    row_axis = max(0, len(shape) - 2)
+    for axis, span in ((row_axis, rows), (row_axis + 1, cols)):
         if span is not None:
             shape[axis] = len(range(*span.indices(shape[axis])))
     return Entry(tuple(shape), whole.stored_as, whole.nbytes * math.prod(shape) // math.prod(whole.shape))

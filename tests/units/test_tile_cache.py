@@ -87,6 +87,39 @@ def test_a_damaged_file_is_deleted_with_a_warning_and_not_used(tmp_path, matrice
     assert "model.tiles not used and deleted" in caplog.text
 
 
+def test_a_file_that_cannot_be_mapped_is_left_alone(tmp_path, matrices, monkeypatch, caplog):
+    path = tmp_path / "model.tiles"
+    write_tiles(path, matrices, limit=1 << 30)
+
+    def no_room(*_):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(tile_cache, "private_map", no_room)
+    with caplog.at_level(logging.WARNING, logger="kvlm"):
+        assert MappedTiles.open(path) is None
+    assert path.exists() and "model.tiles not used: [Errno 12]" in caplog.text
+
+
+def test_a_damaged_file_that_cannot_be_deleted_is_only_passed_over(tmp_path, monkeypatch):
+    path = tmp_path / "model.tiles"
+    path.write_bytes(b"damaged")
+
+    def read_only(*_, **__):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(type(path), "unlink", read_only)
+    assert MappedTiles.open(path) is None
+
+
+def test_a_header_longer_than_its_file_is_damage(tmp_path, matrices):
+    path = tmp_path / "model.tiles"
+    write_tiles(path, matrices, limit=1 << 30)
+    data = bytearray(path.read_bytes())
+    data[len(tile_cache.MAGIC):len(tile_cache.MAGIC) + 8] = (1 << 62).to_bytes(8, "little")
+    path.write_bytes(bytes(data))
+    assert MappedTiles.open(path) is None and not path.exists()
+
+
 def test_no_file_is_no_tiles(tmp_path):
     assert MappedTiles.open(tmp_path / "none.tiles") is None
 
@@ -110,13 +143,28 @@ def test_tiles_larger_than_the_limit_are_not_written(tmp_path, matrices, caplog)
     assert not path.exists() and "exceed the cache's" in caplog.text
 
 
-def test_a_disk_short_of_its_reserve_gets_no_file(tmp_path, matrices, monkeypatch, caplog):
+def test_a_disk_short_of_its_reserve_gets_no_file_and_keeps_the_others(tmp_path, matrices, monkeypatch, caplog):
+    other = tmp_path / "other.tiles"
+    write_tiles(other, matrices, limit=1 << 30)
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(tile_cache.shutil, "disk_usage", lambda _: usage(100 << 30, 99 << 30, tile_cache.RESERVE))
+    monkeypatch.setattr(tile_cache.shutil, "disk_usage", lambda _: usage(100 << 30, 100 << 30, 0))
     path = tmp_path / "model.tiles"
     with caplog.at_level(logging.INFO, logger="kvlm"):
         assert not write_tiles(path, matrices, limit=1 << 30)
     assert not path.exists() and "free beside it" in caplog.text
+    assert other.exists()  # (deleting it would not have made room enough: it stays)
+
+
+def test_a_disk_short_of_its_reserve_makes_room_from_the_least_recently_used(tmp_path, matrices, monkeypatch):
+    older, old = tmp_path / "older.tiles", tmp_path / "old.tiles"
+    for age, path in enumerate((older, old)):
+        write_tiles(path, matrices, limit=1 << 30)
+        os.utime(path, ns=(10**18 + age, 10**18 + age))
+    usage = namedtuple("usage", "total used free")
+    free = tile_cache.RESERVE + older.stat().st_size - 1  # (room for the new file once one old one is gone)
+    monkeypatch.setattr(tile_cache.shutil, "disk_usage", lambda _: usage(100 << 30, 99 << 30, free))
+    assert write_tiles(tmp_path / "new.tiles", matrices, limit=1 << 30)
+    assert not older.exists() and old.exists()
 
 
 def test_a_failed_write_is_a_warning_and_leaves_nothing_behind(tmp_path, matrices, caplog):
