@@ -33,7 +33,7 @@ import os
 import shutil
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import lru_cache
@@ -44,8 +44,8 @@ from gguf import GGMLQuantizationType
 
 from kvlm.home import kvlm_home
 from kvlm.kernels import BlockMatrix
-from kvlm.loader.memory_plan import parse_size
 from kvlm.loader.gguf_reader import private_map
+from kvlm.loader.memory_plan import parse_size
 from kvlm.loader.tensors import Entry, Stored
 from kvlm.startup import niced_writer
 
@@ -105,7 +105,7 @@ def _code_digest() -> bytes:
 class TileCache:
     """One model's tiles: those its file holds (mapped), and those this load made (written by `save`)."""
 
-    def __init__(self, path: Path, limit: int, min_bytes: int | None = None, files: list[Path] = ()) -> None:
+    def __init__(self, path: Path, limit: int, min_bytes: int | None = None, files: Sequence[Path] = ()) -> None:
         self.path, self.limit = path, limit
         self.files = [str(file.resolve()) for file in files]  # the model's, named in the file (kvlm ls, kvlm rm)
         self.min_bytes = MIN_BYTES if min_bytes is None else min_bytes
@@ -200,7 +200,7 @@ def _read_header(file, size: int) -> tuple[list[str], dict[str, list[int]]]:
     return files, index
 
 
-def write_tiles(path: Path, matrices: dict[str, BlockMatrix], limit: int, files: list[str] = ()) -> bool:
+def write_tiles(path: Path, matrices: dict[str, BlockMatrix], limit: int, files: Sequence[str] = ()) -> bool:
     """(On the writer thread.) The matrices into `path`, written whole beside it and renamed into place, after the
     directory's least recently used files made room within `limit`; False (said in the log) where it did not fit or
     could not be written. `files`: the model's, named in the header."""
