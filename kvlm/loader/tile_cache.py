@@ -117,12 +117,11 @@ class TileCache:
     def read(self, part: tuple[str, slice | None, slice | None], expected: Entry, make: Callable[[], Stored]) -> Stored:
         """The tensor's part (name, rows, columns) in tiles: from the file where it holds it, else `make()`."""
         key = entry_key(*part)
-        value = self.mapped.get(key, expected) if self.mapped is not None else None
-        if value is None:
-            value = make()
-            self.made_bytes += value.nbytes if isinstance(value, BlockMatrix) and value.interleaved else 0
+        found = self.mapped.get(key, expected) if self.mapped is not None else None
+        value = found if found is not None else make()
         if isinstance(value, BlockMatrix) and value.interleaved:
             self.kept[key] = value
+            self.made_bytes += 0 if found is not None else value.nbytes
         return value
 
     def save(self) -> int:

@@ -110,12 +110,13 @@ class ModelWeights:
         """The tensor (this rank's part of it) as the file stores it, or, with `layout` (the native products': a
         block matrix rearranged in place), in that layout: from the tile cache where it holds it."""
         stored, rows, cols = self._where(name)
-        value = self._read(stored, rows, cols, self.entry(name), layout)
+        entry = self.entry(name)
+        value = self._read(stored, rows, cols, entry, layout)
         expected = self._shapes.get(name)
         if isinstance(value, torch.Tensor) and expected and value.shape != expected and value.numel() == math.prod(expected):
             value = value.reshape(expected)  # a vector a file stores as [n, 1] (Mamba2's A and D in GGUF)
         if self.on_read is not None:
-            self.on_read(name, self.entry(name).nbytes)
+            self.on_read(name, entry.nbytes)
         return value
 
     def _read(self, stored: str, rows: slice | None, cols: slice | None, entry: Entry,
@@ -148,9 +149,10 @@ class ModelWeights:
         `read`'s."""
         if self.shard is None:
             return self.read(self.output_name, layout)
-        value = self._read(self.output_name, self.shard.vocabulary_rows(), None, self.head_entry(), layout)
+        entry = self.head_entry()
+        value = self._read(self.output_name, self.shard.vocabulary_rows(), None, entry, layout)
         if self.on_read is not None:
-            self.on_read(self.output_name, self.head_entry().nbytes)
+            self.on_read(self.output_name, entry.nbytes)
         return value
 
     def names(self) -> list[str]:
