@@ -33,7 +33,10 @@ class LayerSpec(ctypes.Structure):
                 ("attention_scale", _f32), ("attn_norm", _ptr), ("qkv_bias", _ptr), ("qk_norm", _ptr),
                 ("post_attention_norm", _ptr), ("ffn_norm", _ptr), ("post_ffw_norm", _ptr), ("output_bias", _ptr),
                 ("sinks", _ptr), ("qkv", MatrixSpec),
-                ("output", MatrixSpec), ("gate_up", MatrixSpec), ("down", MatrixSpec)]
+                ("output", MatrixSpec), ("gate_up", MatrixSpec), ("down", MatrixSpec), ("computes_kv", ctypes.c_int),
+                ("v_from_k", ctypes.c_int), ("value_norm", ctypes.c_int), ("per_layer_width", _i64),
+                ("per_layer_gate", MatrixSpec), ("per_layer_proj", MatrixSpec), ("per_layer_norm", _ptr),
+                ("output_scale", _ptr)]
 
 
 class StepSpec(ctypes.Structure):
@@ -45,7 +48,7 @@ class StepSpec(ctypes.Structure):
 @dataclass(frozen=True)
 class LayerShape:
     n_head: int
-    n_kv: int
+    n_kv: int  # the KV heads its attention reads
     head_dim: int
     n_embd: int
     n_ff: int
@@ -53,34 +56,49 @@ class LayerShape:
     query_scale: float
     gelu: bool
     qk_norm_whole: bool = False  # the QK-norm over each token's whole Q and K projections (OLMoE)
+    computes_kv: bool = True  # False: it reads the K/V another layer wrote (Gemma 4's shared layers)
+    v_from_k: bool = False  # V is K as projected, before K's norm (no V projection)
+    value_norm: bool = False  # V heads through a weightless RMSNorm
+    per_layer_width: int = 0  # the width of its per-layer input (Gemma 4), 0 for none
 
 
 class NativeDecodeLayer:
-    """A decoder layer's weights as the native call reads them. `vectors` are its norms and biases, tensors in the
-    activation dtype, and its attention sinks in float32 (None where the family has none); `products` its four
-    matrices' native products."""
+    """A decoder layer's weights as the native call reads them. `vectors` are its norms, biases and output scale,
+    tensors in the activation dtype, and its attention sinks in float32 (None where the family has none); `products`
+    its matrices' native products (qkv, output, gate_up and down; per_layer_gate and per_layer_proj where it has a
+    per-layer input)."""
 
     def __init__(self, kernels: NativeKernels, shape: LayerShape, dtype: torch.dtype, vectors: dict,
                  products: dict[str, NativeProduct]) -> None:
         self._call = kernels.decode_layer_function
         self._keep = [v for v in vectors.values() if v is not None]  # the pointers below stay valid
-        pointer = lambda name: None if vectors[name] is None else vectors[name].data_ptr()  # noqa: E731
+        pointer = lambda name: None if vectors.get(name) is None else vectors[name].data_ptr()  # noqa: E731
         self.spec = LayerSpec(
             int(dtype == torch.bfloat16), int(shape.gelu), int(shape.qk_norm_whole), shape.n_head, shape.n_kv, shape.head_dim, shape.n_embd,
             shape.n_ff, shape.eps, shape.query_scale, shape.head_dim ** -0.5,
             *(pointer(n) for n in ("attn_norm", "qkv_bias", "qk_norm", "post_attention_norm", "ffn_norm",
                                    "post_ffw_norm", "output_bias", "sinks")),
-            *(MatrixSpec.of(products[n]) if products.get(n) is not None else MatrixSpec()  # no MLP: experts
-              for n in ("qkv", "output", "gate_up", "down")))
+            *(self._matrix(products, n) for n in ("qkv", "output", "gate_up", "down")),  # no MLP: experts
+            int(shape.computes_kv), int(shape.v_from_k), int(shape.value_norm), shape.per_layer_width,
+            *(self._matrix(products, n) for n in ("per_layer_gate", "per_layer_proj")),
+            pointer("per_layer_norm"), pointer("output_scale"))
         self.dtype = dtype
 
-    def __call__(self, x: torch.Tensor, step: DecodeStep, layer: int,
-                 normed_out: torch.Tensor | None = None) -> torch.Tensor:
+    @staticmethod
+    def _matrix(products: dict[str, NativeProduct], name: str) -> MatrixSpec:
+        return MatrixSpec.of(products[name]) if products.get(name) is not None else MatrixSpec()
+
+    def __call__(self, x: torch.Tensor, step: DecodeStep, layer: int, normed_out: torch.Tensor | None = None,
+                 per_layer: torch.Tensor | None = None) -> torch.Tensor:
         """x [n_tokens, n_embd] (contiguous, the activation dtype) through the layer, in place; the tokens' K and V
         written to their cells of `layer` in the step's store. A layer made without an MLP (its experts run
-        after) stops after the attention's residual add and writes the experts' input into `normed_out`."""
+        after) stops after the attention's residual add and writes the experts' input into `normed_out`.
+        `per_layer`: the tokens' per-layer input vectors [n_tokens, width] of a layer that has one (rows may be
+        strided, each contiguous, in the activation dtype)."""
+        vectors, stride = (None, 0) if per_layer is None else (per_layer.data_ptr(), per_layer.stride(0))
         status = self._call(ctypes.byref(self.spec), ctypes.byref(step.spec), layer, x.data_ptr(),
-                            None if normed_out is None else normed_out.data_ptr(), torch.get_num_threads())
+                            None if normed_out is None else normed_out.data_ptr(), vectors, stride,
+                            torch.get_num_threads())
         if status:
             raise ValueError(f"the native decode layer cannot take these shapes or this cache (status {status})")
         return x

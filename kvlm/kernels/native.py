@@ -38,7 +38,9 @@ log = logging.getLogger("kvlm")
 
 SOURCES = Path(__file__).parent / "csrc"
 SWITCH_VARIABLE = "KVLM_NATIVE"  # "0": never build or load the native kernels; else a gcc -march to build for
-FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off")
+# -ffp-contract=off: no fused multiply-adds the source does not write, so vector and scalar code round alike;
+# -fno-trapping-math: lets g++ vectorize exp_float's clamps and conversions (layer_ops.h); it changes no value.
+FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math")
 _OK, _UNSUPPORTED_TYPE, _BAD_SHAPE = 0, 1, 2
 
 
@@ -118,7 +120,7 @@ class NativeKernels:
         self._lib.kvlm_grids_size.restype = i64
         self._set_grids()
         self.decode_layer_function = self._lib.kvlm_decode_layer
-        self.decode_layer_function.argtypes = [ptr, ptr, ctypes.c_int, ptr, ptr, ctypes.c_int]
+        self.decode_layer_function.argtypes = [ptr, ptr, ctypes.c_int, ptr, ptr, ptr, ctypes.c_int64, ctypes.c_int]
         self.delta_layer_function = self._lib.kvlm_delta_layer
         self.delta_layer_function.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
         self.layer_times_function = self._lib.kvlm_layer_times

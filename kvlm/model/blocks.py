@@ -24,7 +24,7 @@ from kvlm.model.recurrent import gated_delta_net, mamba2_mixer, short_conv
 
 class Blocks:
     """The blocks of a decoder: it sets `config`, `ops` (its backend), `activation` (the gated MLP's), `dtype`,
-    `batch_invariant`, `decode_layers` (whole layers natively for decode steps, or None), `_recurrent` (stepped
+    `batch_invariant`, `per_layer_inputs` (kvlm.model.per_layer, or None), `decode_layers` (whole layers natively for decode steps, or None), `_recurrent` (stepped
     recurrent layers, or None) and `all_reduce` (tensor parallelism's sum over ranks, or None)."""
 
     all_reduce: Callable[[torch.Tensor], object] | None = None
@@ -46,12 +46,15 @@ class Blocks:
         """The weight of a weightless RMSNorm (a V norm), for the ops' norm."""
         return torch.ones(n, dtype=self.dtype, device=device)
 
-    def _attention_block(self, index: int, layer: LayerWeights, x, cos, sin, kv: MemoryView) -> torch.Tensor:
+    def _attention_block(self, index: int, layer: LayerWeights, x, cos, sin, kv: MemoryView,
+                         per_layer: torch.Tensor | None = None) -> torch.Tensor:
         """Pre-norm attention then a pre-norm gated MLP, each added to the residual stream (each output normed
-        once more first where the layer has sandwich norms); one native call for decode tokens where it can be."""
+        once more first where the layer has sandwich norms), then the per-layer input's term (`per_layer`: the
+        tokens' vectors for this layer) and the output scale where the layer has them; one native call for decode
+        tokens where it can be."""
         activation = self.activation
         if self.decode_layers is not None and self.all_reduce is None:
-            done = self.decode_layers.run(index, layer, x, cos, sin, kv)
+            done = self.decode_layers.run(index, layer, x, cos, sin, kv, per_layer)
             if done is not None:
                 x, experts_input = done
                 return x if experts_input is None else x + layer.moe(experts_input, self.ops, activation)
@@ -64,7 +67,10 @@ class Blocks:
         normed, x = ops.add_norm(x, h if residual == 1.0 else h * residual, layer.ffn_norm, eps)
         h = self._mlp(layer, normed) if layer.beside_mlp is None else self._mlp_and_experts(layer, normed, x)
         h = h if layer.post_ffw_norm is None else ops.norm(h, layer.post_ffw_norm, eps)
-        return x + (h if residual == 1.0 else h * residual)
+        x = x + (h if residual == 1.0 else h * residual)
+        if per_layer is not None:
+            x = self.per_layer_inputs.add(layer.per_layer, x, per_layer)
+        return x if layer.output_scale is None else x * layer.output_scale
 
     def _mlp(self, layer: LayerWeights | DeltaLayerWeights, normed: torch.Tensor) -> torch.Tensor:
         """The layer's gated MLP, or its experts, summed over the tensor-parallel ranks."""

@@ -136,11 +136,11 @@ class Decoder(Blocks):
             rotations = {key: _on(table, x.device) for key, table in self.rotations(positions).items()}
         blocks = self.blocks
         for index, (kind, layer) in enumerate(zip(self.config.layer_kinds, self.layers)):
-            x = blocks[kind](index, layer, x, *rotations[id(self.layer_ropes[index])], kv)
-            if per_layer is not None:
-                x = self.per_layer_inputs.add(layer.per_layer, x, per_layer[:, index])
-            if getattr(layer, "output_scale", None) is not None:
-                x = x * layer.output_scale
+            rotation = rotations[id(self.layer_ropes[index])]
+            if per_layer is None:
+                x = blocks[kind](index, layer, x, *rotation, kv)
+            else:  # only attention layers have per-layer inputs (Gemma 4's)
+                x = blocks[kind](index, layer, x, *rotation, kv, per_layer[:, index])
         if output_rows is not None:
             x = x[output_rows]
         return self.ops.norm(x, self.output_norm, self.config.rms_norm_eps)

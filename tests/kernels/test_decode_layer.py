@@ -57,8 +57,8 @@ def steps(model, kv_dtype: str, n_steps: int, prompts=PROMPTS) -> tuple[torch.Te
 def fused_and_op_by_op(model, kv_dtype: str, monkeypatch, n_steps: int = 4, prompts=PROMPTS):
     calls = []
     original = NativeDecodeLayer.__call__
-    monkeypatch.setattr(NativeDecodeLayer, "__call__", lambda self, x, step, layer, normed=None:
-                        calls.append(x.shape[0]) or original(self, x, step, layer, normed))
+    monkeypatch.setattr(NativeDecodeLayer, "__call__", lambda self, x, *args:
+                        calls.append(x.shape[0]) or original(self, x, *args))
     fused = steps(model, kv_dtype, n_steps, prompts)
     decode_layers, model.decoder.decode_layers = model.decoder.decode_layers, None
     try:
@@ -186,3 +186,29 @@ print("same")
     done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "KVLM_NATIVE": "x86-64"},
                           capture_output=True, text=True)
     assert done.stdout.strip().endswith("same"), done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("variant", ["shared_kv", "k_eq_v", "moe"])
+def test_gemma4_layers_decode_natively_as_op_by_op(tmp_path, monkeypatch, variant, dtype):
+    """Random Gemma 4 files (Q8_0) decoding past their sliding window: each layer as one native call with its
+    kind's head size and KV heads, unscaled scores, V through a weightless norm, then the per-layer input's term and
+    the output scale; the last layers reading earlier layers' K/V ("shared_kv", with per-layer inputs and double-wide
+    MLPs), or the full layers' V taken from K ("k_eq_v"). Layers with experts beside their MLP ("moe") run op by
+    op."""
+    from gguf import GGMLQuantizationType
+    from helpers.gemma4_factory import random_gemma4, random_gemma4_moe, write_gemma4_gguf
+
+    made = {"shared_kv": lambda: random_gemma4(hidden_size_per_layer_input=32),
+            "k_eq_v": lambda: random_gemma4(attention_k_eq_v=True, num_kv_shared_layers=0,
+                                            hidden_size_per_layer_input=0),
+            "moe": random_gemma4_moe}[variant]()
+    path = write_gemma4_gguf(made, tmp_path / "g.gguf", GGMLQuantizationType.Q8_0)
+    # float32 activations over native blocks (requantized: "auto" reads float32 models densely)
+    model = load_model(str(path), dtype, quant="int8" if dtype == "float32" else "auto", progress=False)
+    prompts = [[1, 5, 7, 9], [1, 30, 40, 50, 60, 70], [1, 99]]
+    for kv_dtype in ("f32", "q8_0"):
+        fused, op_by_op, calls = fused_and_op_by_op(model, kv_dtype, monkeypatch, n_steps=10, prompts=prompts)
+        assert_same(fused, op_by_op)
+        # the short prompts' batch and every decode step
+        assert len(calls) == (0 if variant == "moe" else 13 * model.config.n_layer)

@@ -34,6 +34,20 @@ struct LayerSpec {
     const void* output_bias;   // [n_embd] or null: the attention output projection's bias (gpt-oss)
     const float* sinks;        // [n_head] float32 attention sinks' logits (gpt-oss), or null
     Matrix qkv, output, gate_up, down;
+    int computes_kv;           // the layer computes its K/V heads; else it reads those another layer wrote (Gemma 4)
+    int v_from_k;              // V is K as projected, before K's norm: no V heads in the product (Gemma 4's full layers)
+    int value_norm;            // V heads through a weightless RMSNorm before they are written (Gemma 4)
+    // The per-layer input's term after the MLP (Gemma 4): x += post_norm(proj(gelu(gate(x)) * the token's vector)),
+    // where per_layer_gate has parts; then x *= output_scale where given.
+    int64_t per_layer_width;
+    Matrix per_layer_gate, per_layer_proj;
+    const void* per_layer_norm;  // [n_embd]
+    const void* output_scale;    // [1] or null
+
+    // The heads the Q/K/V product gives each token: its queries, the K heads it computes, then as many V heads.
+    int k_heads() const { return computes_kv ? n_kv : 0; }
+    int v_heads() const { return computes_kv && !v_from_k ? n_kv : 0; }
+    int qkv_heads() const { return n_head + k_heads() + v_heads(); }
 };
 
 // What a step brings: its tokens' RoPE, the cells they write and read, and the KV store's planes.
@@ -119,35 +133,51 @@ struct LayerPlanes {
     KVPlane read(int which, int n_kv, int d) const { return {data[which], scales[which], type, n_kv, d}; }
 };
 
+inline float rounded(bool bf16, float v) { return bf16 ? bf16_to_float(float_to_bf16(v)) : v; }
+
+// A token's V head (d values, as the activation dtype holds them) into its cell: through the weightless RMSNorm first
+// where the layer has one (rms_norm_row's arithmetic, its weight 1; rounded as its output is).
+inline void write_v_head(const LayerSpec& L, const StepSpec& S, const LayerPlanes& planes, int64_t t, int head,
+                         std::vector<float>& values) {
+    const int d = L.d;
+    if (L.value_norm) {
+        const float inverse = 1.0f / std::sqrt(dot(values.data(), values.data(), d) / float(d) + L.eps);
+        for (int i = 0; i < d; ++i) values[i] = rounded(L.bf16, values[i] * inverse);
+    }
+    write_kv_row(planes.data[1], planes.scales[1], planes.type, S.write_cells[t] * L.n_kv + head, d, values.data());
+}
+
 // Head h of token t in the stacked Q/K/V row: bias, QK-norm (Q and K heads), RoPE (Q and K), the query scale (Q);
-// K and V heads are then written to the token's cell. Each step rounds to the activation dtype, as torch's ops do.
+// K and V heads are then written to the token's cell (a layer whose V is K takes it from the K head before its norm).
+// Each step rounds to the activation dtype, as torch's ops do.
 inline void finish_head(const LayerSpec& L, const StepSpec& S, const LayerPlanes& planes, void* qkv, int64_t t,
                         int h, std::vector<float>& values) {
     const bool bf16 = L.bf16;
-    const int d = L.d, n_qk = L.n_head + L.n_kv;
-    const int64_t width = int64_t(L.n_head + 2 * L.n_kv) * d, at = t * width + int64_t(h) * d;
+    const int d = L.d, n_qk = L.n_head + L.k_heads();
+    const int64_t width = int64_t(L.qkv_heads()) * d, at = t * width + int64_t(h) * d;
     values.resize(d);
     load_floats(static_cast<char*>(qkv) + at * (bf16 ? 2 : 4), bf16, d, values.data());
-    const auto round = [&](float v) { return bf16 ? bf16_to_float(float_to_bf16(v)) : v; };
     if (L.qkv_bias)
-        for (int i = 0; i < d; ++i) values[i] = round(values[i] + load_value(L.qkv_bias, bf16, int64_t(h) * d + i));
+        for (int i = 0; i < d; ++i) values[i] = rounded(bf16, values[i] + load_value(L.qkv_bias, bf16, int64_t(h) * d + i));
     for (int i = 0; i < d; ++i) store_value(qkv, bf16, at + i, values[i]);
-    if (h < n_qk) {
-        if (L.qk_norm && !L.qk_norm_whole) {
-            const char* weight = static_cast<const char*>(L.qk_norm) + int64_t(h) * d * (bf16 ? 2 : 4);
-            head_norm_token(qkv, bf16, at, 1, d, weight, L.eps, values);
-        }
-        rope_token(qkv, bf16, at, 1, d, S.cos + t * d, S.sin + t * d);
-        load_floats(static_cast<char*>(qkv) + at * (bf16 ? 2 : 4), bf16, d, values.data());
+    if (h >= n_qk) return write_v_head(L, S, planes, t, h - n_qk, values);
+    if (L.v_from_k && h >= L.n_head) {
+        static thread_local std::vector<float> v_values;
+        v_values.assign(values.begin(), values.end());
+        write_v_head(L, S, planes, t, h - L.n_head, v_values);
     }
+    if (L.qk_norm && !L.qk_norm_whole) {
+        const char* weight = static_cast<const char*>(L.qk_norm) + int64_t(h) * d * (bf16 ? 2 : 4);
+        head_norm_token(qkv, bf16, at, 1, d, weight, L.eps, values);
+    }
+    rope_token(qkv, bf16, at, 1, d, S.cos + t * d, S.sin + t * d);
+    load_floats(static_cast<char*>(qkv) + at * (bf16 ? 2 : 4), bf16, d, values.data());
     if (h < L.n_head) {
         if (L.query_scale != 1.0f)
             for (int i = 0; i < d; ++i) store_value(qkv, bf16, at + i, values[i] * L.query_scale);
         return;
     }
-    const int which = h < n_qk ? 0 : 1;  // K or V
-    const int head = h - L.n_head - which * L.n_kv;
-    write_kv_row(planes.data[which], planes.scales[which], planes.type, S.write_cells[t] * L.n_kv + head, d,
+    write_kv_row(planes.data[0], planes.scales[0], planes.type, S.write_cells[t] * L.n_kv + h - L.n_head, d,
                  values.data());
 }
 
@@ -215,6 +245,8 @@ struct LayerTeam {
     }
 };
 
+constexpr int64_t GATED_SPAN = 512;  // the gated activation's columns per task
+
 // Inside the team, after the residual add that left the FFN norm's output in `normed`: gate_up, the gated
 // activation, down, the post-FFW norm where the layer has one, and x += the result (rounded to the activation dtype,
 // as torch's add). A layer of experts (gate_up of no parts) copies `normed` to normed_out instead: its experts run
@@ -231,8 +263,12 @@ inline void mlp_in_team(const LayerSpec& L, LayerTeam& team, void* x, const void
                         static_cast<const char*>(normed) + t * L.n_embd * element, size_t(L.n_embd * element));
     } else {
         team.multiply(L.gate_up, normed, gate_up);
+        const int64_t spans = (L.n_ff + GATED_SPAN - 1) / GATED_SPAN;  // one token's row is work for every thread
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; ++t) gated_row(gate_up, bf16, t, L.n_ff, L.gelu, gated);
+        for (int64_t task = 0; task < T * spans; ++task) {
+            const int64_t first = task % spans * GATED_SPAN;
+            gated_row(gate_up, bf16, task / spans, L.n_ff, L.gelu, gated, first, std::min(L.n_ff, first + GATED_SPAN));
+        }
         team.clock.lap(&LayerTimes::other);
         team.multiply(L.down, gated, h);
 #pragma omp for schedule(static)
@@ -245,19 +281,60 @@ inline void mlp_in_team(const LayerSpec& L, LayerTeam& team, void* x, const void
     team.clock.lap(&LayerTimes::other);
 }
 
+// A step's per-layer input vectors for one layer: token t's width values at data + t * stride (activation dtype).
+struct PerLayerVectors {
+    const void* data;
+    int64_t stride;
+};
+
+// Inside the team, after the MLP: the per-layer input's term, x += post_norm(proj(gelu(gate(x)) * the token's
+// vector)), then x *= the output scale, each rounded to the activation dtype as torch's add and multiply round
+// (what kvlm.model.per_layer and the block compute op by op). `small`, `gated`: [T][width] buffers, h [T][n_embd].
+inline void layer_end_in_team(const LayerSpec& L, LayerTeam& team, void* x, const PerLayerVectors& vectors,
+                              void* small, void* gated, void* h, std::vector<float>& values) {
+    const bool bf16 = L.bf16, per_layer = L.per_layer_gate.n_parts > 0;
+    const int64_t T = team.T, width = L.per_layer_width, element = bf16 ? 2 : 4;
+    if (per_layer) {
+        team.multiply(L.per_layer_gate, x, small);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; ++t)
+            gated_span(static_cast<char*>(small) + t * width * element,
+                       static_cast<const char*>(vectors.data) + t * vectors.stride * element, bf16, width, true,
+                       static_cast<char*>(gated) + t * width * element);
+        team.clock.lap(&LayerTimes::other);
+        team.multiply(L.per_layer_proj, gated, h);
+    }
+    if (!per_layer && !L.output_scale) return;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+        if (per_layer) {
+            rms_norm_row(h, nullptr, bf16, t, L.n_embd, L.per_layer_norm, L.eps, h, nullptr, values);
+            for (int64_t i = 0; i < L.n_embd; ++i)
+                store_value(x, bf16, t * L.n_embd + i, load_value(x, bf16, t * L.n_embd + i) + load_value(h, bf16, t * L.n_embd + i));
+        }
+        if (L.output_scale)
+            for (int64_t i = 0; i < L.n_embd; ++i)
+                store_value(x, bf16, t * L.n_embd + i, load_value(x, bf16, t * L.n_embd + i) * load_value(L.output_scale, bf16, 0));
+    }
+    team.clock.lap(&LayerTimes::other);
+}
+
 // The layer for S.n_tokens decode tokens, x [n_tokens][n_embd] (the residual stream, updated in place). A layer
 // without an MLP (gate_up of no parts: its experts run outside) stops after the attention's residual add and leaves
-// the next norm's output in normed_out [n_tokens][n_embd].
-inline void decode_layer(const LayerSpec& L, const StepSpec& S, int layer, void* x, void* normed_out, int n_threads) {
+// the next norm's output in normed_out [n_tokens][n_embd]; a layer with one ends with the per-layer input's term
+// (`vectors`) and its output scale.
+inline void decode_layer(const LayerSpec& L, const StepSpec& S, int layer, void* x, void* normed_out,
+                         const PerLayerVectors& vectors, int n_threads) {
     const bool bf16 = L.bf16;
     const int64_t T = S.n_tokens, element = bf16 ? 2 : 4;
-    const int d = L.d, n_heads_all = L.n_head + 2 * L.n_kv;
+    const int d = L.d, n_heads_all = L.qkv_heads();
     const int64_t q_width = int64_t(L.n_head) * d, qkv_width = int64_t(n_heads_all) * d;
     static thread_local LayerBuffers buffers;
     QuantizedRows* act = buffers.quantized;
-    void* b[6];
+    void* b[8];
     buffers.carve({T * L.n_embd * element, T * qkv_width * element, T * q_width * element, T * L.n_embd * element,
-                   T * 2 * L.n_ff * element, T * L.n_ff * element}, b);
+                   T * 2 * L.n_ff * element, T * L.n_ff * element, T * L.per_layer_width * element,
+                   T * L.per_layer_width * element}, b);
     void *normed = b[0], *qkv = b[1], *attended = b[2], *h = b[3], *gate_up = b[4], *gated = b[5];
     const LayerPlanes planes(S, layer, int64_t(L.n_kv) * d);
     const AttentionWork attention{qkv, bf16, qkv_width, T, L.n_head, L.n_kv, d, L.attention_scale, S.cells,
@@ -275,10 +352,11 @@ inline void decode_layer(const LayerSpec& L, const StepSpec& S, int layer, void*
         team.first_norm(L, x, normed, values);
         team.multiply(L.qkv, normed, qkv);
         if (L.qk_norm && L.qk_norm_whole) {  // token t's Q (part 0), then its K (part 1), each as one vector
+            const int parts = L.k_heads() ? 2 : 1;
 #pragma omp for schedule(static)
-            for (int64_t task = 0; task < 2 * T; ++task) {
-                const int part = int(task % 2), heads = part ? L.n_kv : L.n_head;
-                const int64_t at = task / 2 * qkv_width + (part ? q_width : 0);
+            for (int64_t task = 0; task < parts * T; ++task) {
+                const int part = int(task % parts), heads = part ? L.n_kv : L.n_head;
+                const int64_t at = task / parts * qkv_width + (part ? q_width : 0);
                 const char* weight = static_cast<const char*>(L.qk_norm) + (part ? q_width * element : 0);
                 head_norm_token(qkv, bf16, at, 1, heads * d, weight, L.eps, values);
             }
@@ -301,6 +379,7 @@ inline void decode_layer(const LayerSpec& L, const StepSpec& S, int layer, void*
         }
         clock.lap(&T_::other);
         mlp_in_team(L, team, x, normed, gate_up, gated, h, normed_out, values);
+        layer_end_in_team(L, team, x, vectors, b[6], b[7], h, values);
     }
 }
 

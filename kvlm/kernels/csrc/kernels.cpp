@@ -225,9 +225,15 @@ int kvlm_sigmoid_gate(const void* x, int bf16, int64_t rows, int64_t n, const fl
     return OK;
 }
 
-// logits [rows][n] (float32) = cap * tanh(logits / cap), in place.
+// logits [rows][n] (float32) = cap * tanh(logits / cap), in place (shared out by spans of 4096: one row of a large
+// vocabulary is work for every thread).
 int kvlm_softcap(float* logits, int64_t rows, int64_t n, float cap, int n_threads) {
-    for_rows(rows, rows * n, n_threads, [&](int64_t r) { softcap_row(logits, r, n, cap); });
+    constexpr int64_t SPAN = 4096;
+    const int64_t spans = (n + SPAN - 1) / SPAN;
+    for_rows(rows * spans, rows * n, n_threads, [&](int64_t task) {
+        const int64_t first = task % spans * SPAN;
+        softcap_values(logits + task / spans * n + first, std::min(SPAN, n - first), cap);
+    });
     return OK;
 }
 
@@ -339,19 +345,23 @@ int kvlm_gated_delta_net(const float* mixed, const void* z, int64_t z_stride, co
 
 // One decoder layer for decode tokens (decode_layer.h): x [n_tokens][n_embd] updated in place, the tokens' K and V
 // written to their cells of this layer (`layer`, in the store the step names); a layer of experts (no MLP) leaves
-// the input of its experts in normed_out.
+// the input of its experts in normed_out; a layer with a per-layer input reads its vectors from per_layer (token t's
+// at per_layer + t * per_layer_stride values).
 int kvlm_decode_layer(const LayerSpec* spec, const StepSpec* step, int layer, void* x, void* normed_out,
-                      int n_threads) {
+                      const void* per_layer, int64_t per_layer_stride, int n_threads) {
     const LayerSpec& L = *spec;
-    for (const Matrix* w : {&L.qkv, &L.output, &L.gate_up, &L.down}) {
+    for (const Matrix* w : {&L.qkv, &L.output, &L.gate_up, &L.down, &L.per_layer_gate, &L.per_layer_proj}) {
         const int status = check_matrix(*w);
         if (status != OK) return status;
     }
     if (L.n_kv <= 0 || L.n_head % L.n_kv || L.d % HEAD_DIM_STEP || (step->kv_type == KV_Q8_0 && L.d % 32) ||
         step->kv_type < KV_F32 || step->kv_type > KV_Q8_0)
         return BAD_SHAPE;
-    if (L.gate_up.n_parts == 0 && normed_out == nullptr) return BAD_SHAPE;
-    decode_layer(L, *step, layer, x, normed_out, n_threads);
+    if (L.gate_up.n_parts == 0 && (normed_out == nullptr || L.per_layer_gate.n_parts || L.output_scale))
+        return BAD_SHAPE;  // a layer of experts ends before them: nothing after its MLP runs here
+    if (L.per_layer_gate.n_parts && (per_layer == nullptr || L.per_layer_proj.n_parts == 0 || !L.per_layer_norm))
+        return BAD_SHAPE;
+    decode_layer(L, *step, layer, x, normed_out, {per_layer, per_layer_stride}, n_threads);
     return OK;
 }
 

@@ -4,8 +4,10 @@
 // activations are float32 or bfloat16 (rounded once, at the end of each op, where torch rounds after every step).
 // An element's result depends only on its row's values and its place in the row, never on how many rows a call
 // holds (torch's own elementwise ops round a value differently in a tensor's vectorized body and its scalar tail):
-// a token's activations do not depend on its batch. Transcendental functions are scalar calls (g++ vectorizes them
-// only under -ffast-math), so every element takes the same code.
+// a token's activations do not depend on its batch. The activations, sigmoid and tanh are written here in basic
+// IEEE operations (exp_float), which the compiler vectorizes (it never vectorizes libm's calls without -ffast-math)
+// and which round alike in its vector body and scalar tail (no contraction: -ffp-contract=off), so every element of a
+// row takes the same arithmetic wherever it lies.
 #pragma once
 
 #include <algorithm>
@@ -39,6 +41,48 @@ inline void load_floats(const void* x, bool bf16, int64_t n, float* out) {
         std::copy_n(static_cast<const float*>(x), n, out);
     }
 }
+
+inline void store_floats(void* x, bool bf16, int64_t n, const float* values) {
+    if (bf16) {
+        uint16_t* h = static_cast<uint16_t*>(x);
+        for (int64_t i = 0; i < n; ++i) h[i] = float_to_bf16(values[i]);
+    } else {
+        std::copy_n(values, n, static_cast<float*>(x));
+    }
+}
+
+// exp(x) within 2 ulp from 2^-126 up (below about -87.3 the smallest normal float, from about 88.4 infinity: what
+// the activations need): Cody-Waite reduction by ln 2 and Cephes' polynomial, in basic operations the compiler
+// vectorizes (with -fno-trapping-math), each element rounding alike in vector and scalar code.
+inline float exp_float(float value) {
+    const float x = std::min(std::max(value, -87.33f), 88.72f);
+    const float k = std::floor(x * 1.44269504088896341f + 0.5f);
+    const float r = (x - k * 0.693359375f) + k * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float y = p * r * r + r + 1.0f;
+    const int32_t bits = (int32_t(k) + 127) * (1 << 23);
+    float two_k;
+    std::memcpy(&two_k, &bits, 4);
+    return y * two_k;
+}
+
+// tanh(x) within a few ulp: Cephes' odd polynomial below |x| 0.625, else 1 - 2 / (exp(2|x|) + 1) with x's sign.
+inline float tanh_float(float x) {
+    const float a = std::fabs(x), z = x * x;
+    const float small = ((((-5.70498872745e-3f * z + 2.06390887954e-2f) * z - 5.37397155531e-2f) * z +
+                          1.33314422036e-1f) * z - 3.33332819422e-1f) * z * x + x;
+    const float large = std::copysign(1.0f - 2.0f / (exp_float(2.0f * a) + 1.0f), x);
+    return a < 0.625f ? small : large;
+}
+
+inline float sigmoid_float(float x) { return 1.0f / (1.0f + exp_float(-x)); }
+
+inline float silu_float(float x) { return x / (1.0f + exp_float(-x)); }
 
 // Sum of a[i] * b[i] in 16 interleaved partial sums, a fixed order of additions (a single running sum is one the
 // compiler may not vectorize); with AVX-512 or AVX2 the partial sums stay in one register to the end.
@@ -110,17 +154,41 @@ inline void rope_token(void* x, bool bf16, int64_t at, int n_heads, int d, const
     }
 }
 
+// GELU, tanh approximation: 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), computed as x sigmoid(2u) (the
+// same function, without 1 + tanh's cancellation where x is well below 0).
 inline float gelu_tanh(float x) {
-    return 0.5f * x * (1.0f + std::tanh(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+    return x / (1.0f + exp_float(-1.5957691216057308f * (x + 0.044715f * x * x * x)));
 }
 
-// out [n] = act(gate) * up for one row of gate_up [2n] (gate first).
-inline void gated_row(const void* gate_up, bool bf16, int64_t r, int64_t n, bool gelu, void* out) {
-    for (int64_t i = 0; i < n; ++i) {
-        const float g = load_value(gate_up, bf16, r * 2 * n + i), u = load_value(gate_up, bf16, r * 2 * n + n + i);
-        const float a = gelu ? gelu_tanh(g) : g / (1.0f + std::exp(-g));
-        store_value(out, bf16, r * n + i, a * u);
+// g[i] = act(g[i]) * u[i] for m values: GELU (tanh) or SiLU.
+inline void gate_values(float* g, const float* u, int64_t m, bool gelu) {
+    if (gelu)
+        for (int64_t i = 0; i < m; ++i) g[i] = gelu_tanh(g[i]) * u[i];
+    else
+        for (int64_t i = 0; i < m; ++i) g[i] = silu_float(g[i]) * u[i];
+}
+
+// out[i] = act(gate[i]) * up[i] for m values of the activation dtype, through float buffers of 256.
+inline void gated_span(const void* gate, const void* up, bool bf16, int64_t m, bool gelu, void* out) {
+    constexpr int64_t CHUNK = 256;
+    float g[CHUNK], u[CHUNK];
+    const int64_t element = bf16 ? 2 : 4;
+    for (int64_t at = 0; at < m; at += CHUNK) {
+        const int64_t count = std::min(CHUNK, m - at);
+        load_floats(static_cast<const char*>(gate) + at * element, bf16, count, g);
+        load_floats(static_cast<const char*>(up) + at * element, bf16, count, u);
+        gate_values(g, u, count, gelu);
+        store_floats(static_cast<char*>(out) + at * element, bf16, count, g);
     }
+}
+
+// out [n] = act(gate) * up for one row of gate_up [2n] (gate first), its columns first .. last - 1.
+inline void gated_row(const void* gate_up, bool bf16, int64_t r, int64_t n, bool gelu, void* out, int64_t first = 0,
+                      int64_t last = -1) {
+    const int64_t element = bf16 ? 2 : 4, at = r * 2 * n + first;
+    const char* row = static_cast<const char*>(gate_up);
+    gated_span(row + at * element, row + (at + n) * element, bf16, (last < 0 ? n : last) - first, gelu,
+               static_cast<char*>(out) + (r * n + first) * element);
 }
 
 // out [n] = x * sigmoid(gate) for one row: gate [n], or [1] for the whole row (gate_cols 1); gate float32.
@@ -128,13 +196,13 @@ inline void sigmoid_gate_row(const void* x, bool bf16, int64_t r, int64_t n, con
                              void* out) {
     for (int64_t i = 0; i < n; ++i) {
         const float g = gate[r * gate_cols + (gate_cols == 1 ? 0 : i)];
-        store_value(out, bf16, r * n + i, load_value(x, bf16, r * n + i) / (1.0f + std::exp(-g)));
+        store_value(out, bf16, r * n + i, load_value(x, bf16, r * n + i) / (1.0f + exp_float(-g)));
     }
 }
 
-// cap * tanh(x / cap) over one row of n float32 logits, in place (Gemma's final softcap).
-inline void softcap_row(float* logits, int64_t r, int64_t n, float cap) {
-    for (int64_t i = 0; i < n; ++i) logits[r * n + i] = cap * std::tanh(logits[r * n + i] / cap);
+// cap * tanh(x / cap) over n float32 logits, in place (Gemma's final softcap).
+inline void softcap_values(float* logits, int64_t n, float cap) {
+    for (int64_t i = 0; i < n; ++i) logits[i] = cap * tanh_float(logits[i] / cap);
 }
 
 }  // namespace kvlm
