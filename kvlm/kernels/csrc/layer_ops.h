@@ -191,12 +191,21 @@ inline void gated_row(const void* gate_up, bool bf16, int64_t r, int64_t n, bool
                static_cast<char*>(out) + (r * n + first) * element);
 }
 
-// out [n] = x * sigmoid(gate) for one row: gate [n], or [1] for the whole row (gate_cols 1); gate float32.
+// out [n] = x * sigmoid(gate) for one row: gate [n], or [1] for the whole row (gate_cols 1); gate float32. Through
+// float buffers of 256, so the compiler vectorizes it.
 inline void sigmoid_gate_row(const void* x, bool bf16, int64_t r, int64_t n, const float* gate, int64_t gate_cols,
                              void* out) {
-    for (int64_t i = 0; i < n; ++i) {
-        const float g = gate[r * gate_cols + (gate_cols == 1 ? 0 : i)];
-        store_value(out, bf16, r * n + i, load_value(x, bf16, r * n + i) / (1.0f + exp_float(-g)));
+    constexpr int64_t CHUNK = 256;
+    float values[CHUNK];
+    const int64_t element = bf16 ? 2 : 4;
+    for (int64_t at = 0; at < n; at += CHUNK) {
+        const int64_t count = std::min(CHUNK, n - at), first = r * n + at;
+        load_floats(static_cast<const char*>(x) + first * element, bf16, count, values);
+        if (gate_cols == 1)
+            for (int64_t i = 0; i < count; ++i) values[i] = values[i] / (1.0f + exp_float(-gate[r]));
+        else
+            for (int64_t i = 0; i < count; ++i) values[i] = values[i] / (1.0f + exp_float(-gate[first + i]));
+        store_floats(static_cast<char*>(out) + first * element, bf16, count, values);
     }
 }
 

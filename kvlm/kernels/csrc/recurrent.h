@@ -2,8 +2,9 @@
 // convolution (LFM2, Mamba2, Qwen3.5), Mamba2's selective scan with its gated RMS norm, and Qwen3.5's gated delta
 // net. torch runs prompts through chunked algorithms and single tokens through the recurrence, and its elementwise
 // exp, sigmoid or rsqrt round differently in a tensor's vectorized body and its scalar tail; here every token of
-// every sequence takes one fixed sequence of float32 operations (the transcendental functions in scalar std::
-// calls, which g++ never vectorizes without -ffast-math), so a token's result has the same bits whether its
+// every sequence takes one fixed sequence of float32 operations (SiLU and sigmoid in layer_ops.h's basic operations,
+// which round alike in vector and scalar code; the other transcendental functions in scalar std:: calls), so a
+// token's result has the same bits whether its
 // sequence's earlier tokens came in the same call or an earlier one, whatever other sequences share the call and
 // whatever the thread count (work is shared out by sequence and head or channel, never within one's tokens).
 // Activations are float32 or bfloat16, rounded once where an output is stored; states are float32. Each sequence's
@@ -21,10 +22,6 @@
 #include "layer_ops.h"
 
 namespace kvlm {
-
-inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
-
-inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
 // torch's softplus (beta 1, threshold 20): above the threshold x itself, which log1p(exp(x)) rounds to anyway.
 inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
@@ -105,7 +102,7 @@ inline void causal_conv_channels(const CausalConv& c, int64_t s, int64_t first, 
         if (c.bias)
             for (int i = 0; i < n; ++i) sums[i] += c.bias[first + i];
         if (c.silu)
-            for (int i = 0; i < n; ++i) sums[i] = silu(sums[i]);
+            for (int i = 0; i < n; ++i) sums[i] = silu_float(sums[i]);
         const int64_t at = (s * c.n_tokens + t) * c.channels + first;
         for (int i = 0; i < n; ++i) store_value(c.out, c.out_bf16, at + i, sums[i]);
     }
@@ -166,7 +163,8 @@ inline void mamba2_gated_norm(const Mamba2Scan& m, int64_t row, int g, const flo
                               std::vector<float>& values) {
     const int64_t d_inner = m.d_inner(), size = d_inner / m.n_groups, first = g * size;
     values.resize(size);
-    for (int64_t i = 0; i < size; ++i) values[i] = y[row * d_inner + first + i] * silu(m.z.at(row, first + i));
+    m.z.load(row, first, size, values.data());
+    for (int64_t i = 0; i < size; ++i) values[i] = y[row * d_inner + first + i] * silu_float(values[i]);
     const float inverse = inverse_rms(values.data(), size, m.eps);
     for (int64_t i = 0; i < size; ++i)
         store_value(out, m.z.bf16, row * d_inner + first + i, values[i] * inverse * m.norm[first + i]);
@@ -222,7 +220,7 @@ inline void delta_net_inputs(const DeltaNet& d, int64_t row, int j, DeltaNetScra
     const float scale = float(1.0 / std::sqrt(double(d.dk)));
     l2_normalize(q, d.dk, scale, scratch.q.data() + i * d.dk);
     l2_normalize(q + d.key_dim(), d.dk, 1.0f, scratch.k.data() + i * d.dk);
-    scratch.beta[i] = sigmoid(d.b.at(row, j));
+    scratch.beta[i] = sigmoid_float(d.b.at(row, j));
     scratch.g[i] = d.A[j] * softplus(d.a.at(row, j) + d.dt_bias[j]);
 }
 
@@ -230,9 +228,12 @@ inline void delta_net_inputs(const DeltaNet& d, int64_t row, int j, DeltaNetScra
 inline void delta_net_output(const DeltaNet& d, int64_t row, int j, const float* o) {
     const float inverse = inverse_rms(o, d.dv, d.eps);
     const int64_t value_dim = int64_t(d.n_v_heads) * d.dv, first = int64_t(j) * d.dv;
-    for (int i = 0; i < d.dv; ++i)
-        store_value(d.out, d.z.bf16, row * value_dim + first + i,
-                    o[i] * inverse * d.norm[i] * silu(d.z.at(row, first + i)));
+    static thread_local std::vector<float> gated;
+    gated.resize(size_t(d.dv));
+    d.z.load(row, first, d.dv, gated.data());
+    for (int i = 0; i < d.dv; ++i) gated[i] = o[i] * inverse * d.norm[i] * silu_float(gated[i]);
+    store_floats(static_cast<char*>(d.out) + (row * value_dim + first) * (d.z.bf16 ? 2 : 4), d.z.bf16, d.dv,
+                 gated.data());
 }
 
 // Value head j of sequence s over its tokens in order: the delta rule stepped token by token (delta_rule.h) between
