@@ -36,7 +36,7 @@ class LayerSpec(ctypes.Structure):
                 ("output", MatrixSpec), ("gate_up", MatrixSpec), ("down", MatrixSpec), ("computes_kv", ctypes.c_int),
                 ("v_from_k", ctypes.c_int), ("value_norm", ctypes.c_int), ("per_layer_width", _i64),
                 ("per_layer_gate", MatrixSpec), ("per_layer_proj", MatrixSpec), ("per_layer_norm", _ptr),
-                ("output_scale", _ptr)]
+                ("output_scale", _ptr), ("output_gate", ctypes.c_int), ("rope_dims", ctypes.c_int)]
 
 
 class StepSpec(ctypes.Structure):
@@ -60,6 +60,8 @@ class LayerShape:
     v_from_k: bool = False  # V is K as projected, before K's norm (no V projection)
     value_norm: bool = False  # V heads through a weightless RMSNorm
     per_layer_width: int = 0  # the width of its per-layer input (Gemma 4), 0 for none
+    output_gate: bool = False  # each query head beside its gate: the attention's output x sigmoid(gate) (Qwen3.5)
+    rope_dims: int = 0  # RoPE over each head's first rope_dims values; 0: the whole head
 
 
 class NativeDecodeLayer:
@@ -81,7 +83,8 @@ class NativeDecodeLayer:
             *(self._matrix(products, n) for n in ("qkv", "output", "gate_up", "down")),  # no MLP: experts
             int(shape.computes_kv), int(shape.v_from_k), int(shape.value_norm), shape.per_layer_width,
             *(self._matrix(products, n) for n in ("per_layer_gate", "per_layer_proj")),
-            pointer("per_layer_norm"), pointer("output_scale"))
+            pointer("per_layer_norm"), pointer("output_scale"), int(shape.output_gate),
+            shape.rope_dims or shape.head_dim)
         self.dtype = dtype
 
     @staticmethod

@@ -26,7 +26,7 @@ class NativeLayerOps:
         self._rms_norm = lib.kvlm_rms_norm
         self._rms_norm.argtypes = [ptr, ptr, i32, i64, i64, ptr, f32, ptr, ptr, i32]
         self._rope = lib.kvlm_rope
-        self._rope.argtypes = [ptr, i32, i64, i64, i32, i32, ptr, ptr, i32]
+        self._rope.argtypes = [ptr, i32, i64, i64, i32, i32, i32, ptr, ptr, i32]
         self._head_norm = lib.kvlm_head_norm
         self._head_norm.argtypes = [ptr, i32, i64, i64, i32, i32, ptr, f32, i32]
         self._gated = lib.kvlm_gated
@@ -77,14 +77,15 @@ class NativeLayerOps:
 
     def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate x [T, n_heads, d] in place (heads and values contiguous, tokens at any stride) by float32 cos
-        and sin [T, d]."""
+        and sin [T, r] (contiguous): each head's first r values (r = d, or fewer: partial RoPE)."""
         n_tokens, n_heads, dim = x.shape
+        rotated = cos.shape[-1]
         if x.stride(2) != 1 or x.stride(1) != dim:
             raise ValueError("rope_ needs each token's heads contiguous")
-        status = self._rope(x.data_ptr(), x.dtype == torch.bfloat16, n_tokens, x.stride(0), n_heads, dim,
+        status = self._rope(x.data_ptr(), x.dtype == torch.bfloat16, n_tokens, x.stride(0), n_heads, dim, rotated,
                             cos.data_ptr(), sin.data_ptr(), torch.get_num_threads())
         if status:
-            raise ValueError(f"RoPE needs an even head_dim, got {dim}")
+            raise ValueError(f"RoPE rotates an even number of each head's values, at most its {dim}; got {rotated}")
         return x
 
     def head_norm_(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

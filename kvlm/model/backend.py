@@ -258,8 +258,8 @@ class NativeCpuBackend(TorchBackend):
         return super().head_norm(qk, weight, eps)
 
     def rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """In place, over whole heads (partial RoPE through torch)."""
-        if self._use_native() and qk.stride(2) == 1 and qk.stride(1) == qk.shape[2] and cos.shape[-1] == qk.shape[2]:
+        """In place (whole heads, or their first cos.shape[-1] values), rounded once."""
+        if self._use_native() and qk.stride(2) == 1 and qk.stride(1) == qk.shape[2] and cos.is_contiguous():
             return self.native.rope_(qk, cos, sin)
         return super().rope(qk, cos, sin)
 

@@ -24,10 +24,10 @@ class DecodeLayers:
     input), its experts after. `run` returns None for anything else (prompt chunks, which op by op prefill about 10%
     faster; a compiled graph's view), and the decoder runs the layer op by op. Not for what the native call does not
     compute:
-    a residual multiplier, a whole-projection QK-norm after Q/K/V biases, an attention output gate, RoPE over part
-    of each head, experts beside the MLP. It computes Gemma 4's attention (each kind's head size and KV heads, V
-    through a weightless norm, V taken from K, K/V read from another layer) and the per-layer input's term and
-    output scale after the MLP.
+    a residual multiplier, a whole-projection QK-norm after Q/K/V biases, an output gate beside biases or a
+    whole-projection QK-norm, experts beside the MLP. It computes Gemma 4's attention (each kind's head size and KV
+    heads, V through a weightless norm, V taken from K, K/V read from another layer) and the per-layer input's term
+    and output scale after the MLP; Qwen3.5's (the output gate, RoPE over part of each head).
 
     Gated DeltaNet layers likewise (`run_delta`), for micro-batches of one token per sequence: a Python step of such a
     layer is a dozen calls, each slower inside a step than alone (the products evict Python's working set)."""
@@ -47,19 +47,21 @@ class DecodeLayers:
     def _shape(config: ModelConfig, index: int, layer, gelu: bool) -> LayerShape:
         spec = layer.spec
         n_kv = config.attention_geometry(config.layer_kinds[index])[0]  # what it reads: its own or another's
-        computes_kv = spec.n_kv > 0
+        computes_kv, queries = spec.n_kv > 0, spec.n_head * spec.head_dim * (2 if spec.output_gate else 1)
         return LayerShape(spec.n_head, n_kv, spec.head_dim, config.n_embd, 0 if layer.moe else config.ff_width(index),
                           config.rms_norm_eps, spec.scale, gelu, spec.whole_qk_norm, computes_kv,
-                          computes_kv and layer.qkv.out_features == (spec.n_head + n_kv) * spec.head_dim,
-                          spec.value_norm, config.per_layer_embd if layer.per_layer is not None else 0)
+                          computes_kv and layer.qkv.out_features == queries + n_kv * spec.head_dim,
+                          spec.value_norm, config.per_layer_embd if layer.per_layer is not None else 0,
+                          spec.output_gate, config.rope_dims)
 
     @staticmethod
     def _computed(config: ModelConfig, layer) -> bool:
         """Whether the native call computes what this attention layer computes (see the class)."""
         spec = getattr(layer, "spec", None)
         return (spec is not None and not (spec.whole_qk_norm and (layer.qkv_bias is not None or not spec.n_kv))
-                and config.residual_multiplier == 1.0 and not spec.output_gate
-                and config.rope_dims in (0, spec.head_dim) and spec.head_dim % HEAD_DIM_STEP == 0
+                and config.residual_multiplier == 1.0 and spec.head_dim % HEAD_DIM_STEP == 0
+                and not (spec.output_gate and (layer.qkv_bias is not None or spec.whole_qk_norm
+                                               or spec.head_dim > 512))
                 and layer.beside_mlp is None
                 and (layer.moe is None or (layer.per_layer is None and layer.output_scale is None)))
 

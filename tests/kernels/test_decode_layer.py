@@ -144,7 +144,8 @@ def test_layers_of_experts_run_their_attention_natively_as_op_by_op(tmp_path, mo
 @pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
 def test_gated_deltanet_layers_decode_natively_as_op_by_op(tmp_path, monkeypatch, dtype, moe):
     """Random Qwen3.5 files (Q8_0): each Gated DeltaNet layer of a decode step as one native call (delta_layer.h),
-    its states stepped in the memory's banks; logits, KV cache and committed states equal to the layers run op by op.
+    its states stepped in the memory's banks, and each gated attention layer as one (decode_layer.h); logits, KV
+    cache and committed states equal to the layers run op by op.
     The MoE model's delta-rule layers stop at their experts' input, the experts run after."""
     from gguf import GGMLQuantizationType
     from helpers.qwen35_factory import random_qwen35, random_qwen35_moe, write_qwen35_gguf, write_qwen35moe_gguf
@@ -159,10 +160,13 @@ def test_gated_deltanet_layers_decode_natively_as_op_by_op(tmp_path, monkeypatch
     monkeypatch.setattr(NativeDeltaLayer, "__call__", lambda self, x, states, n_tokens, normed=None:
                         calls.append(x.shape[0]) or original(self, x, states, n_tokens, normed))
     prompts = [[1, 5, 7, 9], [1, 30, 40, 50, 60, 70], [1, 99]]
-    fused, op_by_op, _ = fused_and_op_by_op(model, "f16", monkeypatch, n_steps=3, prompts=prompts)
+    fused, op_by_op, attention_calls = fused_and_op_by_op(model, "f16", monkeypatch, n_steps=3, prompts=prompts)
     assert_same(fused, op_by_op)
     n_delta = model.config.layer_kinds.count(GATED_DELTA)
     assert n_delta and calls[-5 * n_delta:] == [3] * 3 * n_delta + [1] * 2 * n_delta  # every decode step
+    # the gated attention layers too (output gate, RoPE over a quarter of each head)
+    n_attention = model.config.n_layer - n_delta
+    assert attention_calls[-5 * n_attention:] == [3] * 3 * n_attention + [1] * 2 * n_attention
 
 
 def test_the_plain_cpp_build_decodes_as_op_by_op(smollm2_gguf_path):

@@ -154,18 +154,28 @@ def test_rms_norm_with_and_without_residual(kernels, dtype, rows, width):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n_tokens,n_heads,dim", [(1, 12, 64), (7, 3, 2), (33, 5, 128)])
-def test_rope_in_place_on_a_strided_view(kernels, dtype, n_tokens, n_heads, dim):
+@pytest.mark.parametrize("n_tokens,n_heads,dim,rotated", [(1, 12, 64, 64), (7, 3, 2, 2), (33, 5, 128, 128),
+                                                          (3, 4, 256, 64), (2, 3, 96, 2)])
+def test_rope_in_place_on_a_strided_view(kernels, dtype, n_tokens, n_heads, dim, rotated):
+    """Whole heads, or their first `rotated` values (partial RoPE: Qwen3.5's quarter), the rest as they were."""
     g = torch.Generator().manual_seed(dim)
     qkv = torch.randn(n_tokens, (n_heads + 1) * dim, generator=g).to(dtype)  # one more head after the rotated ones
-    angles = torch.rand(n_tokens, 1, dim // 2, generator=g) * 100
+    angles = torch.rand(n_tokens, 1, rotated // 2, generator=g) * 100
     cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
     expected = apply_rope(qkv[:, :n_heads * dim].double().view(n_tokens, n_heads, dim), cos.double(), sin.double())
-    untouched = qkv[:, n_heads * dim:].clone()
+    untouched, before = qkv[:, n_heads * dim:].clone(), qkv[:, :n_heads * dim].clone()
     view = qkv[:, :n_heads * dim].view(n_tokens, n_heads, dim)
     kernels.layer_ops.rope_(view, cos, sin)
     torch.testing.assert_close(view.double(), expected, **tolerance(dtype))
     assert torch.equal(qkv[:, n_heads * dim:], untouched)
+    if dtype == torch.float32:  # torch's float32 multiplies and add round as the kernel's: the same bits
+        assert torch.equal(view, apply_rope(before.view(n_tokens, n_heads, dim), cos, sin))
+
+
+def test_rope_refuses_more_rotated_values_than_a_head_has(kernels):
+    x, cos = torch.zeros(2, 3, 32), torch.ones(2, 1, 64)
+    with pytest.raises(ValueError, match="at most its 32; got 64"):
+        kernels.layer_ops.rope_(x, cos, cos)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

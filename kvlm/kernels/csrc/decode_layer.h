@@ -43,11 +43,20 @@ struct LayerSpec {
     Matrix per_layer_gate, per_layer_proj;
     const void* per_layer_norm;  // [n_embd]
     const void* output_scale;    // [1] or null
+    int output_gate;           // each query head followed by as many gate values: out = attention x sigmoid(gate) (Qwen3.5)
+    int rope_dims;             // RoPE over each head's first rope_dims values (d: all of them)
 
-    // The heads the Q/K/V product gives each token: its queries, the K heads it computes, then as many V heads.
+    // The heads the Q/K/V product gives each token: its queries (each with its gate), the K heads it computes, then
+    // as many V heads.
     int k_heads() const { return computes_kv ? n_kv : 0; }
     int v_heads() const { return computes_kv && !v_from_k ? n_kv : 0; }
     int qkv_heads() const { return n_head + k_heads() + v_heads(); }
+    // Where head h of a token's row of the product starts, and the row's width.
+    int64_t head_at(int h) const {
+        const int64_t query = int64_t(output_gate ? 2 : 1) * d;
+        return h < n_head ? h * query : n_head * query + int64_t(h - n_head) * d;
+    }
+    int64_t qkv_width() const { return head_at(qkv_heads()); }
 };
 
 // What a step brings: its tokens' RoPE, the cells they write and read, and the KV store's planes.
@@ -149,12 +158,13 @@ inline void write_v_head(const LayerSpec& L, const StepSpec& S, const LayerPlane
 
 // Head h of token t in the stacked Q/K/V row: bias, QK-norm (Q and K heads), RoPE (Q and K), the query scale (Q);
 // K and V heads are then written to the token's cell (a layer whose V is K takes it from the K head before its norm).
-// Each step rounds to the activation dtype, as torch's ops do.
+// Each step rounds to the activation dtype, as torch's ops do. A layer with an output gate puts each finished query
+// head into `queries` [T][n_head * d] (its product's rows hold each query beside its gate).
 inline void finish_head(const LayerSpec& L, const StepSpec& S, const LayerPlanes& planes, void* qkv, int64_t t,
-                        int h, std::vector<float>& values) {
+                        int h, void* queries, std::vector<float>& values) {
     const bool bf16 = L.bf16;
     const int d = L.d, n_qk = L.n_head + L.k_heads();
-    const int64_t width = int64_t(L.qkv_heads()) * d, at = t * width + int64_t(h) * d;
+    const int64_t at = t * L.qkv_width() + L.head_at(h);
     values.resize(d);
     load_floats(static_cast<char*>(qkv) + at * (bf16 ? 2 : 4), bf16, d, values.data());
     if (L.qkv_bias)
@@ -170,15 +180,27 @@ inline void finish_head(const LayerSpec& L, const StepSpec& S, const LayerPlanes
         const char* weight = static_cast<const char*>(L.qk_norm) + int64_t(h) * d * (bf16 ? 2 : 4);
         head_norm_token(qkv, bf16, at, 1, d, weight, L.eps, values);
     }
-    rope_token(qkv, bf16, at, 1, d, S.cos + t * d, S.sin + t * d);
+    rope_token(qkv, bf16, at, 1, d, L.rope_dims, S.cos + t * L.rope_dims, S.sin + t * L.rope_dims);
     load_floats(static_cast<char*>(qkv) + at * (bf16 ? 2 : 4), bf16, d, values.data());
     if (h < L.n_head) {
         if (L.query_scale != 1.0f)
             for (int i = 0; i < d; ++i) store_value(qkv, bf16, at + i, values[i] * L.query_scale);
+        if (L.output_gate)
+            std::memcpy(static_cast<char*>(queries) + (t * L.n_head + h) * d * (bf16 ? 2 : 4),
+                        static_cast<char*>(qkv) + at * (bf16 ? 2 : 4), size_t(d) * (bf16 ? 2 : 4));
         return;
     }
     write_kv_row(planes.data[0], planes.scales[0], planes.type, S.write_cells[t] * L.n_kv + h - L.n_head, d,
                  values.data());
+}
+
+// out[i] *= sigmoid(gate[i]) for one head's d values of the activation dtype (x / (1 + exp(-gate)), rounded once).
+inline void gate_head(const LayerSpec& L, void* out, const void* gate) {
+    float values[512], gates[512];  // d <= 512 (the layer's check)
+    load_floats(out, L.bf16, L.d, values);
+    load_floats(gate, L.bf16, L.d, gates);
+    for (int i = 0; i < L.d; ++i) values[i] = values[i] / (1.0f + exp_float(-gates[i]));
+    store_floats(out, L.bf16, L.d, values);
 }
 
 // Where the fused layers' time goes (for bench/profile_step.py), summed while `on`: the weight products, attention,
@@ -328,18 +350,19 @@ inline void decode_layer(const LayerSpec& L, const StepSpec& S, int layer, void*
     const bool bf16 = L.bf16;
     const int64_t T = S.n_tokens, element = bf16 ? 2 : 4;
     const int d = L.d, n_heads_all = L.qkv_heads();
-    const int64_t q_width = int64_t(L.n_head) * d, qkv_width = int64_t(n_heads_all) * d;
+    const int64_t q_width = int64_t(L.n_head) * d, qkv_width = L.qkv_width();
     static thread_local LayerBuffers buffers;
     QuantizedRows* act = buffers.quantized;
-    void* b[8];
+    void* b[9];
     buffers.carve({T * L.n_embd * element, T * qkv_width * element, T * q_width * element, T * L.n_embd * element,
                    T * 2 * L.n_ff * element, T * L.n_ff * element, T * L.per_layer_width * element,
-                   T * L.per_layer_width * element}, b);
-    void *normed = b[0], *qkv = b[1], *attended = b[2], *h = b[3], *gate_up = b[4], *gated = b[5];
+                   T * L.per_layer_width * element, L.output_gate ? T * q_width * element : 0}, b);
+    void *normed = b[0], *qkv = b[1], *attended = b[2], *h = b[3], *gate_up = b[4], *gated = b[5], *queries = b[8];
     const LayerPlanes planes(S, layer, int64_t(L.n_kv) * d);
-    const AttentionWork attention{qkv, bf16, qkv_width, T, L.n_head, L.n_kv, d, L.attention_scale, S.cells,
-                                  S.offsets, S.lengths, planes.read(0, L.n_kv, d), planes.read(1, L.n_kv, d),
-                                  attended, q_width, L.sinks};
+    // The queries as attention reads them: in the product's rows, or gathered apart from their gates.
+    const AttentionWork attention{L.output_gate ? queries : qkv, bf16, L.output_gate ? q_width : qkv_width, T,
+                                  L.n_head, L.n_kv, d, L.attention_scale, S.cells, S.offsets, S.lengths,
+                                  planes.read(0, L.n_kv, d), planes.read(1, L.n_kv, d), attended, q_width, L.sinks};
     static thread_local std::vector<float> partials;
     std::vector<float>* shared_partials = &partials;
     using T_ = LayerTimes;
@@ -363,10 +386,19 @@ inline void decode_layer(const LayerSpec& L, const StepSpec& S, int layer, void*
         }
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < T * n_heads_all; ++task)
-            finish_head(L, S, planes, qkv, task / n_heads_all, int(task % n_heads_all), values);
+            finish_head(L, S, planes, qkv, task / n_heads_all, int(task % n_heads_all), queries, values);
         clock.lap(&T_::other);
         attention_in_team(attention, *shared_partials);
         clock.lap(&T_::attention);
+        if (L.output_gate) {  // each head's output times sigmoid(its gate), as sigmoid_gate_row computes it
+#pragma omp for schedule(static)
+            for (int64_t task = 0; task < T * L.n_head; ++task) {
+                const int64_t t = task / L.n_head, head = task % L.n_head;
+                gate_head(L, static_cast<char*>(attended) + (t * q_width + head * d) * element,
+                          static_cast<const char*>(qkv) + (t * qkv_width + L.head_at(int(head)) + d) * element);
+            }
+            clock.lap(&T_::other);
+        }
         team.multiply(L.output, attended, h);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; ++t) {

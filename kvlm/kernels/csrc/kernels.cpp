@@ -190,13 +190,14 @@ int kvlm_rms_norm(const void* x, const void* residual, int bf16, int64_t rows, i
     return OK;
 }
 
-// RoPE in place on x [n_tokens][token_stride] (each token's n_heads heads of d values first), with float32
-// cos and sin [n_tokens][d].
-int kvlm_rope(void* x, int bf16, int64_t n_tokens, int64_t token_stride, int n_heads, int d, const float* cos,
-              const float* sin, int n_threads) {
-    if (d % 2) return BAD_SHAPE;
-    for_rows(n_tokens, n_tokens * n_heads * d, n_threads,
-             [&](int64_t t) { rope_token(x, bf16, t * token_stride, n_heads, d, cos + t * d, sin + t * d); });
+// RoPE in place on x [n_tokens][token_stride] (each token's n_heads heads of d values first) over each head's first
+// `rotated` values (all d, or fewer: partial RoPE), with float32 cos and sin [n_tokens][rotated].
+int kvlm_rope(void* x, int bf16, int64_t n_tokens, int64_t token_stride, int n_heads, int d, int rotated,
+              const float* cos, const float* sin, int n_threads) {
+    if (rotated % 2 || rotated > d || rotated < 0) return BAD_SHAPE;
+    for_rows(n_tokens, n_tokens * n_heads * d, n_threads, [&](int64_t t) {
+        rope_token(x, bf16, t * token_stride, n_heads, d, rotated, cos + t * rotated, sin + t * rotated);
+    });
     return OK;
 }
 
@@ -360,6 +361,8 @@ int kvlm_decode_layer(const LayerSpec* spec, const StepSpec* step, int layer, vo
     if (L.gate_up.n_parts == 0 && (normed_out == nullptr || L.per_layer_gate.n_parts || L.output_scale))
         return BAD_SHAPE;  // a layer of experts ends before them: nothing after its MLP runs here
     if (L.per_layer_gate.n_parts && (per_layer == nullptr || L.per_layer_proj.n_parts == 0 || !L.per_layer_norm))
+        return BAD_SHAPE;
+    if (L.rope_dims % 2 || L.rope_dims < 0 || L.rope_dims > L.d || (L.output_gate && (L.d > 512 || L.qkv_bias || L.qk_norm_whole)))
         return BAD_SHAPE;
     decode_layer(L, *step, layer, x, normed_out, {per_layer, per_layer_stride}, n_threads);
     return OK;

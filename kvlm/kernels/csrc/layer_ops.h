@@ -141,9 +141,11 @@ inline void head_norm_token(void* x, bool bf16, int64_t at, int n_heads, int d, 
     }
 }
 
-// RoPE of n_heads heads of one token in place (pairs i, i + d/2: the Hugging Face layout), cos and sin [d] float32.
-inline void rope_token(void* x, bool bf16, int64_t at, int n_heads, int d, const float* cos, const float* sin) {
-    const int half = d / 2;
+// RoPE of n_heads heads of d values of one token in place, over each head's first `rotated` values (pairs i,
+// i + rotated/2: the Hugging Face layout; the rest as they are: partial RoPE), cos and sin [rotated] float32.
+inline void rope_token(void* x, bool bf16, int64_t at, int n_heads, int d, int rotated, const float* cos,
+                       const float* sin) {
+    const int half = rotated / 2;
     for (int h = 0; h < n_heads; ++h) {
         const int64_t base = at + int64_t(h) * d;
         for (int i = 0; i < half; ++i) {
