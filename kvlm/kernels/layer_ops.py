@@ -35,6 +35,8 @@ class NativeLayerOps:
         self._sigmoid_gate.argtypes = [ptr, i32, i64, i64, ptr, i64, ptr, i32]
         self._softcap = lib.kvlm_softcap
         self._softcap.argtypes = [ptr, i64, i64, f32, i32]
+        self._route = lib.kvlm_route
+        self._route.argtypes = [ptr, ptr, i64, i32, i32, i32, ptr, ptr, i32]
         self._delta_step = lib.kvlm_delta_step
         self._delta_step.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i32, i32, i32]
 
@@ -116,6 +118,21 @@ class NativeLayerOps:
         self._sigmoid_gate(x.data_ptr(), x.dtype == torch.bfloat16, rows, width, gate.data_ptr(), gate.shape[1],
                            out.data_ptr(), torch.get_num_threads())
         return out
+
+    def route(self, logits: torch.Tensor, n_used: int, normalize: bool,
+              bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids [T, k] int32, weights [T, k] float32) from router logits [T, n_expert] float32 (plus `bias`
+        [n_expert] float32): kvlm.model.moe.route's choice in one call."""
+        logits = logits.float().contiguous()
+        n_tokens, n_expert = logits.shape
+        bias = None if bias is None else bias.float().contiguous()
+        ids = torch.empty(n_tokens, n_used, dtype=torch.int32)
+        weights = torch.empty(n_tokens, n_used, dtype=torch.float32)
+        status = self._route(logits.data_ptr(), None if bias is None else bias.data_ptr(), n_tokens, n_expert, n_used,
+                             normalize, ids.data_ptr(), weights.data_ptr(), torch.get_num_threads())
+        if status:
+            raise ValueError(f"a router cannot choose {n_used} of {n_expert} experts")
+        return ids, weights
 
     def softcap_(self, logits: torch.Tensor, cap: float) -> torch.Tensor:
         """cap * tanh(logits / cap) in place, for float32 logits [rows, n] (contiguous)."""

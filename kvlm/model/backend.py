@@ -30,7 +30,7 @@ from kvlm.kernels.native import NativeKernels
 from kvlm.kernels.quantize import BLOCK as QUANT_BLOCK
 from kvlm.kernels.quantize import QUANTIZERS
 from kvlm.model.linear import DenseLinear, Linear, QuantizedLinear, dense_linear
-from kvlm.model.moe import BlockExperts
+from kvlm.model.moe import BlockExperts, route
 from kvlm.model.ops import rms_norm
 from kvlm.model.recurrent import delta_step
 from kvlm.model.recurrent_steps import SteppedRecurrentOps
@@ -92,6 +92,9 @@ class Backend(Protocol):
     def gelu_times(self, gate: torch.Tensor, vector: torch.Tensor) -> torch.Tensor: ...
 
     def softcap(self, logits: torch.Tensor, cap: float) -> torch.Tensor: ...
+
+    def route(self, logits: torch.Tensor, n_used: int, normalize: bool,
+              bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def delta_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                    state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
@@ -177,6 +180,11 @@ class TorchBackend:
     def softcap(self, logits: torch.Tensor, cap: float) -> torch.Tensor:
         """cap * tanh(logits / cap) for float32 logits [rows, n] (a final logit softcap)."""
         return cap * self._torch(torch.tanh, logits / cap)
+
+    def route(self, logits: torch.Tensor, n_used: int, normalize: bool,
+              bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A router's choice from its logits [T, n_expert] (plus `bias`): kvlm.model.moe.route."""
+        return route(logits if bias is None else logits + bias, n_used, normalize)
 
     def delta_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                    state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -284,6 +292,13 @@ class NativeCpuBackend(TorchBackend):
         if self._use_native() and logits.dim() == 2 and logits.is_contiguous():
             return self.native.softcap_(logits, cap)
         return super().softcap(logits, cap)
+
+    def route(self, logits: torch.Tensor, n_used: int, normalize: bool,
+              bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One native call in place of softmax, top-k and renormalisation's few torch ops per layer."""
+        if self._use_native() and logits.dim() == 2:
+            return self.native.route(logits, n_used, normalize, bias)
+        return super().route(logits, n_used, normalize, bias)
 
     def delta_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                    state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

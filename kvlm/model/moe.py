@@ -101,10 +101,7 @@ class MoEWeights:
         routed = (x if router_input is None else router_input).float()
         if self.router_input_scale is not None:
             routed = F.rms_norm(routed, (routed.shape[-1],), eps=self.router_norm_eps) * self.router_input_scale * routed.shape[-1] ** -0.5
-        logits = self.router(routed)
-        if self.router_bias is not None:
-            logits = logits + self.router_bias
-        ids, weights = route(logits, self.n_used, self.normalize)
+        ids, weights = ops.route(self.router(routed), self.n_used, self.normalize, self.router_bias)
         if self.expert_scale is not None:
             weights = weights * self.expert_scale[ids]
         out = self.experts(x, ids, weights, ops, activation)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from kvlm.memory.kv_store import Q8Plane
 from kvlm.memory.view import TokenCells
+from kvlm.model.moe import route
 from kvlm.model.backend import NativeCpuBackend, TorchBackend
 from kvlm.core.rope import apply_rope
 from kvlm.model.ops import grouped_attention, rms_norm
@@ -338,3 +339,22 @@ def test_qwen35_decoder_with_the_native_delta_step_matches_torch(tmp_path, monke
     assert calls  # the decode steps went through it
     torch.testing.assert_close(native, torch_ops, atol=1e-4, rtol=0)
     assert torch.equal(native.argmax(-1), torch_ops.argmax(-1))
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("n_tokens,n_expert,k", [(1, 32, 4), (7, 64, 8), (3, 512, 10), (5, 4, 4)])
+def test_route_chooses_as_torch(kernels, n_tokens, n_expert, k, normalize):
+    """A router's choice natively: the same experts in the same order as moe.route's softmax and top-k, their
+    weights within float32 rounding (softmax's exp is libm's here, torch's own there); with a bias added first."""
+    g = torch.Generator().manual_seed(n_expert)
+    logits, bias = torch.randn(n_tokens, n_expert, generator=g) * 3, torch.randn(n_expert, generator=g)
+    for b in (None, bias):
+        ids, weights = kernels.layer_ops.route(logits, k, normalize, b)
+        expected_ids, expected_weights = route(logits if b is None else logits + b, k, normalize)
+        assert ids.dtype == torch.int32 and torch.equal(ids.long(), expected_ids)
+        torch.testing.assert_close(weights, expected_weights, rtol=2e-6, atol=1e-7)
+
+
+def test_route_refuses_more_experts_than_there_are(kernels):
+    with pytest.raises(ValueError, match="cannot choose 5 of 4 experts"):
+        kernels.layer_ops.route(torch.zeros(2, 4), 5, True)

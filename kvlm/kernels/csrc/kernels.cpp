@@ -238,6 +238,19 @@ int kvlm_softcap(float* logits, int64_t rows, int64_t n, float cap, int n_thread
     return OK;
 }
 
+// Each token's k experts and their weights from its router logits [n_tokens][n_expert] (float32; bias [n_expert] or
+// null): route_token per token; ids [n_tokens][k] int32, weights [n_tokens][k] float32.
+int kvlm_route(const float* logits, const float* bias, int64_t n_tokens, int n_expert, int k, int normalize,
+               int32_t* ids, float* weights, int n_threads) {
+    if (n_expert < 1 || k < 1 || k > n_expert) return BAD_SHAPE;
+    for_rows(n_tokens, n_tokens * n_expert * 16, n_threads, [&](int64_t t) {
+        static thread_local std::vector<float> values;
+        values.resize(size_t(n_expert));
+        route_token(logits + t * n_expert, bias, n_expert, k, normalize, ids + t * k, weights + t * k, values.data());
+    });
+    return OK;
+}
+
 // Qwen3.5's gated delta rule for one token (delta_rule.h) over n_heads_total independent heads (n_seq * H), all
 // float32 and contiguous: state and new_state [n_heads_total][dk][dv], q and k [n_heads_total][dk], v and out
 // [n_heads_total][dv], g (log decays) and beta [n_heads_total].

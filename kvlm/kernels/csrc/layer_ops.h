@@ -216,4 +216,34 @@ inline void softcap_values(float* logits, int64_t n, float cap) {
     for (int64_t i = 0; i < n; ++i) logits[i] = cap * tanh_float(logits[i] / cap);
 }
 
+// A router's choice for one token (kvlm/model/moe.py's route): softmax over the n_expert logits (each plus its bias
+// where given), the k most probable in descending order (the lower index first among equals), their probabilities
+// renormalised to sum to 1 where asked. `values`: n_expert floats of scratch.
+inline void route_token(const float* logits, const float* bias, int n_expert, int k, bool normalize, int32_t* ids,
+                        float* weights, float* values) {
+    float top = -INFINITY;
+    for (int i = 0; i < n_expert; ++i) {
+        values[i] = bias ? logits[i] + bias[i] : logits[i];
+        top = std::max(top, values[i]);
+    }
+    float sum = 0.0f;
+    for (int i = 0; i < n_expert; ++i) {
+        values[i] = std::exp(values[i] - top);
+        sum += values[i];
+    }
+    float chosen = 0.0f;
+    for (int j = 0; j < k; ++j) {
+        int best = -1;
+        for (int i = 0; i < n_expert; ++i)
+            if (values[i] >= 0.0f && (best < 0 || values[i] > values[best])) best = i;
+        if (best < 0) best = j;  // NaN logits: no probability to rank, the result NaN
+        ids[j] = best;
+        weights[j] = values[best] / sum;
+        chosen += weights[j];
+        values[best] = -1.0f;  // taken (a NaN one too)
+    }
+    if (normalize)
+        for (int j = 0; j < k; ++j) weights[j] /= chosen;
+}
+
 }  // namespace kvlm
