@@ -27,6 +27,7 @@
 #endif
 
 #include "formats.h"
+#include "layer_ops.h"
 
 namespace kvlm {
 
@@ -106,23 +107,9 @@ template <int TYPE> inline fvec row_values(const KVPlane& plane, int64_t first, 
         return vmul(vbytes(static_cast<const int8_t*>(plane.data) + value), vset(fp16_to_float(plane.scales[value / 32])));
 }
 
-// exp(x) for x <= 0 (scores less their maximum), within 2 ulp: Cody-Waite reduction by ln 2 and Cephes' polynomial.
-inline float exp_nonpositive(float value) {
-    const float x = std::max(value, -87.0f);
-    const float k = std::floor(x * 1.44269504088896341f + 0.5f);
-    const float r = (x - k * 0.693359375f) + k * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const float y = p * r * r + r + 1.0f;
-    const int32_t bits = (int32_t(k) + 127) << 23;
-    float two_k;
-    std::memcpy(&two_k, &bits, 4);
-    return y * two_k;
-}
+// exp(x) for x <= 0 (scores less their maximum), within 2 ulp: layer_ops.h's exp_float (Cody-Waite reduction by
+// ln 2 and Cephes' polynomial, below -87 the value at -87), whose upper clamp such x never reach.
+inline float exp_nonpositive(float value) { return exp_float(value); }
 
 #if defined(__AVX2__)
 // The same operations on 8 values (AVX2, which AVX-512 CPUs run too): the same results as the scalar one.

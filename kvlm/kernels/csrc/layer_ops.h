@@ -51,11 +51,12 @@ inline void store_floats(void* x, bool bf16, int64_t n, const float* values) {
     }
 }
 
-// exp(x) within 2 ulp from 2^-126 up (below about -87.3 the smallest normal float, from about 88.4 infinity: what
-// the activations need): Cody-Waite reduction by ln 2 and Cephes' polynomial, in basic operations the compiler
-// vectorizes (with -fno-trapping-math), each element rounding alike in vector and scalar code.
+// exp(x) within 2 ulp from exp(-87) up (below -87 the value at -87, from about 88.4 infinity: what the activations
+// and attention's softmax need): Cody-Waite reduction by ln 2 and Cephes' polynomial, in basic operations the
+// compiler vectorizes (with -fno-trapping-math), each element rounding alike in vector and scalar code (attention.h's
+// AVX2 twin computes the same operations for x <= 0).
 inline float exp_float(float value) {
-    const float x = std::min(std::max(value, -87.33f), 88.72f);
+    const float x = std::min(std::max(value, -87.0f), 88.72f);
     const float k = std::floor(x * 1.44269504088896341f + 0.5f);
     const float r = (x - k * 0.693359375f) + k * 2.12194440e-4f;
     float p = 1.9875691500e-4f;
