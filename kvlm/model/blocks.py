@@ -24,8 +24,9 @@ from kvlm.model.recurrent import gated_delta_net, mamba2_mixer, short_conv
 
 class Blocks:
     """The blocks of a decoder: it sets `config`, `ops` (its backend), `activation` (the gated MLP's), `dtype`,
-    `batch_invariant`, `per_layer_inputs` (kvlm.model.per_layer, or None), `decode_layers` (whole layers natively for decode steps, or None), `_recurrent` (stepped
-    recurrent layers, or None) and `all_reduce` (tensor parallelism's sum over ranks, or None)."""
+    `batch_invariant`, `per_layer_inputs` (kvlm.model.per_layer, or None), `decode_layers` (whole layers natively for
+    decode steps, or None), `_recurrent` (stepped recurrent layers, or None) and `all_reduce` (tensor parallelism's sum
+    over ranks, or None)."""
 
     all_reduce: Callable[[torch.Tensor], object] | None = None
 
