@@ -142,8 +142,6 @@ struct LayerPlanes {
     KVPlane read(int which, int n_kv, int d) const { return {data[which], scales[which], type, n_kv, d}; }
 };
 
-inline float rounded(bool bf16, float v) { return bf16 ? bf16_to_float(float_to_bf16(v)) : v; }
-
 // A token's V head (d values, as the activation dtype holds them) into its cell: through the weightless RMSNorm first
 // where the layer has one (rms_norm_row's arithmetic, its weight 1; rounded as its output is).
 inline void write_v_head(const LayerSpec& L, const StepSpec& S, const LayerPlanes& planes, int64_t t, int head,

@@ -243,6 +243,7 @@ int kvlm_softcap(float* logits, int64_t rows, int64_t n, float cap, int n_thread
 int kvlm_route(const float* logits, const float* bias, int64_t n_tokens, int n_expert, int k, int normalize,
                int32_t* ids, float* weights, int n_threads) {
     if (n_expert < 1 || k < 1 || k > n_expert) return BAD_SHAPE;
+    // a token's work: an exp per logit and k scans of them (weighed as ~16 values each against for_rows' threshold)
     for_rows(n_tokens, n_tokens * n_expert * 16, n_threads, [&](int64_t t) {
         static thread_local std::vector<float> values;
         values.resize(size_t(n_expert));

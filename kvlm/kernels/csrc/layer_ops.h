@@ -33,6 +33,9 @@ inline void store_value(void* x, bool bf16, int64_t i, float v) {
     else static_cast<float*>(x)[i] = v;
 }
 
+// v as the activation dtype holds it.
+inline float rounded(bool bf16, float v) { return bf16 ? bf16_to_float(float_to_bf16(v)) : v; }
+
 inline void load_floats(const void* x, bool bf16, int64_t n, float* out) {
     if (bf16) {
         const uint16_t* h = static_cast<const uint16_t*>(x);
@@ -120,7 +123,7 @@ inline void rms_norm_row(const void* x, const void* residual, bool bf16, int64_t
         for (int64_t i = 0; i < n; ++i) {
             const float added = values[i] + load_value(residual, bf16, r * n + i);
             store_value(sum, bf16, r * n + i, added);
-            values[i] = bf16 ? bf16_to_float(float_to_bf16(added)) : added;  // the stream as stored
+            values[i] = rounded(bf16, added);  // the stream as stored
         }
     }
     const float squares = dot(values.data(), values.data(), n);
