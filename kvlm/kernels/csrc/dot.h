@@ -217,6 +217,28 @@ inline __m512i v_dpbusd(__m512i acc, __m512i u, __m512i s) { return _mm512_dpbus
 #endif
 #endif
 
+// acc plus u times the 4 activations at a in every lane, as dpbusd_activations(acc, u, broadcast4(a)). With AVX-512VL
+// the 4 bytes are vpdpbusd's memory operand, broadcast in the instruction ({1to8}, {1to16}): gcc 12 folds such a
+// broadcast into vpaddd but not into vpdpbusd, and a vpbroadcastd of its own beside each dot product was half of the
+// instructions of the K-quant tiles' inner loops.
+template <class I> inline I dpbusd_activations(I acc, I u, const int8_t* a);
+#if defined(KVLM_VNNI) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+template <> inline __m256i dpbusd_activations(__m256i acc, __m256i u, const int8_t* a) {
+    asm("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*reinterpret_cast<const int32_t*>(a)));
+    return acc;
+}
+#if defined(KVLM_WIDE_TILES)
+template <> inline __m512i dpbusd_activations(__m512i acc, __m512i u, const int8_t* a) {
+    asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*reinterpret_cast<const int32_t*>(a)));
+    return acc;
+}
+#endif
+#elif defined(KVLM_VNNI)
+template <> inline __m256i dpbusd_activations(__m256i acc, __m256i u, const int8_t* a) {
+    return v_dpbusd(acc, u, broadcast4<__m256i>(a));
+}
+#endif
+
 // A row's dot products of 8-bit levels (unsigned, up to 127 or the maddubs bounds each kernel states) with 8-bit
 // activations, 4 weights at a time per 32-bit lane (one lane per row), summed in integers. AVX2 has no 8-bit dot
 // product into int32: vpmaddubsw makes int16 sums of pairs, which the kernels add while they cannot overflow
@@ -238,7 +260,11 @@ template <class I = __m256i> struct Dots {
     I total() const { return v_madd(pairs, splat32<I>(0x00010001)); }
     I times(I scale) const { return v_madd(pairs, scale); }  // scale: row_scales'
 #endif
-    void add4(I levels, const int8_t* a) { add(levels, broadcast4<I>(a)); }  // the same 4 activations per row
+#if defined(KVLM_VNNI)
+    void add4(I levels, const int8_t* a) { sum = dpbusd_activations(sum, levels, a); }  // the same 4 activations per row
+#else
+    void add4(I levels, const int8_t* a) { add(levels, broadcast4<I>(a)); }
+#endif
 };
 
 // Each row's int32 value v as the int16 pair (v, v), for madd against pairs of 8-bit products.
@@ -398,6 +424,9 @@ inline void k45_tile(const V& v, const uint8_t* tile, int64_t n_super, const Act
     constexpr bool five = TYPE == Q5_K;
     constexpr int SUB = five ? 160 : 128;  // bytes of a sub-block's levels
     const I low6 = splat32<I>(0x3f3f3f3f), low4 = splat32<I>(0x0f0f0f0f), top2 = splat32<I>(0x30303030);
+    // pshufb masks of a sub-block's scale byte in each row's word, made once: built from a loop's counter each time,
+    // they cost a dozen scalar and insert instructions per sub-block.
+    const I scale_masks[4] = {scale_bytes<V>(0), scale_bytes<V>(1), scale_bytes<V>(2), scale_bytes<V>(3)};
     F acc[R], mins[R];
     for (int t = 0; t < R; ++t) acc[t] = mins[t] = V::zero_f();
     for (int64_t c = 0; c < n_super; ++c) {
@@ -410,7 +439,7 @@ inline void k45_tile(const V& v, const uint8_t* tile, int64_t n_super, const Act
         for (int t = 0; t < R; ++t) sums[t] = V::zero();
         sub_blocks<8, R>([&](auto s_) {
             const int s = s_;
-            const I scale = v_shuffle(scales[s / 4], scale_bytes<V>(s % 4));
+            const I scale = v_shuffle(scales[s / 4], scale_masks[s % 4]);
             const uint8_t* sub = column + 128 + SUB * s;
             const I plane = five ? v.load(sub) : V::zero();
             Dots<I> dots[R];
