@@ -24,7 +24,7 @@ struct QuantizedRows {
     std::vector<float> step;       // [n_rows][padded_cols / block]
     std::vector<float> step_sum;   // [n_rows][padded_cols / block]: step * sum of the block's q
     std::vector<int16_t> sum16;    // [n_rows][padded_cols / 16]: sum of each 16 q
-    std::vector<int16_t> sum32;    // [n_rows][padded_cols / 32]: sum of each 32 q
+    std::vector<int16_t> sum32;    // [n_rows][padded_cols / 32] and a spare: sum of each 32 q (read in pairs)
 
     const int8_t* row_values(int64_t r) const { return values.data() + r * padded_cols; }
     const float* row_step(int64_t r) const { return step.data() + r * (padded_cols / block); }
@@ -45,7 +45,7 @@ inline void resize_for(QuantizedRows& out, int block, int64_t n_rows, int64_t n_
     out.step.resize(size_t(n_rows * out.padded_cols / block));
     out.step_sum.resize(size_t(n_rows * out.padded_cols / block));
     out.sum16.resize(size_t(n_rows * out.padded_cols / GROUP));
-    out.sum32.resize(size_t(n_rows * out.padded_cols / 32));
+    out.sum32.resize(size_t(n_rows * out.padded_cols / 32) + 1);  // a pair read at the last one stays inside
 }
 
 // Block b of row r (values first .. first + block of x, zero past n_cols) into `out`'s levels, its 16-sums, its step

@@ -215,9 +215,18 @@ inline __m256i v_dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbus
 #if defined(KVLM_WIDE_TILES)
 inline __m512i v_dpbusd(__m512i acc, __m512i u, __m512i s) { return _mm512_dpbusd_epi32(acc, u, s); }
 #endif
+// s16 x s16 products summed per pair into each int32 lane of acc.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+inline __m256i v_dpwssd(__m256i acc, __m256i a, __m256i b) { return _mm256_dpwssd_epi32(acc, a, b); }
+#else
+inline __m256i v_dpwssd(__m256i acc, __m256i a, __m256i b) { return _mm256_dpwssd_avx_epi32(acc, a, b); }
+#endif
+#if defined(KVLM_WIDE_TILES)
+inline __m512i v_dpwssd(__m512i acc, __m512i a, __m512i b) { return _mm512_dpwssd_epi32(acc, a, b); }
+#endif
 #endif
 
-// acc plus u times the 4 activations at a in every lane, as dpbusd_activations(acc, u, broadcast4(a)). With AVX-512VL
+// acc plus u times the 4 activations at a in every lane, as v_dpbusd(acc, u, broadcast4(a)). With AVX-512VL
 // the 4 bytes are vpdpbusd's memory operand, broadcast in the instruction ({1to8}, {1to16}): gcc 12 folds such a
 // broadcast into vpaddd but not into vpdpbusd, and a vpbroadcastd of its own beside each dot product was half of the
 // instructions of the K-quant tiles' inner loops.
@@ -337,13 +346,29 @@ inline void legacy_tile(const V& v, const uint8_t* tile, int64_t n_blocks, const
     constexpr bool five = TYPE == Q5_0 || TYPE == Q5_1, with_min = TYPE == Q4_1 || TYPE == Q5_1;
     constexpr bool coded = TYPE == MXFP4;  // nibbles are codes, mapped to levels 0..24 by a table
     const I levels_of = coded ? V::same_halves(mxfp4_level_table()) : V::zero();
-    F acc[R], offsets[R];
-    for (int t = 0; t < R; ++t) acc[t] = offsets[t] = V::zero_f();
+    F acc[R];
+    for (int t = 0; t < R; ++t) acc[t] = V::zero_f();
     for (int64_t b = 0; b < n_blocks; ++b) {
         const uint8_t* column = tile + b * COLUMN;
         I sums[R];
         for (int t = 0; t < R; ++t) sums[t] = V::zero();
-        if constexpr (TYPE == Q8_0) {
+        if constexpr (TYPE == Q8_0 && !Dots<I>::narrow) {
+            // Signed levels as w + 128 (w xor 0x80, unsigned: vpdpbusd's int32 sums hold 32 * 255 * 127), less 128
+            // times the block's activation sum: the same integers as w . a, one xor per register of levels where
+            // the sign trick below costs a vpsignb per row.
+            const I bias = splat8<I>(char(0x80)), minus128 = splat32<I>(0xff80);  // int16 pairs (-128, 0)
+            Dots<I> dots[R];
+            unroll<8>([&](auto g_) {
+                constexpr int g = decltype(g_)::value;
+                const I biased = v_xor(v.load(column + 16 + 32 * g), bias);
+                for (int t = 0; t < R; ++t) dots[t].add4(biased, act.q[t] + 32 * b + 4 * g);
+            });
+            for (int t = 0; t < R; ++t) {  // sum32 holds a spare value past its end for this pair's second half
+                int32_t block_sums;
+                std::memcpy(&block_sums, act.sum32[t] + b, 4);
+                sums[t] = v_dpwssd(dots[t].total(), minus128, splat32<I>(block_sums));
+            }
+        } else if constexpr (TYPE == Q8_0) {
             // Signed levels: |w| times the activation with w's sign (maddubs wants one unsigned side); int16 pairs
             // hold one register's products (2 * 128 * 127).
             Dots<I> dots[R];
@@ -355,8 +380,6 @@ inline void legacy_tile(const V& v, const uint8_t* tile, int64_t n_blocks, const
                     if constexpr (Dots<I>::narrow) flush(dots[t], sums[t]);
                 }
             });
-            if constexpr (!Dots<I>::narrow)
-                for (int t = 0; t < R; ++t) flush(dots[t], sums[t]);
         } else {
             // Each int16 of the pair sums gains 4 products per register of nibbles. 4-bit levels fit all 4
             // registers' (16 * 15 * 127 < 2^15); 5-bit levels and MXFP4's (up to 24) only 2 registers' (8 * 31 * 127),
@@ -391,10 +414,10 @@ inline void legacy_tile(const V& v, const uint8_t* tile, int64_t n_blocks, const
         if constexpr (TYPE != Q8_0) {
             const F m = with_min ? v.per_tile([&](int64_t at) { return f16x8(column + 16 + at); })
                                  : v_mul(d, V::splat(-float(Traits<TYPE>::center)));
-            for (int t = 0; t < R; ++t) offsets[t] = v_fmadd(m, V::splat(act.step_sum[t][b]), offsets[t]);
+            for (int t = 0; t < R; ++t) acc[t] = v_fmadd(m, V::splat(act.step_sum[t][b]), acc[t]);
         }
     }
-    for (int t = 0; t < R; ++t) out[t] = v_add(acc[t], offsets[t]);
+    for (int t = 0; t < R; ++t) out[t] = acc[t];
 }
 
 // pshufb masks over words of 4 bytes (one row per 32-bit lane): byte S twice as int16 (0, S) and (0, S), or bytes

@@ -23,6 +23,7 @@ namespace kvlm {
 
 inline __m256i v_and(__m256i a, __m256i b) { return _mm256_and_si256(a, b); }
 inline __m256i v_or(__m256i a, __m256i b) { return _mm256_or_si256(a, b); }
+inline __m256i v_xor(__m256i a, __m256i b) { return _mm256_xor_si256(a, b); }
 inline __m256i v_add16(__m256i a, __m256i b) { return _mm256_add_epi16(a, b); }
 inline __m256i v_add32(__m256i a, __m256i b) { return _mm256_add_epi32(a, b); }
 inline __m256i v_shuffle(__m256i table, __m256i index) { return _mm256_shuffle_epi8(table, index); }
@@ -49,6 +50,7 @@ template <int N> inline __m256i v_slli32(__m256i a) { return _mm256_slli_epi32(a
 #if defined(KVLM_WIDE_TILES)
 inline __m512i v_and(__m512i a, __m512i b) { return _mm512_and_si512(a, b); }
 inline __m512i v_or(__m512i a, __m512i b) { return _mm512_or_si512(a, b); }
+inline __m512i v_xor(__m512i a, __m512i b) { return _mm512_xor_si512(a, b); }
 inline __m512i v_add16(__m512i a, __m512i b) { return _mm512_add_epi16(a, b); }
 inline __m512i v_add32(__m512i a, __m512i b) { return _mm512_add_epi32(a, b); }
 inline __m512i v_shuffle(__m512i table, __m512i index) { return _mm512_shuffle_epi8(table, index); }
