@@ -1,8 +1,8 @@
 """Where one engine step spends its time, at batch 1, 8, 32 and 64, on kvlm's defaults.
 
-    python -m bench.profile_step [--model NAME] [--batches 1 8 32 64] [--steps 32] [--ops]
+    python -m bench.profile_step [--model NAME] [--batches 1 8 32 64] [--steps 32] [--prompt-tokens 64] [--ops]
 
-Each batch size runs B requests (distinct 64-token prompts, EOS ignored) to the end of their prompts, then times
+Each batch size runs B requests (distinct `--prompt-tokens`-token prompts, EOS ignored) to the end of their prompts, then times
 `--steps` decode steps, each split into:
 
 - weight products: every Linear call (native quantized kernels, packed or dense products), and the products
@@ -53,7 +53,7 @@ from kvlm.server.async_engine import AsyncEngine
 from kvlm.server.metrics import ServerMetrics
 from kvlm.startup import in_passing_thread
 
-PROMPT_TOKENS = 64
+PROMPT_TOKENS = 64  # the default prompt length
 CATEGORIES = ("weight products", "attention", "other model ops", "memory bookkeeping", "scheduling", "sampling",
               "stop/detokenize", "Python/dispatch", "serving")
 
@@ -142,17 +142,22 @@ def instrument() -> StepClock:
     return clock
 
 
-def prompts(batch: int, vocab: int) -> list[list[int]]:
+def prompts(batch: int, vocab: int, length: int = PROMPT_TOKENS) -> list[list[int]]:
     """Distinct prompts (no shared prefix to reuse): token ids spread over the vocabulary's common range."""
     g = torch.Generator().manual_seed(batch)
-    return [torch.randint(100, min(vocab, 20000), (PROMPT_TOKENS,), generator=g).tolist() for _ in range(batch)]
+    return [torch.randint(100, min(vocab, 20000), (length,), generator=g).tolist() for _ in range(batch)]
 
 
-def run_engine(llm: LLM, clock: StepClock, batch: int, steps: int) -> tuple[float, int]:
+def prefill_steps(llm: LLM, batch: int, length: int) -> int:
+    """Steps the prompts take, in each of which the requests already past theirs take a token."""
+    return -(-batch * length // llm.engine.scheduler.max_num_batched_tokens)
+
+
+def run_engine(llm: LLM, clock: StepClock, batch: int, steps: int, length: int) -> tuple[float, int]:
     """Decode `steps` steps of `batch` requests through Engine.step; returns (wall seconds, steps timed)."""
     engine = llm.engine
-    params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in prompts(batch, llm.model.config.vocab_size)]
+    params = SamplingParams(max_tokens=steps + 2 + prefill_steps(llm, batch, length), ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts(batch, llm.model.config.vocab_size, length)]
     while any(len(engine.requests[i].output_token_ids) == 0 for i in ids):
         engine.step()  # the prompts (several steps when they exceed max_num_batched_tokens)
     clock.reset()
@@ -172,37 +177,40 @@ def run_engine(llm: LLM, clock: StepClock, batch: int, steps: int) -> tuple[floa
     return wall, timed
 
 
-def run_served(llm: LLM, clock: StepClock, batch: int, steps: int) -> tuple[float, int]:
+def run_served(llm: LLM, clock: StepClock, batch: int, steps: int, length: int) -> tuple[float, int]:
     """The same through the server's engine thread: `batch` streaming clients in asyncio. The clock and the wall
     time start once every client has its first token (every prompt done) and stop when each has `steps` more."""
     runner = AsyncEngine(llm.engine, ServerMetrics())
     runner.start()
     counts = [0] * batch
+    at_start: list[int] = []  # each client's tokens when the window opened
     window: dict[str, float] = {}
 
     async def client(index: int, prompt: list[int]) -> None:
-        params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
+        params = SamplingParams(max_tokens=steps + 2 + prefill_steps(llm, batch, length), ignore_eos=True)
         async for _ in runner.generate(f"p{index}", prompt, params):
             counts[index] += 1
             if "start" not in window and min(counts) >= 1:
                 clock.reset()
                 clock.on = True
                 window["start"] = time.perf_counter()
-            if "start" in window and "end" not in window and min(counts) >= steps + 1:
+                at_start.extend(counts)
+            if "start" in window and "end" not in window and all(c >= s + steps for c, s in zip(counts, at_start)):
                 clock.on = False
                 window["end"] = time.perf_counter()
 
     async def main() -> None:
-        await asyncio.gather(*(client(i, p) for i, p in enumerate(prompts(batch, llm.model.config.vocab_size))))
+        await asyncio.gather(*(client(i, p) for i, p in enumerate(prompts(batch, llm.model.config.vocab_size,
+                                                                            length))))
 
     asyncio.run(main())
     runner.stop()
     return window["end"] - window["start"], steps
 
 
-def profile(llm: LLM, clock: StepClock, batch: int, steps: int, served: bool) -> dict[str, float]:
+def profile(llm: LLM, clock: StepClock, batch: int, steps: int, length: int, served: bool) -> dict[str, float]:
     """Milliseconds per step by category, and the whole step."""
-    wall, timed = (run_served if served else run_engine)(llm, clock, batch, steps)
+    wall, timed = (run_served if served else run_engine)(llm, clock, batch, steps, length)
     per_step = {name: 1e3 * value / timed for name, value in clock.split().items()}
     # What the timers do not cover: the loop around the step (and, served, the engine thread's waits).
     per_step["Python/dispatch"] += 1e3 * wall / timed - sum(per_step.values())
@@ -231,22 +239,23 @@ def main() -> None:
     add_model_option(parser)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed per batch size")
+    parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS, help="each request's prompt length")
     parser.add_argument("--ops", action="store_true", help="also print torch's profiler's top ops at batch 1")
     args = parser.parse_args()
     path = model_gguf(args.model)
     clock = instrument()
     # Room for every sequence's prompt and output at the largest batch: none is cut short by a full cache.
-    n_ctx = max(args.batches) * (PROMPT_TOKENS + args.steps + 8)
+    n_ctx = max(args.batches) * (2 * args.prompt_tokens + args.steps + 8)  # the prompts' steps' tokens too
     # As `kvlm serve` does: loaded on a thread that ends, and each way's steps on a thread of their own, so no
     # thread keeps OpenMP workers beside the one stepping (kvlm.startup.in_passing_thread says why).
     llm = in_passing_thread(lambda: LLM(str(path), max_num_seqs=max(args.batches), n_ctx=n_ctx))
     print(f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}; {path.name}; "
           f"{llm.model.decoder.describe()}")
-    print(f"{PROMPT_TOKENS}-token prompts, {args.steps} decode steps timed per batch size; ms per step")
+    print(f"{args.prompt_tokens}-token prompts, {args.steps} decode steps timed per batch size; ms per step")
     for way, served in (("LLM.generate / kvlm generate (Engine.step)", False), ("kvlm serve (engine thread)", True)):
         rows = []
         for batch in args.batches:
-            result = in_passing_thread(lambda: profile(llm, clock, batch, args.steps, served))
+            result = in_passing_thread(lambda: profile(llm, clock, batch, args.steps, args.prompt_tokens, served))
             rows.append([batch] + [f"{result[c]:.2f}" for c in CATEGORIES] + [f"{result['step']:.2f}",
                                                                               f"{result['tokens/s']:.1f}"])
         print(f"\n### {way}\n")

@@ -46,8 +46,7 @@ struct KVPlane {
     int n_kv, d;
 };
 
-// --- float vectors of LANES values: AVX2 (which AVX-512 CPUs run too: attention is bound by reading K and V, and
-// this is the path tested on every x86-64 CI machine) or one value at a time ---
+// --- float vectors of LANES values: AVX2 or one value at a time (the dense products' panels, dense.h) ---
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr int LANES = 8;
 using fvec = __m256;
@@ -92,19 +91,68 @@ inline fvec vhalves(const uint16_t* p, bool bf16) { return bf16 ? bf16_to_float(
 inline fvec vbytes(const int8_t* p) { return float(*p); }
 #endif
 
+// --- the vectors attention computes in: 16 float lanes with AVX-512F (twice AVX2's values per instruction: the
+// scores and weighted sums of a decode step over a long context were half of a 64-sequence step on a Zen 5), else
+// fvec's 8 or 1. REGISTERS: the vector registers the loops below may fill. ---
+#if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+struct KVLanes {
+    using V = __m512;
+    static constexpr int N = 16, REGISTERS = 32;
+    static V zero() { return _mm512_setzero_ps(); }
+    static V set(float v) { return _mm512_set1_ps(v); }
+    static V load(const float* p) { return _mm512_loadu_ps(p); }
+    static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+    static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+    static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+    // Lanes i and i + 8 added, then fvec's order (vsum): so sum and sums8 give a lane sum the same bits.
+    static __m256 folded(V v) { return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)); }
+    static float sum(V v) { return vsum(folded(v)); }
+    static __m256 sums8(const V* v) {
+        fvec halves[8];
+        for (int i = 0; i < 8; ++i) halves[i] = folded(v[i]);
+        return vsums8(halves);
+    }
+    static V halves(const uint16_t* p, bool bf16) {
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+        return bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)) : _mm512_cvtph_ps(h);
+    }
+    static V bytes(const int8_t* p) {
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    }
+};
+#else
+struct KVLanes {
+    using V = fvec;
+    static constexpr int N = LANES, REGISTERS = 16;
+    static V zero() { return vzero(); }
+    static V set(float v) { return vset(v); }
+    static V load(const float* p) { return vload(p); }
+    static void store(float* p, V v) { vstore(p, v); }
+    static V fma(V a, V b, V c) { return vfma(a, b, c); }
+    static V mul(V a, V b) { return vmul(a, b); }
+    static float sum(V v) { return vsum(v); }
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    static __m256 sums8(const V* v) { return vsums8(v); }
+#endif
+    static V halves(const uint16_t* p, bool bf16) { return vhalves(p, bf16); }
+    static V bytes(const int8_t* p) { return vbytes(p); }
+};
+#endif
+using kv = KVLanes;
+
 // Where one cached row (one KV head of one cell) starts in its plane, in values.
 inline int64_t row_start(const KVPlane& plane, int64_t cell, int head) {
     return (cell * plane.n_kv + head) * int64_t(plane.d);
 }
 
-// LANES values of the cached row starting at value `first` of its plane, from value `at` of the row, as float32.
-template <int TYPE> inline fvec row_values(const KVPlane& plane, int64_t first, int at) {
+// kv::N values of the cached row starting at value `first` of its plane, from value `at` of the row, as float32.
+template <int TYPE> inline kv::V row_values(const KVPlane& plane, int64_t first, int at) {
     const int64_t value = first + at;
-    if constexpr (TYPE == KV_F32) return vload(static_cast<const float*>(plane.data) + value);
+    if constexpr (TYPE == KV_F32) return kv::load(static_cast<const float*>(plane.data) + value);
     else if constexpr (TYPE == KV_F16 || TYPE == KV_BF16)
-        return vhalves(static_cast<const uint16_t*>(plane.data) + value, TYPE == KV_BF16);
-    else  // LANES divides 32: the values share one scale
-        return vmul(vbytes(static_cast<const int8_t*>(plane.data) + value), vset(fp16_to_float(plane.scales[value / 32])));
+        return kv::halves(static_cast<const uint16_t*>(plane.data) + value, TYPE == KV_BF16);
+    else  // kv::N divides 32: the values share one scale
+        return kv::mul(kv::bytes(static_cast<const int8_t*>(plane.data) + value), kv::set(fp16_to_float(plane.scales[value / 32])));
 }
 
 // exp(x) for x <= 0 (scores less their maximum), within 2 ulp: layer_ops.h's exp_float (Cody-Waite reduction by
@@ -151,45 +199,48 @@ inline std::pair<float, float> exp_less_maximum(float* s, int64_t n) {
     return {top, total};
 }
 
-constexpr int PREFETCH_CELLS = 8;  // how many cells ahead rows are fetched: cells are gathered, not streamed
+// How many cells ahead rows are fetched (cells are gathered, not streamed), into L2: a decode step over 64 sequences
+// of 300 cells waited on its K and V rows at 8 cells ahead into L1 (bench.decode_attention on a Zen 5: 34% of the
+// read bandwidth; 32 ahead into L2 ~45%; 64 ahead, more than the misses in flight the core tracks, slower again).
+constexpr int PREFETCH_CELLS = 32;
 
-// Asks for the row starting at value `first` of the plane (d values of its type) to be brought into the cache.
+// Asks for the row starting at value `first` of the plane (d values of its type) to be brought into L2.
 template <int TYPE> inline void prefetch_row(const KVPlane& plane, int64_t first) {
     constexpr int element = TYPE == KV_F32 ? 4 : TYPE == KV_Q8_0 ? 1 : 2;
     const char* row = static_cast<const char*>(plane.data) + first * element;
-    for (int64_t line = 0; line < int64_t(plane.d) * element; line += 64) __builtin_prefetch(row + line, 0, 3);
+    for (int64_t line = 0; line < int64_t(plane.d) * element; line += 64) __builtin_prefetch(row + line, 0, 2);
 }
 
 // About 8 independent accumulators keep the FMA units busy (each FMA waits ~4 cycles for the one before it in its
 // own chain): G query heads times UNROLL cells (scores) or column blocks (values).
 template <int G> constexpr int unroll_for() { return G >= 8 ? 1 : 8 / G; }
 
-// Column blocks of LANES per pass over V's rows: as many as fit in registers beside the G hoisted weights (fewer
+// Column blocks of kv::N per pass over V's rows: as many as fit in registers beside the G hoisted weights (fewer
 // passes over the rows), at most 4.
-template <int G> constexpr int blocks_for() { return G >= 8 ? 1 : std::min(4, (15 - G) / G); }
+template <int G> constexpr int blocks_for() { return G >= 8 ? 1 : std::min(4, (kv::REGISTERS - 1 - G) / G); }
 
-// Whether the G query heads' values fit in registers beside the scores' accumulators (16 vector registers): then
-// they are loaded once per step instead of once per cell.
-template <int G> constexpr bool hoisted() { return G * unroll_for<G>() + G + 1 <= 16; }
+// Whether the G query heads' values fit in registers beside the scores' accumulators: then they are loaded once per
+// step instead of once per cell.
+template <int G> constexpr bool hoisted() { return G * unroll_for<G>() + G + 1 <= kv::REGISTERS; }
 
-// scores[g][c] = vsum(acc[c][g]) * scale for J cells of G query heads; 8 sums at a time where they fit.
-template <int G, int J> inline void store_scores(const fvec (&acc)[J][G], float scale, float* scores, int64_t stride) {
+// scores[g][c] = kv::sum(acc[c][g]) * scale for J cells of G query heads; 8 sums at a time where they fit.
+template <int G, int J> inline void store_scores(const kv::V (&acc)[J][G], float scale, float* scores, int64_t stride) {
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
     if constexpr (J * G <= 8) {
-        fvec sums[8];
-        for (int i = 0; i < 8; ++i) sums[i] = i < J * G ? acc[i / G][i % G] : vzero();
+        kv::V sums[8];
+        for (int i = 0; i < 8; ++i) sums[i] = i < J * G ? acc[i / G][i % G] : kv::zero();
         alignas(32) float values[8];
-        vstore(values, vmul(vsums8(sums), vset(scale)));
+        vstore(values, vmul(kv::sums8(sums), vset(scale)));
         for (int i = 0; i < J * G; ++i) scores[(i % G) * stride + i / G] = values[i];
         return;
     }
 #endif
     for (int c = 0; c < J; ++c)
-        for (int g = 0; g < G; ++g) scores[g * stride + c] = vsum(acc[c][g]) * scale;
+        for (int g = 0; g < G; ++g) scores[g * stride + c] = kv::sum(acc[c][g]) * scale;
 }
 
 // scores[g][j] = scale * q_g . K[rows[j]] for G query heads (q: [G][d]) and the n rows starting at values rows[j]
-// of the plane. Each score is one chain of FMAs over the head's values, LANES at a time, then vsum: how the loops
+// of the plane. Each score is one chain of FMAs over the head's values, kv::N at a time, then kv::sum: how the loops
 // are unrolled changes which chains run side by side, never a chain.
 template <int TYPE, int G>
 inline void scores_of(const float* q, int d, float scale, const int64_t* rows, int64_t n, const KVPlane& k,
@@ -198,66 +249,66 @@ inline void scores_of(const float* q, int d, float scale, const int64_t* rows, i
     int64_t j = 0;
     for (; j + J <= n; j += J) {  // J cells at a time
         for (int c = 0; c < J && j + PREFETCH_CELLS + c < n; ++c) prefetch_row<TYPE>(k, rows[j + PREFETCH_CELLS + c]);
-        fvec acc[J][G];
+        kv::V acc[J][G];
         for (int c = 0; c < J; ++c)
-            for (int g = 0; g < G; ++g) acc[c][g] = vzero();
-        for (int at = 0; at < d; at += LANES) {
-            fvec query[G];
+            for (int g = 0; g < G; ++g) acc[c][g] = kv::zero();
+        for (int at = 0; at < d; at += kv::N) {
+            kv::V query[G];
             if constexpr (hoisted<G>())
-                for (int g = 0; g < G; ++g) query[g] = vload(q + g * d + at);
+                for (int g = 0; g < G; ++g) query[g] = kv::load(q + g * d + at);
             for (int c = 0; c < J; ++c) {
-                const fvec row = row_values<TYPE>(k, rows[j + c], at);
+                const kv::V row = row_values<TYPE>(k, rows[j + c], at);
                 for (int g = 0; g < G; ++g)
-                    acc[c][g] = vfma(hoisted<G>() ? query[g] : vload(q + g * d + at), row, acc[c][g]);
+                    acc[c][g] = kv::fma(hoisted<G>() ? query[g] : kv::load(q + g * d + at), row, acc[c][g]);
             }
         }
         store_scores<G, J>(acc, scale, scores + j, stride);
     }
     for (; j < n; ++j) {
-        fvec acc[G];
-        for (int g = 0; g < G; ++g) acc[g] = vzero();
-        for (int at = 0; at < d; at += LANES) {
-            const fvec row = row_values<TYPE>(k, rows[j], at);
-            for (int g = 0; g < G; ++g) acc[g] = vfma(vload(q + g * d + at), row, acc[g]);
+        kv::V acc[G];
+        for (int g = 0; g < G; ++g) acc[g] = kv::zero();
+        for (int at = 0; at < d; at += kv::N) {
+            const kv::V row = row_values<TYPE>(k, rows[j], at);
+            for (int g = 0; g < G; ++g) acc[g] = kv::fma(kv::load(q + g * d + at), row, acc[g]);
         }
-        for (int g = 0; g < G; ++g) scores[g * stride + j] = vsum(acc[g]) * scale;
+        for (int g = 0; g < G; ++g) scores[g * stride + j] = kv::sum(acc[g]) * scale;
     }
 }
 
-// out[g] = sum over j of p[g][j] V[rows[j]] for G query heads (out: [G][d]), B column blocks of LANES at a time:
+// out[g] = sum over j of p[g][j] V[rows[j]] for G query heads (out: [G][d]), B column blocks of kv::N at a time:
 // per output value one chain of FMAs over the rows in order.
 template <int TYPE, int G>
 inline void values_of(const float* p, int d, const int64_t* rows, int64_t n, const KVPlane& v, int64_t stride,
                       float* out) {
     constexpr int B = blocks_for<G>();
     int at = 0;
-    for (; at + B * LANES <= d; at += B * LANES) {
-        fvec acc[B][G];
+    for (; at + B * kv::N <= d; at += B * kv::N) {
+        kv::V acc[B][G];
         for (int b = 0; b < B; ++b)
-            for (int g = 0; g < G; ++g) acc[b][g] = vzero();
+            for (int g = 0; g < G; ++g) acc[b][g] = kv::zero();
         for (int64_t j = 0; j < n; ++j) {
             if (at == 0 && j + PREFETCH_CELLS < n) prefetch_row<TYPE>(v, rows[j + PREFETCH_CELLS]);
-            constexpr bool hoist = B * G + G + 1 <= 16;  // the weights in registers beside the accumulators
-            fvec weight[G];
+            constexpr bool hoist = B * G + G + 1 <= kv::REGISTERS;  // the weights in registers beside the sums
+            kv::V weight[G];
             if constexpr (hoist)
-                for (int g = 0; g < G; ++g) weight[g] = vset(p[g * stride + j]);
+                for (int g = 0; g < G; ++g) weight[g] = kv::set(p[g * stride + j]);
             for (int b = 0; b < B; ++b) {
-                const fvec row = row_values<TYPE>(v, rows[j], at + b * LANES);
+                const kv::V row = row_values<TYPE>(v, rows[j], at + b * kv::N);
                 for (int g = 0; g < G; ++g)
-                    acc[b][g] = vfma(hoist ? weight[g] : vset(p[g * stride + j]), row, acc[b][g]);
+                    acc[b][g] = kv::fma(hoist ? weight[g] : kv::set(p[g * stride + j]), row, acc[b][g]);
             }
         }
         for (int b = 0; b < B; ++b)
-            for (int g = 0; g < G; ++g) vstore(out + g * d + at + b * LANES, acc[b][g]);
+            for (int g = 0; g < G; ++g) kv::store(out + g * d + at + b * kv::N, acc[b][g]);
     }
-    for (; at < d; at += LANES) {
-        fvec acc[G];
-        for (int g = 0; g < G; ++g) acc[g] = vzero();
+    for (; at < d; at += kv::N) {
+        kv::V acc[G];
+        for (int g = 0; g < G; ++g) acc[g] = kv::zero();
         for (int64_t j = 0; j < n; ++j) {
-            const fvec row = row_values<TYPE>(v, rows[j], at);
-            for (int g = 0; g < G; ++g) acc[g] = vfma(vset(p[g * stride + j]), row, acc[g]);
+            const kv::V row = row_values<TYPE>(v, rows[j], at);
+            for (int g = 0; g < G; ++g) acc[g] = kv::fma(kv::set(p[g * stride + j]), row, acc[g]);
         }
-        for (int g = 0; g < G; ++g) vstore(out + g * d + at, acc[g]);
+        for (int g = 0; g < G; ++g) kv::store(out + g * d + at, acc[g]);
     }
 }
 
