@@ -47,10 +47,11 @@ constexpr int MAX_ACT_ROWS = 4;  // activation rows sharing one read of a row of
 // partial sums of 4 rows to the stack, and those products slow down by up to a third (`python -m bench.tile_passes`
 // on a Zen 3, at 128 and 256 rows: Q4_K 86 G multiply-adds/s at 2 rows a pass, 60 at 4; Q5_K and the 32-weight
 // nibble formats fastest at 3; Q6_K, Q3_K, Q8_0, MXFP4 and IQ3_S as fast or faster at 4). AVX-512VL's 32 registers
-// hold more: up to 8 rows a pass there (MAX_PASS_ROWS); on a Zen 5 at 256 rows the K-quants were fastest at 5 (Q4_K
-// 260 G against 245 at 4 and 249 at 8; Q6_K 188 against 174 and 169), Q8_0 and Q5_0 at 6, Q4_0, Q4_1 and MXFP4 at
-// 7, IQ4_XS and IQ3_S at 8. A test sets other counts (kvlm_set_tile_pass_rows): the bits of a row never depend on
-// them.
+// hold more: up to 8 rows a pass there (MAX_PASS_ROWS). On a Zen 5, with the K-quant tiles' sub-blocks as a loop and
+// the activations as vpdpbusd's broadcast operand, 8 rows were fastest for Q4_K (597 G against 560 at 5, 512 rows),
+// Q5_K, the 32-weight formats (Q8_0 496 against 469 at 6) and IQ4_XS; Q6_K at 5 (464 against 415 at 8), Q2_K, Q3_K
+// within 3% from 4 to 7, MXFP4 at 7. A test sets other counts (kvlm_set_tile_pass_rows): the bits of a row never
+// depend on them.
 #if defined(__AVX512VL__)
 constexpr int MAX_PASS_ROWS = 8;
 #else
@@ -60,9 +61,8 @@ inline int tile_pass_rows_set[64] = {};  // by type; 0: default_pass_rows
 
 constexpr int default_pass_rows([[maybe_unused]] int32_t type) {
 #if defined(__AVX512VL__)
-    if (type == Q2_K || type == Q3_K || type == Q4_K || type == Q5_K || type == Q6_K) return 5;
-    if (type == Q8_0 || type == Q5_0 || type == Q5_1) return 6;
-    if (type == Q4_0 || type == Q4_1 || type == MXFP4) return 7;
+    if (type == Q2_K || type == Q3_K || type == Q6_K) return 5;
+    if (type == MXFP4) return 7;
 #else
     if (type == Q4_K || type == Q2_K || type == IQ4_XS) return 2;
     if (type == Q5_K || type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1) return 3;
