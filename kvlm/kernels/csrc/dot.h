@@ -450,8 +450,8 @@ inline void k45_tile(const V& v, const uint8_t* tile, int64_t n_super, const Act
     // pshufb masks of a sub-block's scale byte in each row's word, made once: built from a loop's counter each time,
     // they cost a dozen scalar and insert instructions per sub-block.
     const I scale_masks[4] = {scale_bytes<V>(0), scale_bytes<V>(1), scale_bytes<V>(2), scale_bytes<V>(3)};
-    F acc[R], mins[R];
-    for (int t = 0; t < R; ++t) acc[t] = mins[t] = V::zero_f();
+    F acc[R];
+    for (int t = 0; t < R; ++t) acc[t] = V::zero_f();
     for (int64_t c = 0; c < n_super; ++c) {
         const uint8_t* column = tile + c * COLUMN;
         // The packed scales' three words per row (formats.h, k_scales_mins), unpacked for all rows at once.
@@ -496,10 +496,10 @@ inline void k45_tile(const V& v, const uint8_t* tile, int64_t n_super, const Act
             }
             const F step = V::splat(act.step[t][c]);
             acc[t] = v_fmadd(v_float(sums[t]), v_mul(d, step), acc[t]);
-            mins[t] = v_fmadd(v_float(min_sum), v_mul(dmin, step), mins[t]);
+            acc[t] = v_fnmadd(v_float(min_sum), v_mul(dmin, step), acc[t]);
         }
     }
-    for (int t = 0; t < R; ++t) out[t] = v_sub(acc[t], mins[t]);
+    for (int t = 0; t < R; ++t) out[t] = acc[t];
 }
 
 // Q6_K: per super-block, 16 sub-blocks of 16 weights with signed 8-bit scales, levels centered at 32 (the center
