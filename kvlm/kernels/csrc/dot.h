@@ -226,26 +226,21 @@ inline __m512i v_dpwssd(__m512i acc, __m512i a, __m512i b) { return _mm512_dpwss
 #endif
 #endif
 
-// acc plus u times the 4 activations at a in every lane, as v_dpbusd(acc, u, broadcast4(a)). With AVX-512VL
-// the 4 bytes are vpdpbusd's memory operand, broadcast in the instruction ({1to8}, {1to16}): gcc 12 folds such a
-// broadcast into vpaddd but not into vpdpbusd, and a vpbroadcastd of its own beside each dot product was half of the
-// instructions of the K-quant tiles' inner loops.
-template <class I> inline I dpbusd_activations(I acc, I u, const int8_t* a);
-#if defined(KVLM_VNNI) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
-template <> inline __m256i dpbusd_activations(__m256i acc, __m256i u, const int8_t* a) {
-    asm("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*reinterpret_cast<const int32_t*>(a)));
-    return acc;
+// acc plus u times the 4 activations at a in every lane, as v_dpbusd(acc, u, broadcast4(a)). For two tiles in a
+// 512-bit register (passes of 5 or more rows: compute-bound) the 4 bytes are vpdpbusd's memory operand, broadcast in
+// the instruction ({1to16}): gcc 12 folds such a broadcast into vpaddd but not into vpdpbusd, and a vpbroadcastd of
+// its own beside each dot product was half of the K-quant tiles' inner loops. In 256-bit registers (fewer rows:
+// decode, which streams the weights) the broadcast stays apart: folded there, batch-1 products ran ~5% slower.
+#if defined(KVLM_VNNI)
+inline __m256i dpbusd_activations(__m256i acc, __m256i u, const int8_t* a) {
+    return v_dpbusd(acc, u, broadcast4<__m256i>(a));
 }
 #if defined(KVLM_WIDE_TILES)
-template <> inline __m512i dpbusd_activations(__m512i acc, __m512i u, const int8_t* a) {
+inline __m512i dpbusd_activations(__m512i acc, __m512i u, const int8_t* a) {
     asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*reinterpret_cast<const int32_t*>(a)));
     return acc;
 }
 #endif
-#elif defined(KVLM_VNNI)
-template <> inline __m256i dpbusd_activations(__m256i acc, __m256i u, const int8_t* a) {
-    return v_dpbusd(acc, u, broadcast4<__m256i>(a));
-}
 #endif
 
 // A row's dot products of 8-bit levels (unsigned, up to 127 or the maddubs bounds each kernel states) with 8-bit
