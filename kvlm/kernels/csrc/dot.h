@@ -445,8 +445,8 @@ inline void k45_tile(const V& v, const uint8_t* tile, int64_t n_super, const Act
     // pshufb masks of a sub-block's scale byte in each row's word, made once: built from a loop's counter each time,
     // they cost a dozen scalar and insert instructions per sub-block.
     const I scale_masks[4] = {scale_bytes<V>(0), scale_bytes<V>(1), scale_bytes<V>(2), scale_bytes<V>(3)};
-    F acc[R];
-    for (int t = 0; t < R; ++t) acc[t] = V::zero_f();
+    F acc[R], mins[R];
+    for (int t = 0; t < R; ++t) acc[t] = mins[t] = V::zero_f();
     for (int64_t c = 0; c < n_super; ++c) {
         const uint8_t* column = tile + c * COLUMN;
         // The packed scales' three words per row (formats.h, k_scales_mins), unpacked for all rows at once.
@@ -469,10 +469,10 @@ inline void k45_tile(const V& v, const uint8_t* tile, int64_t n_super, const Act
                     low = v_or(low, fifth_bit<2 * p>(plane));
                     high = v_or(high, fifth_bit<2 * p + 1>(plane));
                 }
-                for (int t = 0; t < R; ++t) {
+                for (int t = 0; t < R; ++t) {  // broadcasts apart: folded into vpdpbusd, Q5_K's passes ran slower
                     const int8_t* q = act.q[t] + 256 * c + 32 * s + 8 * p;
-                    dots[t].add4(low, q);
-                    dots[t].add4(high, q + 4);
+                    dots[t].add(low, broadcast4<I>(q));
+                    dots[t].add(high, broadcast4<I>(q + 4));
                 }
                 if constexpr (five && p == 1 && Dots<I>::narrow)
                     for (int t = 0; t < R; ++t) flush(dots[t], sums[t], scale);
@@ -491,10 +491,10 @@ inline void k45_tile(const V& v, const uint8_t* tile, int64_t n_super, const Act
             }
             const F step = V::splat(act.step[t][c]);
             acc[t] = v_fmadd(v_float(sums[t]), v_mul(d, step), acc[t]);
-            acc[t] = v_fnmadd(v_float(min_sum), v_mul(dmin, step), acc[t]);
+            mins[t] = v_fmadd(v_float(min_sum), v_mul(dmin, step), mins[t]);
         }
     }
-    for (int t = 0; t < R; ++t) out[t] = acc[t];
+    for (int t = 0; t < R; ++t) out[t] = v_sub(acc[t], mins[t]);
 }
 
 // Q6_K: per super-block, 16 sub-blocks of 16 weights with signed 8-bit scales, levels centered at 32 (the center
