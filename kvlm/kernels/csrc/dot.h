@@ -228,9 +228,10 @@ inline __m512i v_dpwssd(__m512i acc, __m512i a, __m512i b) { return _mm512_dpwss
 
 // acc plus u times the 4 activations at a in every lane, as v_dpbusd(acc, u, broadcast4(a)). For two tiles in a
 // 512-bit register (passes of 5 or more rows: compute-bound) the 4 bytes are vpdpbusd's memory operand, broadcast in
-// the instruction ({1to16}): gcc 12 folds such a broadcast into vpaddd but not into vpdpbusd, and a vpbroadcastd of
-// its own beside each dot product was half of the K-quant tiles' inner loops. In 256-bit registers (fewer rows:
-// decode, which streams the weights) the broadcast stays apart: folded there, batch-1 products ran ~5% slower.
+// the instruction ({1to16}): gcc 12 folds such a broadcast into vpaddd but not into vpdpbusd, where a vpbroadcastd of
+// its own beside each dot product was half of a tile's inner loop (Q6_K +10%, Q8_0 +8% at 128 rows on a Zen 5;
+// Q4_K/Q5_K keep theirs apart, see k45_tile). In 256-bit registers (fewer rows: decode, which streams the weights)
+// the broadcast stays apart: folded there, batch-1 products ran ~5% slower.
 #if defined(KVLM_VNNI)
 inline __m256i dpbusd_activations(__m256i acc, __m256i u, const int8_t* a) {
     return v_dpbusd(acc, u, broadcast4<__m256i>(a));
