@@ -205,23 +205,18 @@ template <class I = __m256i> inline I broadcast4(const int8_t* a) {
     return splat32<I>(v);
 }
 
-// u8 x s8 products summed per 4 into each int32 lane of acc (VNNI).
+// VNNI: u8 x s8 products summed per 4 (dpbusd), s16 x s16 products summed per pair (dpwssd) into each int32 lane of
+// acc.
 #if defined(KVLM_VNNI)
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 inline __m256i v_dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
-#else
-inline __m256i v_dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
-#endif
-#if defined(KVLM_WIDE_TILES)
-inline __m512i v_dpbusd(__m512i acc, __m512i u, __m512i s) { return _mm512_dpbusd_epi32(acc, u, s); }
-#endif
-// s16 x s16 products summed per pair into each int32 lane of acc.
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 inline __m256i v_dpwssd(__m256i acc, __m256i a, __m256i b) { return _mm256_dpwssd_epi32(acc, a, b); }
 #else
+inline __m256i v_dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
 inline __m256i v_dpwssd(__m256i acc, __m256i a, __m256i b) { return _mm256_dpwssd_avx_epi32(acc, a, b); }
 #endif
 #if defined(KVLM_WIDE_TILES)
+inline __m512i v_dpbusd(__m512i acc, __m512i u, __m512i s) { return _mm512_dpbusd_epi32(acc, u, s); }
 inline __m512i v_dpwssd(__m512i acc, __m512i a, __m512i b) { return _mm512_dpwssd_epi32(acc, a, b); }
 #endif
 #endif
