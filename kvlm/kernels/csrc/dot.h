@@ -47,8 +47,8 @@ constexpr int MAX_ACT_ROWS = 4;  // activation rows sharing one read of a row of
 // partial sums of 4 rows to the stack, and those products slow down by up to a third (`python -m bench.tile_passes`
 // on a Zen 3, at 128 and 256 rows: Q4_K 86 G multiply-adds/s at 2 rows a pass, 60 at 4; Q5_K and the 32-weight
 // nibble formats fastest at 3; Q6_K, Q3_K, Q8_0, MXFP4 and IQ3_S as fast or faster at 4). AVX-512VL's 32 registers
-// hold more: up to 8 rows a pass there (MAX_PASS_ROWS). On a Zen 5, with the K-quant tiles' sub-blocks as a loop and
-// the activations as vpdpbusd's broadcast operand, 8 rows were fastest for Q4_K (597 G against 560 at 5, 512 rows),
+// hold more: up to 8 rows a pass there (MAX_PASS_ROWS). On a Zen 5, with the K-quant tiles' sub-blocks as a loop,
+// 8 rows were fastest for Q4_K (597 G against 560 at 5, 512 rows),
 // Q5_K, the 32-weight formats (Q8_0 496 against 469 at 6) and IQ4_XS; Q6_K at 5 (464 against 415 at 8), Q2_K, Q3_K
 // within 3% from 4 to 7, MXFP4 at 7. A test sets other counts (kvlm_set_tile_pass_rows): the bits of a row never
 // depend on them.
