@@ -105,7 +105,9 @@ struct KVLanes {
     static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
     static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
     // Lanes i and i + 8 added, then fvec's order (vsum): so sum and sums8 give a lane sum the same bits.
-    static __m256 folded(V v) { return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)); }
+    static __m256 folded(V v) {  // the high half through a double view: extractf32x8 would need AVX-512DQ
+        return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    }
     static float sum(V v) { return vsum(folded(v)); }
     static __m256 sums8(const V* v) {
         fvec halves[8];
