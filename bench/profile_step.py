@@ -48,6 +48,7 @@ from kvlm.engine.stop import StopChecker
 from kvlm.kernels import native_kernels
 from kvlm.kernels.decode_layer import layer_times
 from kvlm.model import blocks, linear
+from kvlm.model import decoder as decoder_module
 from kvlm.model.decoder import Decoder
 from kvlm.server.async_engine import AsyncEngine
 from kvlm.server.metrics import ServerMetrics
@@ -130,6 +131,7 @@ def instrument() -> StepClock:
     clock = StepClock()
     for cls in (linear.DenseLinear, linear.PackedLinear, linear.QuantizedLinear, linear.NativeDenseLinear):
         clock.wrap(cls, "__call__", "products")
+    clock.wrap(decoder_module, "float32_product", "products")  # the output head
     clock.wrap(blocks, "attend_layer", "attention")
     clock.wrap(Decoder, "forward", "forward")
     clock.wrap(Context, "decode", "decode")

@@ -170,6 +170,13 @@ def _check_positions(pos: np.ndarray, seq_mask: np.ndarray, present: np.ndarray,
 
     Of all violations, the one at the earliest token is reported.
     """
+    # Token i, the k-th of sequence s here, must be at start[s] + k: where the memory ends, else where s's first
+    # token is. One pass over the [n, n_seq_max] mask; the loop below only names what is wrong.
+    first = seq_mask.argmax(axis=0)
+    start = np.where(next_pos > 0, next_pos, pos[first])
+    expected = start + np.cumsum(seq_mask, axis=0, dtype=np.int64) - seq_mask
+    if np.all(~seq_mask | (expected == pos[:, None])):
+        return
     problems: list[tuple[int, str]] = []
     for s in present:
         rows = np.flatnonzero(seq_mask[:, s])

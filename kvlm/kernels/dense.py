@@ -14,6 +14,13 @@ _i32, _i64, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
 _BAD_SHAPE = 2  # products.h Status
 
 
+def output_dtype(x: torch.Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
+    """What a native product of `x` writes: `out_dtype` (float32 or bfloat16), by default x's dtype."""
+    if out_dtype not in (None, torch.float32, torch.bfloat16):
+        raise ValueError(f"a native product writes float32 or bfloat16, not {out_dtype}")
+    return out_dtype or x.dtype
+
+
 class NativeDenseProduct:
     """x @ weight.T for a weight [out_features, in_features] of float32, float16 or bfloat16."""
 
@@ -38,16 +45,17 @@ class NativeDenseProduct:
     def nbytes(self) -> int:
         return self.weight.numel() * self.weight.element_size()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [m, in_features] float32 or bfloat16 -> [m, out_features] in x's dtype."""
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [m, in_features] float32 or bfloat16 -> [m, out_features] in `out_dtype` (float32 or bfloat16; None: x's
+        dtype): float32 from bfloat16 activations is the sums as they are, before any rounding."""
         if x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or x.shape[1] != self.in_features:
             raise ValueError(f"expected float32 or bfloat16 x [m, {self.in_features}] for a weight "
                              f"[{self.out_features}, {self.in_features}], got {x.dtype} {list(x.shape)}")
         x = x.contiguous()
-        y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
-        bf16 = int(x.dtype == torch.bfloat16)
+        y = torch.empty(x.shape[0], self.out_features, dtype=output_dtype(x, out_dtype))
+        bf16, out_bf16 = int(x.dtype == torch.bfloat16), int(y.dtype == torch.bfloat16)
         status = self._call(x.data_ptr(), bf16, x.shape[0], self.in_features, self.weight.data_ptr(), self._type,
-                            self.out_features, y.data_ptr(), bf16, torch.get_num_threads())
+                            self.out_features, y.data_ptr(), out_bf16, torch.get_num_threads())
         if status:
             raise ValueError(f"the native dense product cannot take x {list(x.shape)} times a weight "
                              f"[{self.out_features}, {self.in_features}] (status {status})")

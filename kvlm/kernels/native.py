@@ -30,7 +30,7 @@ from gguf.quants import IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS
 
 from kvlm.home import kvlm_home
 from kvlm.kernels.blocks import TILE_ROWS, BlockMatrix
-from kvlm.kernels.dense import NativeDenseProduct
+from kvlm.kernels.dense import NativeDenseProduct, output_dtype
 from kvlm.kernels.layer_ops import NativeLayerOps
 from kvlm.kernels.recurrent import NativeRecurrentOps
 
@@ -221,15 +221,16 @@ class NativeProduct:
         """The parts' types, block pointers, row counts and layouts, as the C side's arrays."""
         return self._types, self._weights, self._rows, self._interleaved
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [m, in_features] float32 or bfloat16 -> [m, out_features] in x's dtype."""
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [m, in_features] float32 or bfloat16 -> [m, out_features] in `out_dtype` (float32 or bfloat16; None: x's
+        dtype): float32 from bfloat16 activations is the sums as they are, before any rounding."""
         if x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or x.shape[1] != self.in_features:
             raise ValueError(f"expected float32 or bfloat16 [m, {self.in_features}], got {x.dtype} {list(x.shape)}")
         x = x.contiguous()
-        y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
-        bf16 = int(x.dtype == torch.bfloat16)
+        y = torch.empty(x.shape[0], self.out_features, dtype=output_dtype(x, out_dtype))
+        bf16, out_bf16 = int(x.dtype == torch.bfloat16), int(y.dtype == torch.bfloat16)
         status = self._call(x.data_ptr(), bf16, x.shape[0], self.in_features, len(self.parts), self._types,
-                            self._weights, self._rows, self._interleaved, y.data_ptr(), bf16,
+                            self._weights, self._rows, self._interleaved, y.data_ptr(), out_bf16,
                             torch.get_num_threads())
         _check(status, self.parts)
         return y

@@ -31,9 +31,16 @@ class Cells:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         self.n_cells, self.n_seq_max = int(n_cells), int(n_seq_max)
         self.pos = np.full(self.n_cells, -1, dtype=np.int64)
-        self.seqs = np.zeros((self.n_cells, self.n_seq_max), dtype=bool)
+        # members[s, i]: sequence s uses cell i. Stored sequence-major, so a sequence's cells (what the position
+        # scans and each token's visibility read) are contiguous; `seqs` is the cell-major view of the same bits.
+        self.members = np.zeros((self.n_seq_max, self.n_cells), dtype=bool)
         self.shift = np.zeros(self.n_cells, dtype=np.int64)
         self.head = 0  # where find_slot starts looking: just after the last placed token
+
+    @property
+    def seqs(self) -> np.ndarray:
+        """bool [n_cells, n_seq_max]: cell i is used by sequence s (a view of `members`: writes go through)."""
+        return self.members.T
 
     @property
     def n_used(self) -> int:
@@ -51,7 +58,7 @@ class Cells:
     def copy(self) -> Cells:
         other = Cells.__new__(Cells)
         other.__dict__.update(self.__dict__)
-        other.pos, other.seqs, other.shift = self.pos.copy(), self.seqs.copy(), self.shift.copy()
+        other.pos, other.members, other.shift = self.pos.copy(), self.members.copy(), self.shift.copy()
         return other
 
     def restore(self, snapshot: Cells) -> None:
@@ -61,16 +68,16 @@ class Cells:
         self.__dict__.update(snapshot.__dict__)
 
     def seq_pos_min(self, seq_id: int) -> int:
-        positions = self.pos[self.seqs[:, self._seq(seq_id)]]
+        positions = self.pos[self.members[self._seq(seq_id)]]
         return int(positions.min()) if positions.size else -1
 
     def seq_pos_max(self, seq_id: int) -> int:
-        positions = self.pos[self.seqs[:, self._seq(seq_id)]]
+        positions = self.pos[self.members[self._seq(seq_id)]]
         return int(positions.max()) if positions.size else -1
 
     def seq_cells(self, seq_id: int) -> np.ndarray:
         """Indices of the cells of a sequence, sorted by position."""
-        cells = np.flatnonzero(self.seqs[:, self._seq(seq_id)])
+        cells = np.flatnonzero(self.members[self._seq(seq_id)])
         return cells[np.argsort(self.pos[cells], kind="stable")]
 
     def find_slot(self, n_tokens: int) -> np.ndarray | None:
@@ -171,13 +178,13 @@ class Cells:
     def prune(self, stale: np.ndarray) -> int:
         """Remove the stale (cell, sequence) pairs; cells left with no sequence are freed. Returns how many."""
         used = self.pos >= 0
-        self.seqs &= ~stale
-        freed = np.flatnonzero(used & ~self.seqs.any(axis=1))
+        self.members &= ~stale.T
+        freed = np.flatnonzero(used & ~self.members.any(axis=0))
         self._free(freed)
         return int(freed.size)
 
     def seq_positions(self, seq_id: int) -> np.ndarray:
-        return self.pos[self.seqs[:, self._seq(seq_id)]]
+        return self.pos[self.members[self._seq(seq_id)]]
 
     def seq_cells_in(self, seq_id: int, p0: int, p1: int) -> np.ndarray:
         """The cells of a sequence at positions p0 <= pos < p1, sorted by position."""
@@ -209,7 +216,7 @@ class Cells:
             raise ValueError(f"n_kv {n_kv} is outside [0, {self.n_cells}]")
         positions, seq_mask = self._check_batch(positions, seq_mask)
         if np.all(seq_mask.sum(axis=1) == 1):
-            shared = self.seqs[:n_kv, seq_mask.argmax(axis=1)].T
+            shared = self.members[seq_mask.argmax(axis=1), :n_kv]
         else:
             shared = np.zeros((len(positions), n_kv), dtype=bool)
             for seq in np.flatnonzero(seq_mask.any(axis=0)):
@@ -235,7 +242,7 @@ class Cells:
             raise ValueError(f"cannot move cell {src}: it is empty")
         if self.pos[dst] >= 0:
             raise ValueError(f"cannot move cell {src} to cell {dst}: it holds position {self.pos[dst]}")
-        for array in (self.pos, self.seqs, self.shift):
+        for array in (self.pos, self.seqs, self.shift):  # (seqs: a view, written through)
             array[dst] = array[src]
         self._free(np.array([src]))
 

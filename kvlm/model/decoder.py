@@ -22,7 +22,7 @@ from kvlm.model.backends import backend_for
 from kvlm.model.blocks import Blocks
 from kvlm.model.build import LayerBuilder
 from kvlm.model.embedding import Embedding
-from kvlm.model.linear import DenseLinear, Linear, NativeDenseLinear, PackedLinear, QuantizedLinear, linear_kind
+from kvlm.model.linear import DenseLinear, Linear, NativeDenseLinear, PackedLinear, QuantizedLinear, float32_product, linear_kind
 from kvlm.model.settings import ComputeSettings
 
 if TYPE_CHECKING:  # the loader's records of the weights the decoder is built from (the loader imports the model)
@@ -147,7 +147,7 @@ class Decoder(Blocks):
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of the final norm's output (rank 0's all of them, under tensor parallelism)."""
-        logits = self.output(hidden).float()
+        logits = float32_product(self.output, hidden)
         if self.config.logit_scale != 1.0:
             logits = logits / self.config.logit_scale
         cap = self.config.final_logit_softcap

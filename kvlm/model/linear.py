@@ -104,6 +104,14 @@ class NativeDenseLinear(_NativeLinear):
 Linear = DenseLinear | PackedLinear | QuantizedLinear | NativeDenseLinear
 
 
+def float32_product(linear: Linear, x: torch.Tensor) -> torch.Tensor:
+    """x @ W.T in float32 (the logits): the native products write their float32 sums as they are, without rounding
+    them to bfloat16 activations' dtype and converting back (a copy of a whole batch's logits); the others convert."""
+    if isinstance(linear, _NativeLinear) and not torch.compiler.is_compiling():
+        return linear.native(x, torch.float32)
+    return linear(x).float()
+
+
 # Products by handle, for graphs: inductor can neither lower oneDNN's blocked weights nor call ctypes, so a
 # compiled graph calls the product as one opaque op that finds its weights here.
 _OPAQUE: weakref.WeakValueDictionary[int, PackedLinear | _NativeLinear] = weakref.WeakValueDictionary()

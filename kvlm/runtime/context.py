@@ -104,9 +104,9 @@ class Context:
                 hidden.append(states)
             outputs.append(logits)
         self.memory.commit()
-        self._logits = _in_batch_order(torch.cat(outputs), ubatches)
+        self._logits = _in_batch_order(_joined(outputs), ubatches)
         if embeddings:
-            self._hidden = _in_batch_order(torch.cat(hidden), ubatches).cpu()
+            self._hidden = _in_batch_order(_joined(hidden), ubatches).cpu()
         self.last_error = ""
         return DecodeStatus.OK
 
@@ -175,6 +175,11 @@ class Context:
     def state_seq_load(self, data: bytes, dest_seq_id: int) -> None:
         """Restore a saved sequence into `dest_seq_id`, which must be empty; on any error nothing changes."""
         self.memory.state_seq_load(data, dest_seq_id)
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The micro-batches' rows as one tensor; a lone micro-batch's as they are (a batch's logits can be tens of MB)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _in_batch_order(logits: torch.Tensor, ubatches) -> torch.Tensor:

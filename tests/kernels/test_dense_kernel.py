@@ -57,6 +57,9 @@ def test_product_matches_float64(kernels, weight_dtype, x_dtype):
             y = product(x)
             assert y.dtype == x_dtype and y.shape == (m, out_features)
             assert_close_to_exact(y, x, weight)
+            sums = product(x, torch.float32)  # float32 out whatever x's dtype (the logits): the sums unrounded
+            assert sums.dtype == torch.float32 and torch.equal(sums, product(x.float()))
+            assert torch.equal(product(x, torch.bfloat16), product(x.float()).bfloat16())
 
 
 @pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES, ids=str)
@@ -88,6 +91,8 @@ def test_bad_shapes_are_refused(kernels):
         product(torch.zeros(2, 3, 40))
     with pytest.raises(ValueError, match="torch.float16"):
         product(torch.zeros(3, 40, dtype=torch.float16))
+    with pytest.raises(ValueError, match="float32 or bfloat16, not torch.float16"):
+        product(torch.zeros(3, 40), torch.float16)
     with pytest.raises(ValueError, match=r"torch.int32 \[12, 40\]"):
         kernels.dense(torch.zeros(12, 40, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"\[480\]"):

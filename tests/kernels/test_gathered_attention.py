@@ -26,11 +26,12 @@ class FakeView:
         return self.groups
 
 
-def mixed_batch(seed: int, n_rows: int = 60):
+def mixed_batch(seed: int, n_rows: int = 60, cells_in_position_order: bool = False):
     """Two prefill chunks (sequences 0 and 1) and three decode tokens (sequences 2, 3, 4) in one batch."""
     rng = np.random.default_rng(seed)
     cell_seq = rng.integers(0, 5, n_rows)
-    cell_pos = rng.permutation(n_rows)  # unique positions, in no particular cell order
+    # unique positions, in no particular cell order, or rising with the cell (as a cache filled in order has them)
+    cell_pos = np.arange(n_rows) if cells_in_position_order else rng.permutation(n_rows)
     token_seq = np.array([0, 0, 0, 1, 1, 2, 3, 4])
     token_pos = np.array([40, 41, 42, 40, 41, 40, 40, 40])
     visible = (cell_seq[None, :] == token_seq[:, None]) & (cell_pos[None, :] <= token_pos[:, None])
@@ -65,20 +66,33 @@ def test_attention_by_group_equals_masked_attention(n_head, n_kv, short_runs_per
     assert torch.allclose(attend(q, 0, FakeView(k, v, groups)), expected, atol=1e-5)
 
 
+@pytest.mark.parametrize("cells_in_position_order", [False, True])
 @pytest.mark.parametrize("short_runs_per_token", [True, False])
-def test_each_token_reads_its_visible_cells_in_position_order(short_runs_per_token, monkeypatch):
+def test_each_token_reads_its_visible_cells_in_position_order(short_runs_per_token, cells_in_position_order,
+                                                              monkeypatch):
     """What the native attention reads (TokenCells): per token exactly the cells it sees, by position, whether its
     group shares rows (a prompt chunk) or has rows of its own (decode tokens, guesses)."""
     if not short_runs_per_token:
         monkeypatch.setattr(memory_module, "PER_TOKEN_ROWS_MAX", 1)
     for seed in range(6):
-        visible, seq_mask, cell_pos = mixed_batch(seed)
+        visible, seq_mask, cell_pos = mixed_batch(seed, cells_in_position_order=cells_in_position_order)
         cells = TokenCells.of(attention_groups(visible, seq_mask, cell_pos), len(visible))
         for t in range(len(visible)):
             first = int(cells.offsets[t])
             read = cells.cells[first:first + int(cells.lengths[t])].numpy()
             seen = np.flatnonzero(visible[t])
             assert np.array_equal(read, seen[np.argsort(cell_pos[seen], kind="stable")]), (seed, t)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (8, 8), (64, 577), (5, 4096)])
+@pytest.mark.parametrize("density", [0.0, 0.01, 0.3, 1.0])
+def test_sparse_nonzero_equals_numpys(shape, density):
+    """The word-skipping nonzero the decode groups use: np.nonzero's rows and columns, in its order, at widths that
+    do and do not fill whole 8-entry groups (a tail past the last one)."""
+    matrix = np.random.default_rng(shape[1]).random(shape) < density
+    rows, columns = memory_module._nonzero_sparse(matrix)
+    expected_rows, expected_columns = np.nonzero(matrix)
+    assert np.array_equal(rows, expected_rows) and np.array_equal(columns, expected_columns)
 
 
 @pytest.mark.parametrize("window", [0, 16])

@@ -116,6 +116,9 @@ def test_the_native_product_is_its_definition(kernels, qtype, m, layout):
     # rows at a time by the tiles)
     rounded = kernels.product([matrix])(x.bfloat16().float()).bfloat16()
     assert torch.equal(bf16.view(torch.int16), rounded.view(torch.int16))  # bit for bit
+    # float32 out of bfloat16 activations (the logits): those sums before the rounding, bit for bit
+    sums = kernels.product([matrix])(x.bfloat16(), torch.float32)
+    assert sums.dtype == torch.float32 and torch.equal(sums, kernels.product([matrix])(x.bfloat16().float()))
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
