@@ -147,15 +147,27 @@ inline void head_norm_token(void* x, bool bf16, int64_t at, int n_heads, int d, 
 
 // RoPE of n_heads heads of d values of one token in place, over each head's first `rotated` values (pairs i,
 // i + rotated/2: the Hugging Face layout; the rest as they are: partial RoPE), cos and sin [rotated] float32.
+// Through float buffers of SPAN pairs: loops the compiler vectorizes (each value element by element, it read and
+// stored one at a time: 4% of a SmolLM2 prefill), the same operations on each value.
 inline void rope_token(void* x, bool bf16, int64_t at, int n_heads, int d, int rotated, const float* cos,
                        const float* sin) {
+    constexpr int SPAN = 64;
     const int half = rotated / 2;
+    const int64_t element = bf16 ? 2 : 4;
+    float a[SPAN], b[SPAN], first[SPAN], second[SPAN];
     for (int h = 0; h < n_heads; ++h) {
-        const int64_t base = at + int64_t(h) * d;
-        for (int i = 0; i < half; ++i) {
-            const float a = load_value(x, bf16, base + i), b = load_value(x, bf16, base + half + i);
-            store_value(x, bf16, base + i, a * cos[i] - b * sin[i]);
-            store_value(x, bf16, base + half + i, b * cos[half + i] + a * sin[half + i]);
+        char* head = static_cast<char*>(x) + (at + int64_t(h) * d) * element;
+        for (int i0 = 0; i0 < half; i0 += SPAN) {
+            const int n = std::min(SPAN, half - i0);
+            load_floats(head + i0 * element, bf16, n, a);
+            load_floats(head + (half + i0) * element, bf16, n, b);
+            const float *c = cos + i0, *s = sin + i0, *c2 = cos + half + i0, *s2 = sin + half + i0;
+            for (int i = 0; i < n; ++i) {
+                first[i] = a[i] * c[i] - b[i] * s[i];
+                second[i] = b[i] * c2[i] + a[i] * s2[i];
+            }
+            store_floats(head + i0 * element, bf16, n, first);
+            store_floats(head + (half + i0) * element, bf16, n, second);
         }
     }
 }
