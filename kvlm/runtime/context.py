@@ -187,6 +187,8 @@ def _in_batch_order(logits: torch.Tensor, ubatches) -> torch.Tensor:
     if ubatches[0].rows is None:
         return logits
     outputs = np.concatenate([ubatch.rows[ubatch.output] for ubatch in ubatches])
+    if np.all(outputs[1:] > outputs[:-1]):  # already in order (one sequence's tokens, a lone decode token): no copy
+        return logits
     return logits[torch.from_numpy(np.argsort(outputs, kind="stable")).to(logits.device)]
 
 
