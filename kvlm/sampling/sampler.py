@@ -223,16 +223,36 @@ def _argsort_descending(values: torch.Tensor) -> torch.Tensor:
     return torch.argsort(values, descending=True)
 
 
-def _inverse_cdf(probs: torch.Tensor, u: float) -> int:
-    """One draw from `probs` (not necessarily normalised): the uniform number `u` against the float64 CDF.
+CDF_BLOCK = 1024  # tokens per block of the inverse CDF's first level
 
-    torch.multinomial gives the same distribution but costs milliseconds over a whole vocabulary.
-    """
-    cumulative = torch.cumsum(probs, dim=0, dtype=torch.float64)
-    index = int(torch.searchsorted(cumulative, cumulative[-1:] * u, right=True))
-    if index >= probs.shape[0]:  # u rounded up to the total: the last token with any probability
-        index = int(torch.nonzero(probs)[-1])
-    return index
+
+def _inverse_cdf(probs: torch.Tensor, u: float) -> int:
+    """One draw from `probs` (not necessarily normalised): the first token whose float64 CDF exceeds `u` times the
+    total, found in two levels: the blocks' float64 sums and their running total, then the running total inside
+    the one block that holds the point. (A running total over the whole vocabulary took 60 us at 49k tokens and
+    1.5 ms at 248k; torch.multinomial gives the same distribution but costs milliseconds too.)
+
+    Rounding may put the point past a block's last token with any probability, or past the total where `u` rounds
+    up to it: then that last token."""
+    n = probs.shape[0]
+    whole = n - n % CDF_BLOCK
+    sums = probs[:whole].view(-1, CDF_BLOCK).sum(dim=1, dtype=torch.float64)
+    if whole < n:
+        sums = torch.cat((sums, probs[whole:].sum(dtype=torch.float64).view(1)))
+    ends = torch.cumsum(sums, dim=0)
+    point = ends[-1:] * u
+    block = int(torch.searchsorted(ends, point, right=True))
+    if block >= len(ends):
+        block = int(torch.nonzero(sums)[-1])
+    start = block * CDF_BLOCK
+    part = probs[start:start + CDF_BLOCK]
+    within = torch.cumsum(part, dim=0, dtype=torch.float64)
+    if block:
+        within += ends[block - 1]
+    index = int(torch.searchsorted(within, point, right=True))
+    if index >= len(part):
+        index = int(torch.nonzero(part)[-1])
+    return start + index
 
 
 def logprobs_of(logits: torch.Tensor, token_id: int, n: int) -> tuple[float, list[tuple[int, float]]]:

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from kvlm.sampling.sampler import RequestSampler, SampledToken, _nucleus
+from kvlm.sampling.sampler import RequestSampler, SampledToken, _inverse_cdf, _nucleus
 from kvlm.sampling.params import SamplingParams
 from kvlm.sampling.sampler import sample_token
 
@@ -348,3 +349,21 @@ def test_sample_token_keeps_its_contract():
     generator = torch.Generator().manual_seed(5)
     drawn = [sample_token(LOGITS, 0.5, generator) for _ in range(N_DRAWS // 2)]
     assert_distribution(drawn, torch.softmax(LOGITS.double() / 0.5, 0))
+
+
+@pytest.mark.parametrize("n", [5, 1024, 3000, 49152])
+def test_the_inverse_cdf_is_the_first_token_past_the_point(n):
+    """The two-level search against one float64 running total (numpy's): vocabularies of part of a block, one block,
+    several with a partial last one; tokens and a whole block of probability 0 never drawn; u just below 1 gives
+    the last token with any probability."""
+    rng = np.random.default_rng(n)
+    p = (rng.random(n) ** 8).astype(np.float32)  # skewed, as softmax outputs are
+    p[rng.random(n) < 0.3] = 0.0
+    if n == 3000:
+        p[2048:] = 0.0  # the last, partial block empty
+    cumulative = np.cumsum(p.astype(np.float64))
+    probs = torch.from_numpy(p)
+    for u in rng.random(300):
+        expected = int(np.searchsorted(cumulative, cumulative[-1] * u, side="right"))
+        assert _inverse_cdf(probs, float(u)) == expected, u
+    assert _inverse_cdf(probs, 1.0 - 2.0 ** -53) == int(np.flatnonzero(p)[-1])
