@@ -236,7 +236,7 @@ def _inverse_cdf(probs: torch.Tensor, u: float) -> int:
     up to it: then that last token."""
     n = probs.shape[0]
     whole = n - n % CDF_BLOCK
-    sums = probs[:whole].view(-1, CDF_BLOCK).sum(dim=1, dtype=torch.float64)
+    sums = probs[:whole].reshape(-1, CDF_BLOCK).sum(dim=1, dtype=torch.float64)  # (a view where probs is contiguous)
     if whole < n:
         sums = torch.cat((sums, probs[whole:].sum(dtype=torch.float64).view(1)))
     ends = torch.cumsum(sums, dim=0)

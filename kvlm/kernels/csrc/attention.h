@@ -287,8 +287,9 @@ template <int G, int J> inline void store_scores(const kv::V (&acc)[J][G], float
 }
 
 // scores[g][j] = scale * q_g . K[rows[j]] for G query heads (q: [G][d]) and the n rows starting at values rows[j]
-// of the plane; V's rows (the same places in v) fetched into L2 alongside K's, for values_of. Each score is one chain of FMAs over the head's values, kv::N at a time, then kv::sum: how the loops
-// are unrolled changes which chains run side by side, never a chain.
+// of the plane; V's rows (the same places in v) fetched into L2 alongside K's, for values_of. Each score is one
+// chain of FMAs over the head's values, kv::N at a time, then kv::sum: how the loops are unrolled changes which
+// chains run side by side, never a chain.
 template <int TYPE, int G>
 inline void scores_of(const float* q, int d, float scale, const int64_t* rows, int64_t n, const KVPlane& k,
                       const KVPlane& v, float* scores, int64_t stride) {
