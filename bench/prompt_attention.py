@@ -1,8 +1,9 @@
 """A prompt's attention, one layer: kvlm's native kernel (every token over its own run of cells, as a decode token
 reads them: what keeps logits batch-invariant) against torch's fused kernel over the same rows (what prompts took
-before), at the head shapes of SmolLM2, Qwen2.5-0.5B and Gemma 3 270M, over an f16 cache.
+before), at the head shapes of SmolLM2, Qwen2.5-0.5B and Gemma 3 270M, over an f16 cache and float32 queries, or
+with `--dtype bfloat16` bf16 queries over a bf16 cache (the defaults where the CPU has AVX512-BF16).
 
-    python -m bench.prompt_attention [--tokens 512] [--repeats 7]
+    python -m bench.prompt_attention [--tokens 512] [--repeats 7] [--dtype bfloat16]
 
 Milliseconds per call, the median of repeats, the two taking turns.
 """
@@ -28,18 +29,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the queries' dtype; bfloat16 with a bf16 cache, else an f16 one")
     args = parser.parse_args()
+    q_dtype = getattr(torch, args.dtype)
+    kv_dtype = torch.bfloat16 if q_dtype == torch.bfloat16 else torch.float16
     ops = native_kernels().layer_ops
     print(machine_line())
     rows = []
     for name, (n_head, n_kv, dim) in SHAPES.items():
         n = args.tokens
-        q = torch.randn(n, n_head, dim)
-        k, v = torch.randn(n, n_kv, dim).half(), torch.randn(n, n_kv, dim).half()
+        q = torch.randn(n, n_head, dim).to(q_dtype)
+        k, v = torch.randn(n, n_kv, dim).to(kv_dtype), torch.randn(n, n_kv, dim).to(kv_dtype)
         cells = TokenCells(torch.arange(n), torch.zeros(n, dtype=torch.int64), torch.arange(1, n + 1))
         mask = torch.full((n, n), float("-inf")).triu(1)
         runs = {"native": lambda: ops.attention(q, (k, None), (v, None), cells, dim ** -0.5),
-                "torch": lambda: grouped_attention(q, k.float(), v.float(), mask)}
+                "torch": lambda: grouped_attention(q.float(), k.float(), v.float(), mask)}
         times: dict[str, list[float]] = {label: [] for label in runs}
         for _ in range(args.repeats + 1):
             for label, run in runs.items():

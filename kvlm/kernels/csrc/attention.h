@@ -326,6 +326,84 @@ inline void scores_of(const float* q, int d, float scale, const int64_t* rows, i
     }
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+// A bfloat16 query against a bfloat16 cache (the defaults where the CPU has AVX512-BF16): the scores by vdpbf16ps,
+// which adds pairs of bf16 products (exact in float32) into float32 lanes, 32 values an instruction with no
+// conversion of K's rows (two instructions per 16 values above), and 16 scores' lane sums at once (lane_sums16).
+// perf of a 64-sequence decode step's attention put scores_of at three times values_of, half of it the lane sums.
+// Every score of such a call is taken here, a prompt's tokens' and a decode token's alike: one order of sums for
+// all, as above.
+#define KVLM_BF16_SCORES 1
+
+// Lane i: the sum of v[i]'s lanes, for 16 vectors at once (45 instructions; 16 kv::sums take about 100). Each
+// vector's own tree, whatever the others hold: within each 128-bit quarter (l0 + l2) + (l1 + l3), then the quarters
+// (q0 + q1) + (q2 + q3).
+inline __m512 lane_sums16(const __m512 (&v)[16]) {
+    __m512 pairs[8], quads[4];
+    for (int i = 0; i < 8; ++i)  // quarter of pairs[i]: v[2i](l0 + l2), v[2i+1](l0 + l2), v[2i](l1 + l3), v[2i+1](l1 + l3)
+        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) {  // quarter of quads[i]: the quarter's sums of v[4i] .. v[4i + 3]
+        const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+        quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    // quarters (0 + 1) and (2 + 3) of v[0..3], of v[4..7]; then of v[8..11], v[12..15]
+    const __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88), _mm512_shuffle_f32x4(quads[0], quads[1], 0xdd));
+    const __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88), _mm512_shuffle_f32x4(quads[2], quads[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, 0x88), _mm512_shuffle_f32x4(low, high, 0xdd));
+}
+
+// acc[g * J + c0 + c] += q_g . K[rows[c]] for G query heads and C cells, 32 values a step (a head's last 16 in a
+// step of their own, the rest of its register zero): every accumulator the same steps in the same order, however
+// many cells are taken together.
+template <int G, int C, int J>
+inline void bf16_dots(const uint16_t* q, int d, const uint16_t* k, const int64_t* rows, __m512 (&acc)[16], int c0) {
+    int at = 0;
+    for (; at + 32 <= d; at += 32) {
+        __m512bh query[G];
+        for (int g = 0; g < G; ++g) query[g] = (__m512bh)_mm512_loadu_si512(q + int64_t(g) * d + at);
+        for (int c = 0; c < C; ++c) {
+            const __m512bh row = (__m512bh)_mm512_loadu_si512(k + rows[c] + at);
+            for (int g = 0; g < G; ++g) acc[g * J + c0 + c] = _mm512_dpbf16_ps(acc[g * J + c0 + c], query[g], row);
+        }
+    }
+    if (at < d) {  // a last 16 values, the rest of the registers zero
+        __m512bh query[G];
+        for (int g = 0; g < G; ++g) query[g] = (__m512bh)_mm512_maskz_loadu_epi16(0xffff, q + int64_t(g) * d + at);
+        for (int c = 0; c < C; ++c) {
+            const __m512bh row = (__m512bh)_mm512_maskz_loadu_epi16(0xffff, k + rows[c] + at);
+            for (int g = 0; g < G; ++g) acc[g * J + c0 + c] = _mm512_dpbf16_ps(acc[g * J + c0 + c], query[g], row);
+        }
+    }
+}
+
+// scores_of for a bfloat16 query q [G][d] and a bfloat16 K plane: J = 16 / G cells at a time, their G x J scores
+// summed together, a last partial group cell by cell (the same steps, so the same bits).
+template <int G>
+inline void bf16_scores_of(const uint16_t* q, int d, float scale, const int64_t* rows, int64_t n, const KVPlane& k,
+                           const KVPlane& v, float* scores, int64_t stride) {
+    constexpr int J = 16 / G;
+    const uint16_t* keys = static_cast<const uint16_t*>(k.data);
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t j = 0; j < n; j += J) {
+        const int count = int(std::min<int64_t>(J, n - j));
+        for (int c = 0; c < count && j + PREFETCH_CELLS + c < n; ++c) {
+            prefetch_row<KV_BF16>(k, rows[j + PREFETCH_CELLS + c]);
+            prefetch_row<KV_BF16>(v, rows[j + PREFETCH_CELLS + c]);
+        }
+        __m512 acc[16];
+        for (__m512& a : acc) a = _mm512_setzero_ps();
+        if (count == J)
+            bf16_dots<G, J, J>(q, d, keys, rows + j, acc, 0);
+        else
+            for (int c = 0; c < count; ++c) bf16_dots<G, 1, J>(q, d, keys, rows + j + c, acc, c);
+        const __m512 sums = _mm512_mul_ps(lane_sums16(acc), _mm512_set1_ps(scale));
+        for (int g = 0; g < G; ++g)  // head g's scores are lanes g J .. g J + count - 1
+            _mm512_mask_storeu_ps(scores + g * stride + j, __mmask16((1u << count) - 1),
+                                  _mm512_permutexvar_ps(_mm512_add_epi32(lanes, _mm512_set1_epi32(g * J)), sums));
+    }
+}
+#endif
+
 // out[g] = sum over j of p[g][j] V[rows[j]] for G query heads (out: [G][d]), B column blocks of kv::N at a time:
 // per output value one chain of FMAs over the rows in order.
 template <int TYPE, int G>
@@ -384,11 +462,12 @@ template <class F> inline void with_group(int g, F&& f) {
     }
 }
 
-// One chunk of one token's cells for `group` query heads (q: [group][d] float32): each head's maximum score, the sum
-// of exp(score - maximum), and the unnormalized sum of V rows weighted by those exps (out: [group][d]).
-inline void attend_chunk(const float* q, int group, int d, float scale, const int64_t* cells, int64_t n,
-                         const KVPlane& k, const KVPlane& v, int head, float* maxima, float* sums, float* out,
-                         std::vector<float>& scores) {
+// One chunk of one token's cells for `group` query heads (q: [group][d] float32, or q16 its bf16 values where
+// bf16_scores takes them): each head's maximum score, the sum of exp(score - maximum), and the unnormalized sum of
+// V rows weighted by those exps (out: [group][d]).
+inline void attend_chunk(const float* q, const uint16_t* q16, int group, int d, float scale, const int64_t* cells,
+                         int64_t n, const KVPlane& k, const KVPlane& v, int head, float* maxima, float* sums,
+                         float* out, std::vector<float>& scores) {
     scores.resize(size_t(group) * n);
     int64_t rows[CHUNK_CELLS];  // where each cell's row of this KV head starts (K and V planes share the layout)
     for (int64_t j = 0; j < n; ++j) rows[j] = row_start(k, cells[j], head);
@@ -403,6 +482,13 @@ inline void attend_chunk(const float* q, int group, int d, float scale, const in
         for (int g0 = 0; g0 < group; g0 += MAX_GROUP)
             with_group(std::min(MAX_GROUP, group - g0), [&](auto width) {
                 constexpr int G = decltype(width)::value;
+#if defined(KVLM_BF16_SCORES)
+                if constexpr (TYPE == KV_BF16)
+                    if (q16) {
+                        bf16_scores_of<G>(q16 + int64_t(g0) * d, d, scale, rows, n, k, v, scores.data() + g0 * n, n);
+                        return;
+                    }
+#endif
                 scores_of<TYPE, G>(q + int64_t(g0) * d, d, scale, rows, n, k, v, scores.data() + g0 * n, n);
             });
         for (int g = 0; g < group; ++g)
@@ -434,6 +520,15 @@ struct AttentionWork {
     const float* sinks;  // [n_head] logits, or null
 };
 
+// Whether a bfloat16 query's scores against this K plane are taken from its bf16 values (bf16_scores_of).
+inline bool bf16_scores(const KVPlane& k) {
+#if defined(KVLM_BF16_SCORES)
+    return k.type == KV_BF16;
+#else
+    return (void)k, false;
+#endif
+}
+
 inline int64_t chunks_of(int64_t length) { return std::max<int64_t>(1, (length + CHUNK_CELLS - 1) / CHUNK_CELLS); }
 
 // The attention of a step, run by every thread of the calling team; `partials` is the caller's, shared (one
@@ -455,12 +550,14 @@ inline void attention_in_team(const AttentionWork& w, std::vector<float>& partia
         if (n <= 0) continue;
         query.resize(size_t(group) * d);
         const int64_t q_at = t * w.q_stride + int64_t(head) * group * d;
-        if (w.bf16)
+        const uint16_t* q16 = w.bf16 && bf16_scores(w.k) ? static_cast<const uint16_t*>(w.q) + q_at : nullptr;
+        // the query as float32, unless the scores read its bf16 values as they are
+        if (!q16 && w.bf16)
             for (int64_t i = 0; i < int64_t(group) * d; ++i) query[i] = bf16_to_float(static_cast<const uint16_t*>(w.q)[q_at + i]);
-        else
+        else if (!q16)
             std::copy_n(static_cast<const float*>(w.q) + q_at, int64_t(group) * d, query.data());
         float* part = partials.data() + (t * w.n_kv + head) * per_head + chunk * per_chunk;
-        attend_chunk(query.data(), group, d, w.scale, w.cells + w.offsets[t] + first, n, w.k, w.v, head, part,
+        attend_chunk(query.data(), q16, group, d, w.scale, w.cells + w.offsets[t] + first, n, w.k, w.v, head, part,
                      part + group, part + 2 * group, scores);
     }
 #pragma omp for schedule(static)

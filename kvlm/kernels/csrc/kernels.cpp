@@ -42,7 +42,10 @@ template <class F> void for_rows(int64_t n, int64_t size, int n_threads, F&& bod
 extern "C" {
 
 const char* kvlm_isa() {
-#if defined(__AVX512F__)
+#if defined(KVLM_BF16_SCORES)
+    static const std::string isa = std::string(dot_isa()) + ", avx512 layer ops (bf16 scores)";
+    return isa.c_str();
+#elif defined(__AVX512F__)
     static const std::string isa = std::string(dot_isa()) + ", avx512 layer ops";
     return isa.c_str();
 #else
