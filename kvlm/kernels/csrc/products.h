@@ -182,12 +182,22 @@ template <int TYPE, class V> void tile_passes(const V& v, const uint8_t* tile, i
 // 1 row, 0.80x at 4, 0.95x at 5 (Q6_K 1.12x), 1.35x at 6, 1.5x at 16.
 constexpr int64_t WIDE_MIN_ROWS = 5;
 
+// Activation rows up to which a pair of tiles' passes start by fetching the next pair into L2. At a few dozen rows
+// the passes are over before the hardware prefetcher, following the pair's two streams a tile apart, has brought
+// the next pair in: SmolLM2 at 64 sequences (bench.profile_step), the products 24.3 -> 22.6-22.9 ms a step on a
+// Zen 5. At a prompt's 512 rows the passes hide the reads (no faster fetched, ad hoc).
+constexpr int64_t FETCH_NEXT_MAX_ROWS = 256;
+
+inline void fetch_into_l2(const uint8_t* p, int64_t bytes) {
+    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(p + at, 0, 2);
+}
+
 // Tiles t0 <= t < t1 of one interleaved part times the activation rows `span`, into y's columns offset + 8 t ...
 // Two at a time in 512-bit registers where the type has such kernels (wide_tiles) and the rows are many, the odd
-// one out alone: a row's bits are the same either way. The tiles are read as one stream, left to the hardware
-// prefetcher: prefetching each next tile whole from here made batch-1 decode slower on Zen 3 (a 7B-shaped layer's
-// products 13.4 vs 22.9 GB/s, SmolLM2 93 vs 110 tokens/s), its burst of prefetches filling the miss buffers the
-// loads then wait for.
+// one out alone: a row's bits are the same either way. One tile at a time, the tiles are read as one stream, left
+// to the hardware prefetcher: prefetching each next tile whole from here made batch-1 decode slower on Zen 3 (a
+// 7B-shaped layer's products 13.4 vs 22.9 GB/s, SmolLM2 93 vs 110 tokens/s), its burst of prefetches filling the
+// miss buffers the loads then wait for; pairs of them fetch the next pair where the rows are few (above).
 template <int TYPE> void product_tiles(const uint8_t* weights, int64_t k, int64_t t0, int64_t t1,
                                        const QuantizedRows& act, RowSpan span, void* y, bool y_bf16, int64_t y_cols,
                                        int64_t y_offset) {
@@ -195,9 +205,12 @@ template <int TYPE> void product_tiles(const uint8_t* weights, int64_t k, int64_
     int64_t t = t0;
 #if defined(KVLM_WIDE_TILES)
     if constexpr (wide_tiles(TYPE))
-        for (; t + 1 < t1 && span.end - span.begin >= WIDE_MIN_ROWS; t += 2)
+        for (; t + 1 < t1 && span.end - span.begin >= WIDE_MIN_ROWS; t += 2) {
+            if (span.end - span.begin <= FETCH_NEXT_MAX_ROWS && t + 3 < t1)
+                fetch_into_l2(weights + (t + 2) * tile_bytes, 2 * tile_bytes);
             tile_passes<TYPE>(Rows16{tile_bytes}, weights + t * tile_bytes, k, act, span, y, y_bf16, y_cols,
                               y_offset + TILE_ROWS * t);
+        }
 #endif
     for (; t < t1; ++t)
         tile_passes<TYPE>(Rows8{}, weights + t * tile_bytes, k, act, span, y, y_bf16, y_cols, y_offset + TILE_ROWS * t);
