@@ -1,7 +1,8 @@
 """A prompt's attention, one layer: kvlm's native kernel (every token over its own run of cells, as a decode token
 reads them: what keeps logits batch-invariant) against torch's fused kernel over the same rows (what prompts took
-before), at the head shapes of SmolLM2, Qwen2.5-0.5B and Gemma 3 270M, over an f16 cache and float32 queries, or
-with `--dtype bfloat16` bf16 queries over a bf16 cache (the defaults where the CPU has AVX512-BF16).
+before), at the head shapes of SmolLM2, Qwen2.5-0.5B and Gemma 3 270M, over an f16 cache and float32 queries (torch
+in float32), or with `--dtype bfloat16` bf16 queries over a bf16 cache (the defaults where the CPU has AVX512-BF16;
+torch in bfloat16, as kvlm.model.attention.attention_dtype ran such prompts).
 
     python -m bench.prompt_attention [--tokens 512] [--repeats 7] [--dtype bfloat16]
 
@@ -44,7 +45,7 @@ def main() -> None:
         cells = TokenCells(torch.arange(n), torch.zeros(n, dtype=torch.int64), torch.arange(1, n + 1))
         mask = torch.full((n, n), float("-inf")).triu(1)
         runs = {"native": lambda: ops.attention(q, (k, None), (v, None), cells, dim ** -0.5),
-                "torch": lambda: grouped_attention(q.float(), k.float(), v.float(), mask)}
+                "torch": lambda: grouped_attention(q, k.to(q.dtype), v.to(q.dtype), mask)}
         times: dict[str, list[float]] = {label: [] for label in runs}
         for _ in range(args.repeats + 1):
             for label, run in runs.items():

@@ -48,10 +48,12 @@ def per_token(cells: torch.Tensor, lengths: torch.Tensor) -> TokenCells:
 
 @pytest.mark.parametrize("kv_dtype", ["f32", "f16", "bf16", "q8_0"])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n_head,n_kv,dim", [(4, 4, 32), (9, 3, 64), (8, 2, 96), (12, 1, 48)])
+# groups of 1 to 8 query heads a KV head, and 12 (taken 8, then 4); 48 and 96 values a head: a last 16 alone, three 32s
+@pytest.mark.parametrize("n_head,n_kv,dim", [(4, 4, 32), (10, 5, 32), (9, 3, 64), (8, 2, 96), (20, 4, 32),
+                                             (14, 2, 64), (12, 1, 48)])
 def test_attention_matches_torch(kernels, kv_dtype, dtype, n_head, n_kv, dim):
     if kv_dtype == "q8_0" and dim % 32:
-        pytest.skip("a q8_0 cache takes head sizes of whole 32-value blocks")  # 48: a last 16 values, more than 8 heads a KV head
+        pytest.skip("a q8_0 cache takes head sizes of whole 32-value blocks")
     n_cells, n_tokens = 50, 5
     (k_plane, k_values), (v_plane, v_values) = planes(kv_dtype, n_cells, n_kv, dim, seed=n_head + dim)
     g = torch.Generator().manual_seed(7)
@@ -74,6 +76,26 @@ def test_bf16_queries_take_their_scores_by_bf16_dot_products_where_the_cpu_has_t
     native = kernels_for("native", libraries).isa
     assert ("bf16 scores" in native) == ({"avx512_bf16", "avx512vl", "avx512bw"} <= flags), native
     assert "bf16 scores" not in kernels_for("x86-64-v3", libraries).isa
+
+
+def test_a_bf16_cache_is_read_by_the_bf16_scores_where_the_build_has_them(kernels):
+    """One query of ones over a row K = (1 at value 0, 2^24 at value 8, -2^24 at value 9, zeros) and a row of zeros.
+    q . K is 1, but float32 sums that add the 1 to 2^24 before -2^24 lose it. The float32 paths do: one value after
+    another, or 8 or 16 lanes (value i in lane i mod lanes, each lane's chain in order, then a tree that first adds
+    lanes i and i + 8): values 0 and 8 meet first, score 0. vdpbf16ps adds values 8 and 9 in one lane (0 there) and
+    value 0 in another: score 1. So a bf16 cache gives the softmax of (1, 0) where the build has the bf16 scores, and
+    of (0, 0), as an f32 cache of the same values does, where it has not: which path ran, seen in the output."""
+    k = torch.zeros(2, 1, 32)
+    k[0, 0, [0, 8, 9]] = torch.tensor([1.0, 2.0 ** 24, -(2.0 ** 24)])
+    v = torch.tensor([1.0, 0.0]).reshape(2, 1, 1).expand(2, 1, 32).contiguous()
+    q = torch.ones(1, 1, 32, dtype=torch.bfloat16)
+    cells = per_token(torch.tensor([[0, 1]]), torch.tensor([2]))
+    read = {dtype: kernels.layer_ops.attention(q, (k.to(dtype), None), (v.to(dtype), None), cells, 1.0)
+            for dtype in (torch.bfloat16, torch.float32)}
+    bf16_scores = "bf16 scores" in kernels.isa
+    expected = torch.sigmoid(torch.tensor(1.0)) if bf16_scores else torch.tensor(0.5)
+    assert torch.equal(read[torch.bfloat16], expected.to(torch.bfloat16).expand(1, 32))
+    assert torch.equal(read[torch.float32], torch.tensor(0.5, dtype=torch.bfloat16).expand(1, 32))
 
 
 def sink_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:

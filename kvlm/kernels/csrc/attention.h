@@ -1,6 +1,8 @@
 // Attention read straight from the KV cells, for every token alike (a decode token, a prompt's, a guess being
 // verified): each token's query heads over the cells it reads (its own included) in position order, K and V
-// converted from the cache's dtype (f32, f16, bf16, q8_0) as they are read, float32 throughout.
+// converted from the cache's dtype (f32, f16, bf16, q8_0) as they are read, float32 throughout; but for a bf16
+// query against a bf16 cache where the CPU has AVX512-BF16, whose scores take the bf16 values as they are
+// (bf16_scores_of: exact products, float32 sums).
 //
 // The work is one task per (token, KV head, chunk of CHUNK_CELLS cells): the query heads sharing that KV head take
 // their scores against the chunk's rows, a softmax with the chunk's own maximum, and the weighted sum of its V rows;

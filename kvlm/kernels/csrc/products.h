@@ -185,8 +185,11 @@ constexpr int64_t WIDE_MIN_ROWS = 5;
 // Activation rows up to which a pair of tiles' passes start by fetching the next pair into L2. At a few dozen rows
 // the passes are over before the hardware prefetcher, following the pair's two streams a tile apart, has brought
 // the next pair in: SmolLM2 at 64 sequences (bench.profile_step), the products 24.3 -> 22.6-22.9 ms a step on a
-// Zen 5. At a prompt's 512 rows the passes hide the reads (no faster fetched, ad hoc).
-constexpr int64_t FETCH_NEXT_MAX_ROWS = 256;
+// Zen 5. At a prompt's 512 rows the passes hide the reads (no faster fetched, ad hoc). The fetch is a burst of
+// prefetches the core waits behind: for pairs up to 16 KB (those of the matrices that read the hidden state of
+// SmolLM2, Qwen3.5-0.8B or Gemma 4 E2B) it pays; the 7B shape's 32 KB pairs of Q4_K gate/up rows took 3-5% longer
+// with it at 32 and 64 rows (ad hoc, three alternations).
+constexpr int64_t FETCH_NEXT_MAX_ROWS = 256, FETCH_NEXT_MAX_BYTES = 16384;
 
 inline void fetch_into_l2(const uint8_t* p, int64_t bytes) {
     for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(p + at, 0, 2);
@@ -206,7 +209,7 @@ template <int TYPE> void product_tiles(const uint8_t* weights, int64_t k, int64_
 #if defined(KVLM_WIDE_TILES)
     if constexpr (wide_tiles(TYPE))
         for (; t + 1 < t1 && span.end - span.begin >= WIDE_MIN_ROWS; t += 2) {
-            if (span.end - span.begin <= FETCH_NEXT_MAX_ROWS && t + 3 < t1)
+            if (span.end - span.begin <= FETCH_NEXT_MAX_ROWS && 2 * tile_bytes <= FETCH_NEXT_MAX_BYTES && t + 3 < t1)
                 fetch_into_l2(weights + (t + 2) * tile_bytes, 2 * tile_bytes);
             tile_passes<TYPE>(Rows16{tile_bytes}, weights + t * tile_bytes, k, act, span, y, y_bf16, y_cols,
                               y_offset + TILE_ROWS * t);
