@@ -48,7 +48,7 @@ def per_token(cells: torch.Tensor, lengths: torch.Tensor) -> TokenCells:
 
 @pytest.mark.parametrize("kv_dtype", ["f32", "f16", "bf16", "q8_0"])
 @pytest.mark.parametrize("dtype", DTYPES)
-# groups of 1 to 8 query heads a KV head, and 12 (taken 8, then 4); 48 and 96 values a head: a last 16 alone, three 32s
+# groups of 1-5 and 7 query heads a KV head, and 12 (taken 8, then 4); 48 and 96 values a head: a last 16, three 32s
 @pytest.mark.parametrize("n_head,n_kv,dim", [(4, 4, 32), (10, 5, 32), (9, 3, 64), (8, 2, 96), (20, 4, 32),
                                              (14, 2, 64), (12, 1, 48)])
 def test_attention_matches_torch(kernels, kv_dtype, dtype, n_head, n_kv, dim):
